@@ -1,0 +1,239 @@
+"""In-process transport: W ranks as W threads of one process, sharing memory directly.
+
+Used by the core tests and notebooks. It keeps every semantic of the real transports: one-sided
+gathers gated by per-rank version counters, scatter-accumulates under a per-owner lock (no lost
+updates), point-to-point completion counters for ``flush``, exactly one global all-reduce in
+``sync``, and timeouts instead of hangs.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
+
+import torch
+
+from odcfn.kernels.base import Counters, Done, Handle, TransportError
+from odcfn.sharding import Layout, Mesh
+
+__all__ = ["LocalTransport", "LocalWorld", "run_local"]
+
+T = TypeVar("T")
+
+
+class LocalWorld:
+    """Shared state of W in-process ranks. ``world.transport(r)`` is rank r's transport."""
+
+    def __init__(
+        self,
+        world_size: int,
+        *,
+        ranks_per_node: int | None = None,
+        sharding: str = "full",
+        timeout: float = 60.0,
+    ) -> None:
+        self.mesh = Mesh(world_size, 0, ranks_per_node, sharding)  # validates
+        self.world_size = world_size
+        self.timeout = timeout
+        self.cond = threading.Condition()
+        self.version = [0] * world_size
+        self.published: list[dict[str, torch.Tensor]] = [{} for _ in range(world_size)]
+        self.acc: list[dict[str, torch.Tensor]] = [{} for _ in range(world_size)]
+        self.acc_locks = [threading.Lock() for _ in range(world_size)]
+        self.done: dict[tuple[int, int], int] = defaultdict(int)  # (owner, step) -> pushers done
+        self.claims: dict[int, int] = defaultdict(int)  # step -> next work item
+        self.aborted: str | None = None
+        self._groups: dict[tuple[int, ...], tuple[threading.Barrier, list[Any]]] = {}
+        self._groups_lock = threading.Lock()
+
+    def transport(self, rank: int) -> LocalTransport:
+        return LocalTransport(self, self.mesh.with_rank(rank))
+
+    def abort(self, why: str) -> None:
+        with self.cond:
+            self.aborted = self.aborted or why
+            self.cond.notify_all()
+        with self._groups_lock:
+            for barrier, _ in self._groups.values():
+                barrier.abort()
+
+    def wait_for(self, pred: Callable[[], bool], what: str) -> None:
+        with self.cond:
+            ok = self.cond.wait_for(lambda: pred() or self.aborted is not None, self.timeout)
+            if self.aborted is not None:
+                raise TransportError(f"aborted while waiting for {what}: {self.aborted}")
+            if not ok:
+                raise TransportError(f"timed out after {self.timeout}s waiting for {what} (dead or stuck peer?)")
+
+    def exchange(self, group: Sequence[int], rank: int, value: Any) -> list[Any]:
+        """Every member of ``group`` contributes ``value``; all get the list in group order."""
+        group = tuple(group)
+        with self._groups_lock:
+            if group not in self._groups:
+                self._groups[group] = (threading.Barrier(len(group)), [None] * len(group))
+            barrier, slots = self._groups[group]
+        slots[group.index(rank)] = value
+        try:
+            barrier.wait(self.timeout)
+            out = list(slots)
+            barrier.wait(self.timeout)  # nobody overwrites a slot before all have read
+        except threading.BrokenBarrierError:
+            raise TransportError(
+                f"rank {rank}: collective over ranks {list(group)} broke: "
+                f"{self.aborted or f'a peer did not arrive within {self.timeout}s'}"
+            ) from None
+        return out
+
+
+class LocalTransport:
+    def __init__(self, world: LocalWorld, mesh: Mesh) -> None:
+        self.world = world
+        self.mesh = mesh
+        self.counters = Counters()
+        self.step = 0
+        self.layout: Layout | None = None
+
+    # --- per step ---------------------------------------------------------------------------
+    def begin_step(
+        self, layout: Layout, shards: Mapping[str, torch.Tensor], compute_dtype: torch.dtype
+    ) -> None:
+        w, r = self.world, self.mesh.rank
+        self.layout = layout
+        self.step += 1
+        # Zero the accumulators *before* publishing: a peer pushes into a unit only after it
+        # gathered that unit from us at this step's version.
+        for u in layout.units:
+            acc = w.acc[r].get(u.name)
+            if acc is None or acc.numel() != u.shard_size:
+                w.acc[r][u.name] = torch.zeros(u.shard_size, dtype=torch.float32)
+            else:
+                acc.zero_()
+            pub = w.published[r].get(u.name)
+            if pub is None or pub.dtype != compute_dtype or pub.numel() != u.shard_size:
+                w.published[r][u.name] = shards[u.name].detach().to(compute_dtype, copy=True)
+            else:
+                pub.copy_(shards[u.name])
+        with w.cond:
+            w.version[r] = self.step
+            w.cond.notify_all()
+
+    def _owners(self) -> tuple[int, ...]:
+        return self.mesh.shard_group
+
+    def gather(self, unit: str, out: torch.Tensor) -> Handle:
+        size = self.layout[unit].shard_size
+        for i, owner in enumerate(self._owners()):
+            step = self.step
+            self.world.wait_for(
+                lambda o=owner, s=step: self.world.version[o] >= s,
+                f"rank {owner} to publish step {step} (gather of {unit!r} by rank {self.mesh.rank})",
+            )
+            src = self.world.published[owner][unit]
+            out[i * size : (i + 1) * size].copy_(src)
+            if owner != self.mesh.rank:
+                self.counters.gather_bytes += src.numel() * src.element_size()
+        self.counters.gathers += 1
+        return Done()
+
+    def scatter_accumulate(self, unit: str, grad: torch.Tensor) -> Handle:
+        size = self.layout[unit].shard_size
+        for i, owner in enumerate(self._owners()):
+            piece = grad[i * size : (i + 1) * size]
+            with self.world.acc_locks[owner]:
+                self.world.acc[owner][unit].add_(piece)
+            if owner != self.mesh.rank:
+                self.counters.scatter_bytes += piece.numel() * piece.element_size()
+        self.counters.scatters += 1
+        return Done()
+
+    def all_gather(self, unit: str, out: torch.Tensor) -> None:
+        mine = self.world.published[self.mesh.rank][unit]
+        parts = self.world.exchange(self._owners(), self.mesh.rank, mine)
+        torch.cat(parts, out=out)
+        self.counters.collectives += 1
+        self.counters.collective_bytes += out.numel() * out.element_size()
+
+    def reduce_scatter(self, unit: str, grad: torch.Tensor) -> None:
+        size = self.layout[unit].shard_size
+        grads = self.world.exchange(self._owners(), self.mesh.rank, grad)
+        i = self.mesh.shard_index
+        acc = self.world.acc[self.mesh.rank][unit]
+        for g in grads:  # group order: deterministic summation
+            acc.add_(g[i * size : (i + 1) * size])
+        self.world.exchange(self._owners(), self.mesh.rank, None)  # peers may reuse grad now
+        self.counters.collectives += 1
+        self.counters.collective_bytes += grad.numel() * grad.element_size()
+
+    def flush(self) -> None:
+        w, r, step = self.world, self.mesh.rank, self.step
+        with w.cond:
+            for owner in self._owners():
+                w.done[(owner, step)] += 1
+            w.cond.notify_all()
+        n = len(self._owners())
+        w.wait_for(lambda: w.done[(r, step)] >= n, f"peers to finish pushing into rank {r} at step {step}")
+        with w.cond:
+            w.done.pop((r, step - 1), None)
+
+    def replica_all_reduce(self, grads: Mapping[str, torch.Tensor]) -> None:
+        group = self.mesh.replica_group
+        if len(group) == 1:
+            return
+        names = sorted(grads)
+        flat = torch.cat([grads[n] for n in names])
+        total = torch.stack(self.world.exchange(group, self.mesh.rank, flat.clone())).sum(0)
+        for n, piece in zip(names, total.split([grads[n].numel() for n in names])):
+            grads[n].copy_(piece)
+        self.counters.collectives += 1
+        self.counters.collective_bytes += flat.numel() * flat.element_size()
+
+    def sync(self, stats: torch.Tensor) -> torch.Tensor:
+        parts = self.world.exchange(range(self.world.world_size), self.mesh.rank, stats.clone())
+        self.counters.syncs += 1
+        return torch.stack(parts).sum(0)
+
+    def grad_shards(self) -> dict[str, torch.Tensor]:
+        return self.world.acc[self.mesh.rank]
+
+    def claim(self) -> int:
+        with self.world.cond:
+            n = self.world.claims[self.step]
+            self.world.claims[self.step] = n + 1
+            return n
+
+    def close(self) -> None:
+        return None
+
+
+def run_local(
+    fn: Callable[[int, LocalTransport], T],
+    world_size: int,
+    *,
+    ranks_per_node: int | None = None,
+    sharding: str = "full",
+    timeout: float = 60.0,
+) -> list[T]:
+    """Run ``fn(rank, transport)`` on ``world_size`` in-process ranks (threads); return the
+    per-rank results. If any rank raises, the others are aborted and the first error re-raised."""
+    world = LocalWorld(world_size, ranks_per_node=ranks_per_node, sharding=sharding, timeout=timeout)
+    results: list[Any] = [None] * world_size
+    errors: list[tuple[int, BaseException]] = []
+
+    def body(rank: int) -> None:
+        try:
+            results[rank] = fn(rank, world.transport(rank))
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+            errors.append((rank, e))
+            world.abort(f"rank {rank} raised {type(e).__name__}: {e}")
+
+    threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(world_size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        first = min(errors, key=lambda e: 0 if not isinstance(e[1], TransportError) else 1)
+        raise first[1]
+    return results

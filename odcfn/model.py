@@ -1,0 +1,107 @@
+"""Models as ordered units of pure functions over explicit parameter pytrees.
+
+A ``Unit`` is the FSDP gather granularity: a name, the shapes of the parameter subtree it owns
+and a pure ``fwd(params, x, mb) -> y``. The first unit takes ``x=None`` (it reads the tokens from
+the microbatch); the last returns the *summed* token loss of the microbatch (a scalar), so that
+a minibatch's loss is a plain sum divided by the minibatch's loss-token count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from odcfn.batch import Batch, Microbatch, pack
+from odcfn.tree import PyTree, tree_flatten_with_path, tree_map
+
+__all__ = ["Model", "Unit", "check_params", "reference_loss"]
+
+UnitFn = Callable[[PyTree, Any, Microbatch], Any]
+
+
+@dataclass(frozen=True)
+class Unit:
+    name: str
+    fwd: UnitFn
+    shapes: PyTree  # the unit's parameter subtree with torch.Size leaves
+
+
+@dataclass(frozen=True)
+class Model:
+    units: tuple[Unit, ...]
+    dtype: torch.dtype = torch.float32
+
+    def __post_init__(self) -> None:
+        names = [u.name for u in self.units]
+        if len(set(names)) != len(names):
+            raise ValueError(f"Model unit names must be unique, got {names}")
+        if not names:
+            raise ValueError("Model needs at least one unit")
+
+    @property
+    def unit_names(self) -> tuple[str, ...]:
+        return tuple(u.name for u in self.units)
+
+    def unit(self, name: str) -> Unit:
+        for u in self.units:
+            if u.name == name:
+                return u
+        raise KeyError(f"no unit named {name!r}; units are {self.unit_names}")
+
+    @property
+    def shapes(self) -> dict[str, PyTree]:
+        return {u.name: u.shapes for u in self.units}
+
+    def apply(self, params: Mapping[str, PyTree], mb: Microbatch) -> torch.Tensor:
+        """Summed token loss of one microbatch on unsharded params."""
+        x = None
+        for u in self.units:
+            x = u.fwd(params[u.name], x, mb)
+        return x
+
+
+def check_params(model: Model, params: Any) -> None:
+    """Raise a ValueError/TypeError naming the first leaf that does not match the model."""
+    if not isinstance(params, Mapping):
+        raise TypeError(f"params must be a dict keyed by unit name, got {type(params).__name__}")
+    missing = [n for n in model.unit_names if n not in params]
+    extra = [k for k in params if k not in model.unit_names]
+    if missing or extra:
+        raise ValueError(f"params do not match the model: missing units {missing}, extra {extra}")
+    for u in model.units:
+        want_names, want, want_def = tree_flatten_with_path(u.shapes)
+        got_names, got, got_def = tree_flatten_with_path(params[u.name])
+        if want_def != got_def:
+            raise ValueError(
+                f"params[{u.name!r}] has leaves {got_names}, the model expects {want_names}"
+            )
+        for name, shape, leaf in zip(want_names, want, got):
+            path = f"{u.name}.{name}"
+            if not isinstance(leaf, torch.Tensor):
+                raise TypeError(f"params leaf {path} is {type(leaf).__name__}, expected a tensor")
+            if tuple(leaf.shape) != tuple(shape):
+                raise ValueError(
+                    f"params leaf {path} has shape {tuple(leaf.shape)}, expected {tuple(shape)}"
+                )
+            if leaf.dtype != model.dtype:
+                raise ValueError(f"params leaf {path} has dtype {leaf.dtype}, expected {model.dtype}")
+
+
+def reference_loss(model: Model, params: Mapping[str, PyTree], batch: Batch) -> torch.Tensor:
+    """The minibatch loss on unsharded params in one process: the definition every path matches.
+
+    Each sample is its own microbatch, so the reference shares no packing code path with the
+    sharded runtime beyond ``pack`` of one sample.
+    """
+    total = None
+    for i in range(len(batch)):
+        s = model.apply(params, pack(batch, [i]))
+        total = s if total is None else total + s
+    return total / batch.num_loss_tokens
+
+
+def zeros_like_shapes(shapes: PyTree, dtype: torch.dtype = torch.float32) -> PyTree:
+    return tree_map(lambda s: torch.zeros(tuple(s), dtype=dtype), shapes)

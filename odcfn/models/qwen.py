@@ -1,0 +1,228 @@
+"""A Qwen2/Llama-style decoder over packed variable-length sequences, as pure unit functions.
+
+Units: ``embed`` (token embedding), ``layers.{i}`` (RMSNorm -> GQA attention with RoPE ->
+RMSNorm -> SwiGLU, both residual) and ``head`` (final RMSNorm, LM head, summed cross-entropy).
+Parameter names follow Hugging Face's Qwen2 layout below the unit name, so that
+``{unit}.{path}`` is also the parameter name of the ``nn.Module`` mirror ``QwenModule``.
+Attention runs per sample (causal inside it, never across samples), so its cost is
+``sum(s_i^2)`` as the schedule's cost model assumes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import nn
+
+from odcfn.batch import Microbatch
+from odcfn.model import Model, Unit
+from odcfn.tree import PyTree, tree_flatten_with_path, tree_leaves, tree_named_leaves, tree_unflatten
+
+__all__ = ["QwenConfig", "QwenModule", "init_params", "qwen_model", "unit_shapes"]
+
+
+@dataclass(frozen=True)
+class QwenConfig:
+    vocab_size: int = 256
+    d_model: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    d_ff: int = 128
+    rope_theta: float = 10000.0
+    rms_eps: float = 1e-6
+    qkv_bias: bool = True  # Qwen2 has q/k/v biases; Llama does not
+
+    def __post_init__(self) -> None:
+        if self.d_model % self.n_heads:
+            raise ValueError(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}")
+        if (self.d_model // self.n_heads) % 2:
+            raise ValueError("head dim must be even for RoPE")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def num_params(self) -> int:
+        return sum(math.prod(s) for u in unit_shapes(self).values() for s in tree_leaves(u))
+
+
+def unit_shapes(cfg: QwenConfig) -> dict[str, PyTree]:
+    D, V, F_, hd = cfg.d_model, cfg.vocab_size, cfg.d_ff, cfg.head_dim
+    S = torch.Size
+
+    def proj(out: int, inp: int, bias: bool) -> dict:
+        return {"weight": S([out, inp]), **({"bias": S([out])} if bias else {})}
+
+    layer = {
+        "input_layernorm": {"weight": S([D])},
+        "self_attn": {
+            "q_proj": proj(cfg.n_heads * hd, D, cfg.qkv_bias),
+            "k_proj": proj(cfg.n_kv_heads * hd, D, cfg.qkv_bias),
+            "v_proj": proj(cfg.n_kv_heads * hd, D, cfg.qkv_bias),
+            "o_proj": proj(D, cfg.n_heads * hd, False),
+        },
+        "post_attention_layernorm": {"weight": S([D])},
+        "mlp": {
+            "gate_proj": proj(F_, D, False),
+            "up_proj": proj(F_, D, False),
+            "down_proj": proj(D, F_, False),
+        },
+    }
+    shapes = {"embed": {"embed_tokens": {"weight": S([V, D])}}}
+    for i in range(cfg.n_layers):
+        shapes[f"layers.{i}"] = layer
+    shapes["head"] = {"norm": {"weight": S([D])}, "lm_head": {"weight": S([V, D])}}
+    return shapes
+
+
+def init_params(cfg: QwenConfig, *, seed: int = 0, dtype: torch.dtype = torch.float32) -> dict:
+    """Deterministic init: normal(0, 0.02) matrices, ones for norms, zeros for biases."""
+    g = torch.Generator().manual_seed(seed)
+
+    def init(path: str, shape: torch.Size) -> torch.Tensor:
+        if path.endswith("layernorm.weight") or path.endswith("norm.weight"):
+            return torch.ones(shape, dtype=dtype)
+        if path.endswith("bias"):
+            return torch.zeros(shape, dtype=dtype)
+        return (torch.randn(shape, generator=g) * 0.02).to(dtype)
+
+    out = {}
+    for unit, shapes in unit_shapes(cfg).items():
+        names, leaves, treedef = tree_flatten_with_path(shapes)
+        out[unit] = tree_unflatten(treedef, [init(n, s) for n, s in zip(names, leaves)])
+    return out
+
+
+# --- the math -----------------------------------------------------------------------------
+
+
+def rms_norm(x_TxD: torch.Tensor, w_D: torch.Tensor, eps: float) -> torch.Tensor:
+    var_T1 = x_TxD.float().pow(2).mean(-1, keepdim=True)
+    return (x_TxD.float() * torch.rsqrt(var_T1 + eps)).to(x_TxD.dtype) * w_D
+
+
+def linear(x: torch.Tensor, p: dict) -> torch.Tensor:
+    return F.linear(x, p["weight"], p.get("bias"))
+
+
+def rope(x_HxTxK: torch.Tensor, positions_T: torch.Tensor, theta: float) -> torch.Tensor:
+    K = x_HxTxK.shape[-1]
+    inv_freq = 1.0 / theta ** (torch.arange(0, K, 2, dtype=torch.float32) / K)
+    ang_TxK = torch.outer(positions_T.float(), inv_freq).repeat(1, 2)
+    cos, sin = ang_TxK.cos().to(x_HxTxK.dtype), ang_TxK.sin().to(x_HxTxK.dtype)
+    x1, x2 = x_HxTxK.chunk(2, dim=-1)
+    return x_HxTxK * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+def attention(p: dict, x_TxD: torch.Tensor, mb: Microbatch, cfg: QwenConfig) -> torch.Tensor:
+    hd = cfg.head_dim
+    q_HxTxK = rearrange(linear(x_TxD, p["q_proj"]), "t (h k) -> h t k", k=hd)
+    k_GxTxK = rearrange(linear(x_TxD, p["k_proj"]), "t (g k) -> g t k", k=hd)
+    v_GxTxK = rearrange(linear(x_TxD, p["v_proj"]), "t (g k) -> g t k", k=hd)
+    q_HxTxK = rope(q_HxTxK, mb.positions_T, cfg.rope_theta)
+    k_GxTxK = rope(k_GxTxK, mb.positions_T, cfg.rope_theta)
+    outs = []
+    # one causal attention per packed sample: nothing attends across a sample boundary
+    for q, k, v in zip(
+        q_HxTxK.split(mb.seqlens, dim=1),
+        k_GxTxK.split(mb.seqlens, dim=1),
+        v_GxTxK.split(mb.seqlens, dim=1),
+    ):
+        outs.append(F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
+    o_HxTxK = torch.cat(outs, dim=1)
+    return linear(rearrange(o_HxTxK, "h t k -> t (h k)"), p["o_proj"])
+
+
+def embed_fwd(p: dict, x: None, mb: Microbatch) -> torch.Tensor:
+    return F.embedding(mb.input_ids_T, p["embed_tokens"]["weight"])
+
+
+def block_fwd(p: dict, x_TxD: torch.Tensor, mb: Microbatch, *, cfg: QwenConfig) -> torch.Tensor:
+    h_TxD = x_TxD + attention(
+        p["self_attn"], rms_norm(x_TxD, p["input_layernorm"]["weight"], cfg.rms_eps), mb, cfg
+    )
+    m = p["mlp"]
+    n_TxD = rms_norm(h_TxD, p["post_attention_layernorm"]["weight"], cfg.rms_eps)
+    return h_TxD + linear(F.silu(linear(n_TxD, m["gate_proj"])) * linear(n_TxD, m["up_proj"]), m["down_proj"])
+
+
+def head_fwd(p: dict, x_TxD: torch.Tensor, mb: Microbatch, *, cfg: QwenConfig) -> torch.Tensor:
+    """Summed cross-entropy over the microbatch's loss tokens (fp32 logits)."""
+    logits_TxV = linear(rms_norm(x_TxD, p["norm"]["weight"], cfg.rms_eps), p["lm_head"]).float()
+    nll_T = F.cross_entropy(logits_TxV, mb.labels_T, reduction="none")
+    return (nll_T * mb.loss_mask_T).sum()
+
+
+def qwen_model(cfg: QwenConfig, *, dtype: torch.dtype = torch.float32) -> Model:
+    shapes = unit_shapes(cfg)
+    units = [Unit("embed", embed_fwd, shapes["embed"])]
+    for i in range(cfg.n_layers):
+        units.append(Unit(f"layers.{i}", partial(block_fwd, cfg=cfg), shapes[f"layers.{i}"]))
+    units.append(Unit("head", partial(head_fwd, cfg=cfg), shapes["head"]))
+    return Model(tuple(units), dtype=dtype)
+
+
+# --- the nn.Module mirror (same names, same math) -----------------------------------------
+
+
+class _UnitModule(nn.Module):
+    """Holds one unit's parameters under their pytree names and calls the unit's pure fwd."""
+
+    def __init__(self, shapes: PyTree, fwd) -> None:
+        super().__init__()
+        self._fwd = fwd
+        self._build(self, shapes)
+
+    @staticmethod
+    def _build(mod: nn.Module, shapes: dict) -> None:
+        for k, v in shapes.items():
+            if isinstance(v, torch.Size):
+                mod.register_parameter(k, nn.Parameter(torch.zeros(v)))
+            else:
+                child = nn.Module()
+                _UnitModule._build(child, v)
+                mod.add_module(k, child)
+
+    def _tree(self, mod: nn.Module | None = None) -> dict:
+        mod = self if mod is None else mod
+        out = dict(mod.named_parameters(recurse=False))
+        for k, child in mod.named_children():
+            out[k] = self._tree(child)
+        return out
+
+    def forward(self, x, mb: Microbatch):
+        return self._fwd(self._tree(), x, mb)
+
+
+class QwenModule(nn.Module):
+    """``nn.Module`` mirror of ``qwen_model``: parameter ``{unit}.{path}`` <-> params[unit][path]."""
+
+    def __init__(self, cfg: QwenConfig) -> None:
+        super().__init__()
+        shapes = unit_shapes(cfg)
+        self.embed = _UnitModule(shapes["embed"], embed_fwd)
+        self.layers = nn.ModuleList(
+            _UnitModule(shapes[f"layers.{i}"], partial(block_fwd, cfg=cfg)) for i in range(cfg.n_layers)
+        )
+        self.head = _UnitModule(shapes["head"], partial(head_fwd, cfg=cfg))
+
+    def load_params(self, params: dict) -> None:
+        sd = {f"{u}.{n}": t for u, sub in params.items() for n, t in tree_named_leaves(sub)}
+        self.load_state_dict(sd, strict=True)
+
+    def forward(self, mb: Microbatch) -> torch.Tensor:
+        x = self.embed(None, mb)
+        for layer in self.layers:
+            x = layer(x, mb)
+        return self.head(x, mb)
+
+

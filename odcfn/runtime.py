@@ -1,0 +1,239 @@
+"""Executes one rank's Plan on a transport.
+
+Each unit's gathered parameters live in one persistent flat buffer; its tensors are views of it.
+``Release`` frees the buffer's storage (``untyped_storage().resize_(0)``) and a later gather
+re-allocates and refills it, so an autograd graph that saved views of the weights across a
+release sees the re-gathered values in backward (the FSDP2 technique). Backward is a VJP of the
+pure unit function with plain ``torch.autograd.grad``, w.r.t. the flat buffer, so the gradient
+comes out already flat and padded, ready to scatter.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from odcfn.batch import Batch, Microbatch, pack
+from odcfn.kernels.base import Handle, Transport
+from odcfn.model import Model
+from odcfn.schedule.plan import (
+    AllGather,
+    Backward,
+    Forward,
+    Gather,
+    Plan,
+    ReduceScatter,
+    Release,
+    ScatterAccumulate,
+    Sync,
+)
+from odcfn.sharding import Layout
+from odcfn.trace import Event
+
+__all__ = ["ExecResult", "execute"]
+
+_KIND = {
+    Gather: "gather",
+    AllGather: "collective",
+    Forward: "forward",
+    Backward: "backward",
+    ScatterAccumulate: "scatter",
+    ReduceScatter: "collective",
+    Release: "release",
+    Sync: "sync",
+}
+
+
+@dataclass
+class ExecResult:
+    loss_sum: float  # global, after the sync
+    grad_norm: float  # global L2 norm of the unclipped gradient of the normalised loss
+    events: list[Event] = field(default_factory=list)
+
+
+@dataclass
+class _Saved:
+    x_in: Any
+    flat: torch.Tensor | None
+    y: Any
+
+
+class _Executor:
+    def __init__(
+        self,
+        plan: Plan,
+        model: Model,
+        layout: Layout,
+        batch: Batch,
+        transport: Transport,
+        compute_dtype: torch.dtype,
+        slowdown: float,
+    ) -> None:
+        self.plan, self.model, self.layout, self.batch = plan, model, layout, batch
+        self.t, self.dtype, self.slowdown = transport, compute_dtype, slowdown
+        self.units = {u.name: u for u in model.units}
+        self.prev = {u: (model.units[i - 1].name if i else None) for i, u in enumerate(model.unit_names)}
+        self.bufs: dict[str, torch.Tensor] = {}
+        self.wbufs: dict[str, torch.Tensor] = {}
+        self.pending: dict[str, Handle] = {}
+        self.pushes: list[Handle] = []
+        self.packed: dict[int, Microbatch] = {}
+        self.outs: dict[tuple[str, int], Any] = {}  # (unit, mb) -> detached output
+        self.saved: dict[tuple[str, int], _Saved] = {}
+        self.grad_out: dict[int, Any] = {}  # mb -> grad w.r.t. the output of the unit in backward
+        self.grads: dict[str, torch.Tensor | None] = {}
+        self.loss_sum = torch.zeros((), dtype=torch.float64)
+        self.scale = 1.0 / batch.num_loss_tokens
+
+    # --- parameters -------------------------------------------------------------------------
+    def _buffer(self, unit: str) -> torch.Tensor:
+        """The tensor a gather writes into: an alias of the unit's buffer with its own version
+        counter, so refilling it does not trip autograd's check on views saved from ``bufs``."""
+        n = self.layout[unit].padded_numel
+        buf = self.bufs.get(unit)
+        if buf is None:
+            buf = self.bufs[unit] = torch.empty(n, dtype=self.dtype)
+            self.wbufs[unit] = torch.empty(0, dtype=self.dtype).set_(buf.untyped_storage(), 0, (n,))
+        elif buf.untyped_storage().size() == 0:
+            buf.untyped_storage().resize_(n * buf.element_size())
+        return self.wbufs[unit]
+
+    def _wait(self, unit: str) -> None:
+        handle = self.pending.pop(unit, None)
+        if handle is not None:
+            handle.wait()
+
+    def _params(self, unit: str) -> tuple[torch.Tensor, Any]:
+        self._wait(unit)
+        flat = self.bufs[unit].detach().requires_grad_()
+        return flat, self.layout[unit].unflatten(flat)
+
+    def _mb(self, mb: int) -> Microbatch:
+        if mb not in self.packed:
+            self.packed[mb] = pack(self.batch, self.plan.microbatches[mb])
+        return self.packed[mb]
+
+    # --- compute ----------------------------------------------------------------------------
+    def forward(self, s: Forward) -> None:
+        data = self._mb(s.mb)
+        if data.empty:
+            return
+        prev = self.prev[s.unit]
+        x = None if prev is None else self.outs.pop((prev, s.mb))
+        if isinstance(x, torch.Tensor) and x.is_floating_point():
+            x = x.detach().requires_grad_()
+        fwd = self.units[s.unit].fwd
+        flat, params = self._params(s.unit)
+        if s.remat:
+            with torch.no_grad():
+                y = fwd(params, x, data)
+            self.saved[(s.unit, s.mb)] = _Saved(x, None, None)
+        else:
+            with torch.enable_grad():
+                y = fwd(params, x, data)
+            self.saved[(s.unit, s.mb)] = _Saved(x, flat, y)
+        if s.unit == self.plan.units[-1]:
+            self.loss_sum += y.detach().double()
+        else:
+            self.outs[(s.unit, s.mb)] = y.detach()
+
+    def backward(self, s: Backward) -> None:
+        data = self._mb(s.mb)
+        if data.empty:
+            self.grads[s.unit] = None
+            return
+        sv = self.saved.pop((s.unit, s.mb))
+        flat, y = sv.flat, sv.y
+        if flat is None:  # rematerialise
+            flat, params = self._params(s.unit)
+            with torch.enable_grad():
+                y = self.units[s.unit].fwd(params, sv.x_in, data)
+        else:
+            self._wait(s.unit)  # a re-gather refills the storage the graph saved views of
+        gy = self.grad_out.pop(s.mb, None)
+        if gy is None:
+            gy = torch.full_like(y, self.scale)
+        inputs = [flat]
+        has_x = isinstance(sv.x_in, torch.Tensor) and sv.x_in.requires_grad
+        if has_x:
+            inputs.append(sv.x_in)
+        grads = torch.autograd.grad(y, inputs, gy)
+        self.grads[s.unit] = grads[0]
+        if has_x:
+            self.grad_out[s.mb] = grads[1]
+
+    # --- the loop ---------------------------------------------------------------------------
+    def run(self, t0: float) -> tuple[list[Event], torch.Tensor]:
+        events: list[Event] = []
+        rank = self.plan.rank
+        stats = None
+        for s in self.plan.steps:
+            start = time.perf_counter()
+            if isinstance(s, (Gather, AllGather)):
+                buf = self._buffer(s.unit)
+                with torch.no_grad():
+                    if isinstance(s, Gather):
+                        self.pending[s.unit] = self.t.gather(s.unit, buf)
+                    else:
+                        self.t.all_gather(s.unit, buf)
+            elif isinstance(s, Forward):
+                self.forward(s)
+            elif isinstance(s, Backward):
+                self.backward(s)
+            elif isinstance(s, (ScatterAccumulate, ReduceScatter)):
+                g = self.grads.pop(s.unit)
+                if g is None:  # an empty microbatch still joins the collective
+                    g = torch.zeros(self.layout[s.unit].padded_numel, dtype=self.dtype)
+                with torch.no_grad():
+                    if isinstance(s, ScatterAccumulate):
+                        self.pushes.append(self.t.scatter_accumulate(s.unit, g))
+                    else:
+                        self.t.reduce_scatter(s.unit, g)
+            elif isinstance(s, Release):
+                self._wait(s.unit)
+                self.bufs[s.unit].untyped_storage().resize_(0)
+            elif isinstance(s, Sync):
+                stats = self.sync()
+            else:  # pragma: no cover - the IR is closed
+                raise TypeError(f"unknown step {s!r}")
+            end = time.perf_counter()
+            kind = _KIND[type(s)]
+            events.append(Event(rank, kind, getattr(s, "unit", ""), start - t0, end - t0, getattr(s, "mb", -1)))
+            if kind in ("forward", "backward") and self.slowdown > 1.0:
+                # emulate a slower device: idle for (slowdown - 1) x the step's compute time
+                time.sleep((self.slowdown - 1.0) * (end - start))
+                events.append(Event(rank, "straggle", s.unit, end - t0, time.perf_counter() - t0, s.mb))
+        if stats is None:
+            raise ValueError("plan has no Sync step")
+        return events, stats
+
+    def sync(self) -> torch.Tensor:
+        for h in self.pushes:
+            h.wait()
+        self.t.flush()
+        grads = self.t.grad_shards()
+        self.t.replica_all_reduce(grads)
+        norm2 = sum((g.double().square().sum() for g in grads.values()), torch.zeros((), dtype=torch.float64))
+        # after the replica all-reduce every replica holds the same shard: count it once
+        norm2 = norm2 / len(self.t.mesh.replica_group)
+        return self.t.sync(torch.stack([self.loss_sum, norm2]))
+
+
+def execute(
+    plan: Plan,
+    *,
+    model: Model,
+    layout: Layout,
+    batch: Batch,
+    transport: Transport,
+    compute_dtype: torch.dtype,
+    slowdown: float = 1.0,
+) -> ExecResult:
+    """Run ``plan`` (including its Sync); the transport then holds this rank's gradient shards."""
+    t0 = time.perf_counter()
+    ex = _Executor(plan, model, layout, batch, transport, compute_dtype, slowdown)
+    events, stats = ex.run(t0)
+    return ExecResult(float(stats[0]), float(stats[1].clamp_min(0).sqrt()), events)

@@ -1,0 +1,212 @@
+"""The plan IR: one rank's program for one minibatch, as a tuple of frozen steps.
+
+The same Plan is executed by ``odcfn.runtime`` on a transport and timed by the simulator, so a
+measured trace and a simulated one line up step by step.
+
+ODC mode: each rank runs its own microbatches (counts may differ) with point-to-point
+``Gather``/``ScatterAccumulate`` and meets the others only at the final ``Sync``.
+Collective mode (the FSDP baseline): ``AllGather``/``ReduceScatter`` that every rank in the shard
+group issues in the same order, so ranks with fewer microbatches run empty ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal, Union
+
+__all__ = [
+    "AllGather",
+    "Assignment",
+    "Backward",
+    "Comm",
+    "Forward",
+    "Gather",
+    "Plan",
+    "ReduceScatter",
+    "Release",
+    "ScatterAccumulate",
+    "ScheduleOptions",
+    "Step",
+    "Sync",
+    "compile_plan",
+    "microbatch_steps",
+]
+
+Comm = Literal["odc", "collective"]
+# rank -> ordered microbatches -> sample indices into the minibatch
+Assignment = tuple[tuple[tuple[int, ...], ...], ...]
+
+
+@dataclass(frozen=True)
+class Gather:
+    """Pull the unit's full parameters from their owners (one-sided; owners do nothing)."""
+
+    unit: str
+
+
+@dataclass(frozen=True)
+class AllGather:
+    """Collective all-gather of the unit's parameters over the shard group."""
+
+    unit: str
+
+
+@dataclass(frozen=True)
+class Forward:
+    unit: str
+    mb: int
+    remat: bool = False  # keep only the input; recompute the unit inside Backward
+
+
+@dataclass(frozen=True)
+class Backward:
+    unit: str
+    mb: int
+
+
+@dataclass(frozen=True)
+class ScatterAccumulate:
+    """Push each slice of the unit's gradient into its owner's fp32 accumulator."""
+
+    unit: str
+
+
+@dataclass(frozen=True)
+class ReduceScatter:
+    """Collective reduce-scatter of the unit's gradient into this rank's accumulator."""
+
+    unit: str
+
+
+@dataclass(frozen=True)
+class Release:
+    """Free the unit's gathered parameters (its buffer's storage)."""
+
+    unit: str
+
+
+@dataclass(frozen=True)
+class Sync:
+    """The one global synchronisation of the minibatch (loss, token count, grad-norm^2)."""
+
+
+Step = Union[Gather, AllGather, Forward, Backward, ScatterAccumulate, ReduceScatter, Release, Sync]
+COLLECTIVE_STEPS = (AllGather, ReduceScatter)
+
+
+@dataclass(frozen=True)
+class ScheduleOptions:
+    prefetch: int = 1  # gathers issued this many compute steps ahead of their use
+    reshard_after_forward: bool = True  # free gathered params after forward, re-gather for backward
+    remat: frozenset[str] = field(default_factory=frozenset)  # units recomputed in backward
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.prefetch, int) or self.prefetch < 0:
+            raise ValueError(f"ScheduleOptions.prefetch must be an int >= 0, got {self.prefetch!r}")
+        object.__setattr__(self, "remat", frozenset(self.remat))
+
+
+@dataclass(frozen=True)
+class Plan:
+    rank: int
+    comm: Comm
+    units: tuple[str, ...]
+    microbatches: tuple[tuple[int, ...], ...]  # sample ids of each microbatch (may be empty)
+    steps: tuple[Step, ...]
+
+    def count(self, kind: type) -> int:
+        return sum(isinstance(s, kind) for s in self.steps)
+
+    @property
+    def num_collectives(self) -> int:
+        return sum(isinstance(s, COLLECTIVE_STEPS) for s in self.steps)
+
+    def __str__(self) -> str:
+        mbs = " ".join(f"mb{i}={list(m)}" for i, m in enumerate(self.microbatches)) or "none"
+        lines = [
+            f"Plan(rank={self.rank}, comm={self.comm}, {len(self.microbatches)} microbatches: "
+            f"{mbs}, {len(self.steps)} steps)"
+        ]
+        for i, s in enumerate(self.steps):
+            args = []
+            if hasattr(s, "unit"):
+                args.append(s.unit)
+            if hasattr(s, "mb"):
+                args.append(f"mb{s.mb}")
+            if getattr(s, "remat", False):
+                args.append("remat")
+            lines.append(f"  {i:4d}  {type(s).__name__:<18}{' '.join(args)}")
+        return "\n".join(lines)
+
+
+def microbatch_steps(
+    units: Sequence[str], mb: int, comm: Comm, options: ScheduleOptions
+) -> list[Step]:
+    """Forward then backward of one microbatch, each gather right before its first use."""
+    gather = Gather if comm == "odc" else AllGather
+    push = ScatterAccumulate if comm == "odc" else ReduceScatter
+    reshard = options.reshard_after_forward
+    last = len(units) - 1
+    steps: list[Step] = []
+    for i, u in enumerate(units):
+        steps += [gather(u), Forward(u, mb, remat=u in options.remat)]
+        if reshard and i < last:  # the last unit's backward follows at once: keep it
+            steps.append(Release(u))
+    for i in range(last, -1, -1):
+        u = units[i]
+        if reshard and i < last:
+            steps.append(gather(u))
+        steps += [Backward(u, mb), push(u), Release(u)]
+    return steps
+
+
+def _hoist_gathers(steps: list[Step], depth: int) -> list[Step]:
+    """Move each gather up to ``depth`` compute steps earlier (prefetch), never above a step
+    that still uses or frees the same unit's buffer."""
+    out: list[Step] = []
+    for s in steps:
+        out.append(s)
+        if not isinstance(s, (Gather, AllGather)):
+            continue
+        i, passed = len(out) - 1, 0
+        while i > 0 and passed < depth:
+            prev = out[i - 1]
+            if getattr(prev, "unit", None) == s.unit or isinstance(prev, Sync):
+                break
+            out[i - 1], out[i] = out[i], out[i - 1]
+            i -= 1
+            passed += isinstance(prev, (Forward, Backward))
+    return out
+
+
+def compile_plan(
+    units: Sequence[str],
+    assignment: Assignment,
+    rank: int,
+    comm: Comm = "odc",
+    options: ScheduleOptions | None = None,
+) -> Plan:
+    """Compile ``rank``'s plan for one minibatch.
+
+    In collective mode every rank gets as many microbatches as the busiest rank, padding with
+    empty ones, so that all ranks issue identical collectives.
+    """
+    options = options or ScheduleOptions()
+    if comm not in ("odc", "collective"):
+        raise ValueError(f"comm must be 'odc' or 'collective', got {comm!r}")
+    if not 0 <= rank < len(assignment):
+        raise ValueError(f"rank {rank} is outside the assignment's {len(assignment)} ranks")
+    unknown = sorted(options.remat - set(units))
+    if unknown:
+        raise ValueError(f"ScheduleOptions.remat names units the model does not have: {unknown}")
+    mbs = tuple(tuple(m) for m in assignment[rank])
+    if comm == "collective":
+        n = max(len(a) for a in assignment)
+        mbs = mbs + ((),) * (n - len(mbs))
+    steps: list[Step] = []
+    for i in range(len(mbs)):
+        steps += microbatch_steps(units, i, comm, options)
+    steps = _hoist_gathers(steps, options.prefetch)
+    steps.append(Sync())
+    return Plan(rank, comm, tuple(units), mbs, tuple(steps))
