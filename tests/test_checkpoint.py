@@ -1,0 +1,245 @@
+"""Sharded checkpoints: round trip, reshard on load, bit-identical resume, atomic commit."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import odcfn
+from odcfn.checkpoint import latest, load, read_manifest, save
+from odcfn.models import QwenConfig, init_params, qwen_model
+
+# 2 layers, odd sizes so shards need padding for W = 2, 3, 4
+CFG = QwenConfig(vocab_size=37, d_model=16, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=24)
+MODEL = qwen_model(CFG)
+FULL = init_params(CFG, seed=3)
+
+
+def _batch(step: int) -> odcfn.Batch:
+    # two samples: one microbatch per rank at W=2, so ODC accumulation is a commutative
+    # a + b into zero and every run is deterministic
+    return odcfn.random_batch([6 + step % 3, 5], CFG.vocab_size, seed=100 + step)
+
+
+def _train(params, opt_state, steps, rank, tr, W, comm="odc"):
+    opt = odcfn.adamw(1e-2)
+    mesh = odcfn.Mesh(W, rank)
+    for step in steps:
+        params, opt_state, _ = odcfn.train_step(
+            params,
+            _batch(step),
+            opt_state=opt_state,
+            model=MODEL,
+            optimizer=opt,
+            mesh=mesh,
+            transport=tr,
+            comm=comm,
+        )
+    return params, opt_state
+
+
+def _trained_state(W: int, steps: int = 2):
+    """Per-rank (params, opt_state) after ``steps`` AdamW steps at world size W."""
+
+    def fn(rank, tr):
+        p = odcfn.shard(FULL, MODEL, odcfn.Mesh(W, rank))
+        return _train(p, odcfn.adamw(1e-2).init(p), range(steps), rank, tr, W)
+
+    return odcfn.run_local(fn, W)
+
+
+def _full(states, W, which):
+    """Unshard the params (which=None) or an optimizer moment ('mu'/'nu') of all ranks."""
+    mesh = odcfn.Mesh(W)
+    shards = [s[0] if which is None else s[1][which] for s in states]
+    return odcfn.unshard(shards, MODEL, mesh)
+
+
+def _save_all(path, states, W, step, extra=None):
+    def fn(rank, tr):
+        p, o = states[rank]
+        return save(path, p, o, step, model=MODEL, mesh=odcfn.Mesh(W, rank), extra=extra)
+
+    odcfn.run_local(fn, W)
+
+
+def test_round_trip_same_world_is_exact(tmp_path):
+    W = 2
+    states = _trained_state(W)
+    _save_all(tmp_path / "ck", states, W, step=2, extra={"epoch": 0, "cursor": 4})
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == [
+        "manifest.json",
+        "rank-00000.safetensors",
+        "rank-00001.safetensors",
+    ]
+    doc = read_manifest(tmp_path / "ck")
+    assert doc["step"] == 2 and doc["extra"] == {"epoch": 0, "cursor": 4}
+    for r in range(W):
+        p, o, step = load(tmp_path / "ck", model=MODEL, mesh=odcfn.Mesh(W, r))
+        assert step == 2
+        assert o["count"] == states[r][1]["count"] == 2
+        for k in p:
+            assert torch.equal(p[k], states[r][0][k]), k
+            assert torch.equal(o["mu"][k], states[r][1]["mu"][k]), k
+            assert torch.equal(o["nu"][k], states[r][1]["nu"][k]), k
+
+
+@pytest.mark.parametrize("W_new", [1, 3, 4])
+def test_reshard_on_load(tmp_path, W_new):
+    W = 2
+    states = _trained_state(W, steps=1)
+    _save_all(tmp_path / "ck", states, W, step=1)
+    loaded = [load(tmp_path / "ck", model=MODEL, mesh=odcfn.Mesh(W_new, r)) for r in range(W_new)]
+    for which in (None, "mu", "nu"):
+        want = _full(states, W, which)
+        got = odcfn.unshard(
+            [ld[0] if which is None else ld[1][which] for ld in loaded], MODEL, odcfn.Mesh(W_new)
+        )
+        odcfn.tree_assert_allclose(got, want, rtol=0, atol=0, what=f"{which or 'params'} W={W_new}")
+    # padding of the new layout is zero (the layout's invariant), not stale data
+    for r, (p, _, _) in enumerate(loaded):
+        layout = odcfn.make_layout(MODEL, odcfn.Mesh(W_new, r))
+        for u in layout.units:
+            lo, hi = u.shard_range(r)
+            if hi > u.numel:
+                assert not p[u.name][max(0, u.numel - lo) :].any()
+
+
+def test_hybrid_mesh_saves_node0_and_loads_full(tmp_path):
+    # 4 ranks, 2 per node, hybrid: node 1 replicates node 0's shards and writes nothing
+    def fn(rank, tr):
+        mesh = odcfn.Mesh(4, rank, 2, "hybrid")
+        p = odcfn.shard(FULL, MODEL, mesh)
+        p, o = _train_h(p, rank, tr, mesh)
+        save(tmp_path / "h", p, o, 1, model=MODEL, mesh=mesh)
+        return p
+
+    out = odcfn.run_local(fn, 4, ranks_per_node=2, sharding="hybrid")
+    assert sorted(p.name for p in (tmp_path / "h").glob("rank-*")) == [
+        "rank-00000.safetensors",
+        "rank-00001.safetensors",
+    ]
+    want = odcfn.unshard(out[:2], MODEL, odcfn.Mesh(4, 0, 2, "hybrid"))
+    got = odcfn.unshard(
+        [load(tmp_path / "h", model=MODEL, mesh=odcfn.Mesh(3, r))[0] for r in range(3)],
+        MODEL,
+        odcfn.Mesh(3),
+    )
+    odcfn.tree_assert_allclose(got, want, rtol=0, atol=0)
+
+
+def _train_h(p, rank, tr, mesh):
+    opt = odcfn.sgd(0.1)
+    p, o, _ = odcfn.train_step(
+        p, _batch(0), opt_state=opt.init(p), model=MODEL, optimizer=opt, mesh=mesh, transport=tr
+    )
+    return p, o
+
+
+@pytest.mark.parametrize("comm", ["odc", "collective"])
+def test_resume_is_bit_identical(tmp_path, comm):
+    W, total, cut = 2, 4, 2
+
+    def uninterrupted(rank, tr):
+        p = odcfn.shard(FULL, MODEL, odcfn.Mesh(W, rank))
+        return _train(p, odcfn.adamw(1e-2).init(p), range(total), rank, tr, W, comm)
+
+    def first_half(rank, tr):
+        p = odcfn.shard(FULL, MODEL, odcfn.Mesh(W, rank))
+        p, o = _train(p, odcfn.adamw(1e-2).init(p), range(cut), rank, tr, W, comm)
+        save(tmp_path / "ck", p, o, cut, model=MODEL, mesh=odcfn.Mesh(W, rank))
+
+    def second_half(rank, tr):  # a fresh "process": state only from disk
+        p, o, step = load(tmp_path / "ck", model=MODEL, mesh=odcfn.Mesh(W, rank))
+        return _train(p, o, range(step, total), rank, tr, W, comm)
+
+    ref = odcfn.run_local(uninterrupted, W)
+    odcfn.run_local(first_half, W)
+    got = odcfn.run_local(second_half, W)
+    for r in range(W):
+        for k in ref[r][0]:
+            assert torch.equal(got[r][0][k], ref[r][0][k]), (r, k)
+            assert torch.equal(got[r][1]["nu"][k], ref[r][1]["nu"][k]), (r, k)
+        assert got[r][1]["count"] == ref[r][1]["count"] == total
+    # and training actually moved the weights (the comparison is not vacuous)
+    start = odcfn.shard(FULL, MODEL, odcfn.Mesh(W, 0))
+    assert not torch.equal(ref[0][0]["embed"], start["embed"])
+
+
+def test_uncommitted_checkpoint_is_rejected_and_latest_skips_it(tmp_path):
+    W = 1
+    p = odcfn.shard(FULL, MODEL, odcfn.Mesh(1))
+    o = odcfn.sgd(0.1, momentum=0.9).init(p)
+    save(tmp_path / "step-1", p, o, 1, model=MODEL, mesh=odcfn.Mesh(W))
+    save(tmp_path / "step-3", p, o, 3, model=MODEL, mesh=odcfn.Mesh(W))
+    save(tmp_path / "step-2", p, o, 2, model=MODEL, mesh=odcfn.Mesh(W))
+    assert latest(tmp_path).name == "step-3"
+    (tmp_path / "step-3" / "manifest.json").unlink()  # as if rank 0 died before committing
+    assert latest(tmp_path).name == "step-2"
+    with pytest.raises(FileNotFoundError, match="not a committed odcfn checkpoint"):
+        load(tmp_path / "step-3", model=MODEL, mesh=odcfn.Mesh(W))
+    assert latest(tmp_path / "nothing-here") is None
+    # no temp files left behind by the atomic writes
+    assert not [f for f in tmp_path.rglob(".*tmp*")]
+
+
+def test_missing_rank_file_times_out_with_a_clear_error(tmp_path):
+    p = odcfn.shard(FULL, MODEL, odcfn.Mesh(2, 0))
+    with pytest.raises(TimeoutError, match=r"ranks \[0, 1\]"):
+        save(tmp_path / "ck", p, {}, 1, model=MODEL, mesh=odcfn.Mesh(2, 0), timeout=0.2)
+    assert not (tmp_path / "ck" / "manifest.json").exists()
+
+
+def test_load_rejects_a_different_model(tmp_path):
+    p = odcfn.shard(FULL, MODEL, odcfn.Mesh(1))
+    save(tmp_path / "ck", p, {}, 0, model=MODEL, mesh=odcfn.Mesh(1))
+    other = qwen_model(
+        QwenConfig(vocab_size=37, d_model=16, n_layers=3, n_heads=4, n_kv_heads=2, d_ff=24)
+    )
+    with pytest.raises(ValueError, match="units"):
+        load(tmp_path / "ck", model=other, mesh=odcfn.Mesh(1))
+    wider = qwen_model(
+        QwenConfig(vocab_size=38, d_model=16, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=24)
+    )
+    with pytest.raises(ValueError, match="unit 'embed'"):
+        load(tmp_path / "ck", model=wider, mesh=odcfn.Mesh(1))
+    doc = json.loads((tmp_path / "ck" / "manifest.json").read_text())
+    doc["format"] = "something-else"
+    (tmp_path / "ck" / "manifest.json").write_text(json.dumps(doc))
+    with pytest.raises(ValueError, match="not an odcfn checkpoint"):
+        load(tmp_path / "ck", model=MODEL, mesh=odcfn.Mesh(1))
+
+
+def test_save_rejects_bad_input(tmp_path):
+    p = odcfn.shard(FULL, MODEL, odcfn.Mesh(1))
+    with pytest.raises(ValueError, match="step"):
+        save(tmp_path / "a", p, {}, -1, model=MODEL, mesh=odcfn.Mesh(1))
+    with pytest.raises(ValueError, match="shape"):
+        save(tmp_path / "b", p, {}, 0, model=MODEL, mesh=odcfn.Mesh(2, 0))
+    with pytest.raises(TypeError, match="cannot save a set"):
+        save(tmp_path / "c", p, {"odd": {1, 2}}, 0, model=MODEL, mesh=odcfn.Mesh(1))
+
+
+def test_replicated_tensors_and_nested_state_round_trip(tmp_path):
+    p = odcfn.shard(FULL, MODEL, odcfn.Mesh(1))
+    state = {
+        "count": 7,
+        "lr": 0.5,
+        "name": "x",
+        "flag": None,
+        "scale": torch.tensor([2.0, 3.0]),
+        "inner": ({"m": {k: v * 2 for k, v in p.items()}}, [1, 2]),
+    }
+    save(tmp_path / "ck", p, state, 5, model=MODEL, mesh=odcfn.Mesh(1))
+    _, o, step = load(tmp_path / "ck", model=MODEL, mesh=odcfn.Mesh(2, 1))
+    assert (
+        step == 5 and o["count"] == 7 and o["lr"] == 0.5 and o["name"] == "x" and o["flag"] is None
+    )
+    assert torch.equal(o["scale"], state["scale"])
+    assert isinstance(o["inner"], tuple) and o["inner"][1] == [1, 2]
+    want = odcfn.shard(
+        odcfn.unshard([state["inner"][0]["m"]], MODEL, odcfn.Mesh(1)), MODEL, odcfn.Mesh(2, 1)
+    )
+    odcfn.tree_assert_allclose(o["inner"][0]["m"], want, rtol=0, atol=0)
