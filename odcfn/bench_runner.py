@@ -1,0 +1,195 @@
+"""Run several policies side by side on the same minibatches, W ranks, and collect raw records.
+
+Each policy trains its own copy of the same initial parameters; minibatch ``i`` is run by every
+policy before minibatch ``i + 1`` (the order rotates each step), so machine noise (other jobs on
+the cores) falls on all policies alike. Ranks meet at a barrier before each timed step; a step's
+wall time is the slowest rank's ``train_step`` time, optimizer update included.
+
+Backends: ``process`` (``odcfn.launch`` + ``ShmTransport``: real processes, shared memory and
+gloo) and ``thread`` (``odcfn.run_local``: W threads in one process, the reference transport).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from odcfn.bench_workload import POLICIES, Policy, Workload, make_batch, resolve_balancer
+from odcfn.models import init_params, qwen_model
+from odcfn.optim import adamw
+from odcfn.sharding import Mesh, shard
+
+__all__ = ["RunSpec", "available_backends", "pick_backend", "run"]
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    workload: Workload
+    policies: tuple[str, ...]  # keys of POLICIES
+    steps: int = 3  # timed minibatches per policy
+    warmup: int = 1  # untimed minibatches per policy first (allocations, first-touch of shm)
+    slowdown: tuple[float, ...] = ()  # per-rank compute slowdown (1.5 = a 1.5x slower device)
+    keep_events: bool = True
+    progress: bool = False
+    timeout: float = 120.0
+    threads_per_rank: int = 1
+
+    def __post_init__(self) -> None:
+        unknown = [p for p in self.policies if p not in POLICIES]
+        if unknown:
+            raise ValueError(f"unknown policies {unknown}; known: {sorted(POLICIES)}")
+        if self.steps < 1 or self.warmup < 0:
+            raise ValueError(
+                f"RunSpec needs steps >= 1 and warmup >= 0, got {self.steps}, {self.warmup}"
+            )
+        if self.slowdown and len(self.slowdown) != self.workload.world_size:
+            raise ValueError(
+                f"RunSpec.slowdown has {len(self.slowdown)} entries for "
+                f"world_size={self.workload.world_size}"
+            )
+
+    def slowdown_of(self, rank: int) -> float:
+        return self.slowdown[rank] if self.slowdown else 1.0
+
+
+@dataclass
+class _Progress:
+    total: int
+    label: str = ""
+    done: int = 0
+    t0: float = field(default_factory=time.perf_counter)
+
+    def tick(self, what: str) -> None:
+        self.done += 1
+        width = 24
+        fill = width * self.done // max(1, self.total)
+        el = time.perf_counter() - self.t0
+        eta = el / self.done * (self.total - self.done)
+        sys.stderr.write(
+            f"\r{self.label}[{'#' * fill}{'.' * (width - fill)}] {self.done}/{self.total} "
+            f"{what:<28} {el:5.0f}s elapsed, ~{eta:4.0f}s left "
+        )
+        if self.done == self.total:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+
+def _rank_loop(spec: RunSpec, mesh: Mesh, transport, barrier: Callable[[], None]) -> list[dict]:
+    """One rank's side of a run: returns one record per (minibatch, policy)."""
+    from odcfn.train import train_step
+
+    w = spec.workload
+    model = qwen_model(w.model)
+    full = init_params(w.model, seed=w.seed)
+    opt = adamw(w.lr)
+    resolved = {name: resolve_balancer(POLICIES[name].balance) for name in spec.policies}
+    state = {}
+    for name in spec.policies:
+        p = shard(full, model, mesh)
+        state[name] = (p, opt.init(p))
+    total = (spec.warmup + spec.steps) * len(spec.policies)
+    bar = _Progress(total) if spec.progress and mesh.rank == 0 else None
+    records: list[dict] = []
+    slow = spec.slowdown_of(mesh.rank)
+    for step in range(spec.warmup + spec.steps):
+        batch = make_batch(w, step)
+        k = step % len(spec.policies)
+        for name in spec.policies[k:] + spec.policies[:k]:
+            pol: Policy = POLICIES[name]
+            balance, _ = resolved[name]
+            params, opt_state = state[name]
+            barrier()
+            t0 = time.perf_counter()
+            params, opt_state, m = train_step(
+                params, batch, opt_state=opt_state, model=model, optimizer=opt, mesh=mesh,
+                transport=transport, comm=pol.comm, balance=balance,
+                max_tokens_per_microbatch=w.max_tokens_per_microbatch, slowdown=slow,
+            )
+            wall = time.perf_counter() - t0
+            state[name] = (params, opt_state)
+            records.append({
+                "policy": name,
+                "step": step,
+                "warmup": step < spec.warmup,
+                "rank": mesh.rank,
+                "wall": wall,
+                "loss": m.loss,
+                "grad_norm": m.grad_norm,
+                "samples": m.num_samples,
+                "tokens": m.num_tokens,
+                "lengths": list(batch.lengths),
+                "microbatches": [list(mb) for mb in m.plan.microbatches],
+                "counters": m.counters.as_dict(),
+                "events": [
+                    (e.kind, e.name, e.start, e.end, e.mb) for e in m.events
+                ] if spec.keep_events else [],
+            })
+            if bar is not None:
+                bar.tick(f"{name} mb{step}{' (warmup)' if step < spec.warmup else ''}")
+    return records
+
+
+def _process_worker(spec: RunSpec) -> list[dict]:
+    """Entry point of one launched rank (also runs unchanged under torchrun)."""
+    import torch.distributed as dist
+
+    from odcfn.kernels.shm import ShmTransport
+
+    torch.set_num_threads(spec.threads_per_rank)
+    mesh = Mesh.from_env()
+    with ShmTransport(mesh, timeout=spec.timeout) as tr:
+        return _rank_loop(spec, mesh, tr, dist.barrier)
+
+
+def available_backends() -> list[str]:
+    out = ["thread"]
+    if importlib.util.find_spec("odcfn.launch") and importlib.util.find_spec("odcfn.kernels.shm"):
+        out.insert(0, "process")
+    return out
+
+
+def pick_backend(requested: str = "auto") -> str:
+    have = available_backends()
+    if requested == "auto":
+        return have[0]
+    if requested not in have:
+        raise ValueError(f"backend {requested!r} is not available here; available: {have}")
+    return requested
+
+
+def run(spec: RunSpec, backend: str = "auto") -> list[list[dict]]:
+    """Records per rank (index = rank)."""
+    backend = pick_backend(backend)
+    W = spec.workload.world_size
+    if backend == "process":
+        from odcfn.launch import launch
+
+        return launch(_process_worker, W, args=(spec,), timeout=spec.timeout * 10)
+    from odcfn.kernels.local import run_local
+
+    b = threading.Barrier(W)
+    # W threads share this process: give each rank its share of the intra-op threads
+    prev = torch.get_num_threads()
+    torch.set_num_threads(spec.threads_per_rank)
+    try:
+        return run_local(
+            lambda rank, tr: _rank_loop(spec, Mesh(W, rank), tr, lambda: b.wait(spec.timeout)), W
+        )
+    finally:
+        torch.set_num_threads(prev)
+
+
+def step_records(per_rank: Sequence[Sequence[dict]], policy: str) -> list[list[dict]]:
+    """Timed records of ``policy``, grouped by minibatch: [[rank0, rank1, ...], ...]."""
+    by_step: dict[int, list[dict]] = {}
+    for recs in per_rank:
+        for r in recs:
+            if r["policy"] == policy and not r["warmup"]:
+                by_step.setdefault(r["step"], []).append(r)
+    return [sorted(v, key=lambda r: r["rank"]) for _, v in sorted(by_step.items())]

@@ -1,0 +1,161 @@
+"""The workload shared by ``odcfn demo`` and ``odcfn bench``: a small Qwen-style model, synthetic
+long-tail SFT minibatches scaled down to run in seconds per step on a CPU, and the policies
+(communication mode x balancer) compared on them.
+
+Every rank builds the same minibatches from (seed, step) alone, so no data moves between ranks.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from odcfn.batch import Batch, random_batch
+from odcfn.models import QwenConfig
+from odcfn.schedule.balance import get_balancer
+
+__all__ = [
+    "POLICIES",
+    "Policy",
+    "Workload",
+    "make_batch",
+    "make_lengths",
+    "resolve_balancer",
+    "sample_longalign_like",
+]
+
+# LongAlign's SFT lengths span 8K-64K tokens with a mean of ~16.5K (the ODC paper's Table/Fig.);
+# divided by ``Workload.length_scale`` so a sample costs ~0.1-3 s of CPU per step.
+LONGALIGN_MIN, LONGALIGN_MAX, LONGALIGN_MEAN = 8192, 65536, 16500
+
+
+@dataclass(frozen=True)
+class Policy:
+    """One way to run a minibatch: ``comm`` mode and the balancer that splits it."""
+
+    name: str  # stable key in reports, e.g. "odc+lb-mini"
+    comm: str  # "odc" | "collective"
+    balance: str  # balancer name in odcfn.schedule.balance (preferred one; may fall back)
+
+
+POLICIES: dict[str, Policy] = {
+    p.name: p
+    for p in (
+        Policy("collective+lb-micro", "collective", "lb_micro"),
+        Policy("odc+lb-mini", "odc", "lb_mini"),
+        Policy("odc+work-stealing", "odc", "work_stealing"),
+        Policy("odc+lb-micro", "odc", "lb_micro"),
+    )
+}
+
+# Names the schedule layer may use for the same balancer; the first registered one wins.
+_ALIASES: dict[str, tuple[str, ...]] = {
+    "lb_micro": ("lb_micro", "lb-micro", "lbmicro"),
+    "lb_mini": ("lb_mini", "lb-mini", "lbmini"),
+    "work_stealing": ("work_stealing", "work-stealing", "steal", "stealing"),
+}
+
+
+def resolve_balancer(name: str) -> tuple[str, bool]:
+    """(registered balancer name, True) or ("round_robin", False) when ``name`` is not built
+    (yet): callers report the fallback instead of crashing."""
+    for alias in _ALIASES.get(name, (name,)):
+        try:
+            get_balancer(alias)
+        except ValueError:
+            continue
+        return alias, True
+    return "round_robin", False
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Everything that defines the data and the model of a run (picklable, hashable)."""
+
+    model: QwenConfig = field(
+        default_factory=lambda: QwenConfig(
+            vocab_size=512, d_model=128, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=384
+        )
+    )
+    world_size: int = 2
+    samples_per_rank: int = 4
+    length_scale: int = 32  # LongAlign lengths / 32: 256-2048 tokens, mean ~515
+    balanced: bool = False  # all samples of equal (mean) length: no imbalance to remove
+    seed: int = 0
+    lr: float = 1e-3
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.world_size, int) or self.world_size < 1:
+            raise ValueError(f"Workload.world_size must be a positive int, got {self.world_size!r}")
+        if not isinstance(self.samples_per_rank, int) or self.samples_per_rank < 1:
+            raise ValueError(
+                f"Workload.samples_per_rank must be a positive int, got {self.samples_per_rank!r}"
+            )
+        if not isinstance(self.length_scale, int) or self.length_scale < 1:
+            raise ValueError(
+                f"Workload.length_scale must be a positive int, got {self.length_scale!r}"
+            )
+
+    @property
+    def samples_per_step(self) -> int:
+        return self.world_size * self.samples_per_rank
+
+    @property
+    def max_tokens_per_microbatch(self) -> int:
+        """The cap: the longest possible sample (LongAlign's 64K, scaled)."""
+        return LONGALIGN_MAX // self.length_scale
+
+    def with_(self, **kw) -> Workload:
+        return replace(self, **kw)
+
+
+def sample_longalign_like(n: int, *, seed: int) -> list[int]:
+    """``n`` LongAlign-like lengths (unscaled): 8K + a log-normal excess, capped at 64K.
+
+    Prefers the schedule layer's sampler when it exists; this fallback has the same support and
+    mean (median excess 5K, sigma 1.0 -> mean ~16.4K) and a long tail (~2% at the cap).
+    """
+    sampler = _schedule_sampler()
+    if sampler is not None:
+        return [int(x) for x in sampler(n, seed=seed)]
+    g = torch.Generator().manual_seed(seed)
+    excess = torch.exp(math.log(5000.0) + torch.randn(n, generator=g))
+    return [int(min(LONGALIGN_MAX, LONGALIGN_MIN + e)) for e in excess.tolist()]
+
+
+def _schedule_sampler():
+    try:  # issue 4's synthetic dataset samplers, if present
+        from odcfn.schedule import datasets  # type: ignore[attr-defined]
+    except ImportError:
+        return None
+    for name in ("longalign", "longalign_like", "sample_longalign"):
+        fn = getattr(datasets, name, None)
+        if callable(fn):
+            return fn
+    return None
+
+
+def make_lengths(w: Workload, step: int) -> tuple[int, ...]:
+    """Sample lengths of minibatch ``step`` (deterministic in (seed, step))."""
+    n = w.samples_per_step
+    if w.balanced:
+        return (LONGALIGN_MEAN // w.length_scale,) * n
+    raw = sample_longalign_like(n, seed=w.seed * 100_003 + step)
+    cap = w.max_tokens_per_microbatch
+    return tuple(max(2, min(cap, x // w.length_scale)) for x in raw)
+
+
+def make_batch(w: Workload, step: int) -> Batch:
+    return random_batch(make_lengths(w, step), w.model.vocab_size, seed=w.seed * 100_003 + step)
+
+
+def summarize_lengths(lengths: Sequence[int]) -> dict[str, float]:
+    return {
+        "min": min(lengths),
+        "max": max(lengths),
+        "mean": sum(lengths) / len(lengths),
+        "total": sum(lengths),
+    }
