@@ -201,7 +201,8 @@ class _Executor:
                 raise TypeError(f"unknown step {s!r}")
             end = time.perf_counter()
             kind = _KIND[type(s)]
-            events.append(Event(rank, kind, getattr(s, "unit", ""), start - t0, end - t0, getattr(s, "mb", -1)))
+            unit, mb = getattr(s, "unit", ""), getattr(s, "mb", -1)
+            events.append(Event(rank, kind, unit, start - t0, end - t0, mb))
             if kind in ("forward", "backward") and self.slowdown > 1.0:
                 # emulate a slower device: idle for (slowdown - 1) x the step's compute time
                 time.sleep((self.slowdown - 1.0) * (end - start))
@@ -216,7 +217,9 @@ class _Executor:
         self.t.flush()
         grads = self.t.grad_shards()
         self.t.replica_all_reduce(grads)
-        norm2 = sum((g.double().square().sum() for g in grads.values()), torch.zeros((), dtype=torch.float64))
+        norm2 = torch.zeros((), dtype=torch.float64)
+        for g in grads.values():
+            norm2 += g.double().square().sum()
         # after the replica all-reduce every replica holds the same shard: count it once
         norm2 = norm2 / len(self.t.mesh.replica_group)
         return self.t.sync(torch.stack([self.loss_sum, norm2]))

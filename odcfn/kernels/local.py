@@ -65,7 +65,9 @@ class LocalWorld:
             if self.aborted is not None:
                 raise TransportError(f"aborted while waiting for {what}: {self.aborted}")
             if not ok:
-                raise TransportError(f"timed out after {self.timeout}s waiting for {what} (dead or stuck peer?)")
+                raise TransportError(
+                    f"timed out after {self.timeout}s waiting for {what} (dead or stuck peer?)"
+                )
 
     def exchange(self, group: Sequence[int], rank: int, value: Any) -> list[Any]:
         """Every member of ``group`` contributes ``value``; all get the list in group order."""

@@ -114,7 +114,9 @@ def unshard(shards_per_rank: Sequence[Mapping[str, torch.Tensor]], model: Model,
 def check_shards(shards: Any, layout: Layout, dtype: torch.dtype, what: str = "params") -> None:
     """Raise a clear error if a rank's shard dict does not fit the layout."""
     if not isinstance(shards, Mapping):
-        raise TypeError(f"{what} must be a dict of flat shards keyed by unit name, got {type(shards).__name__}")
+        raise TypeError(
+            f"{what} must be a dict of flat shards keyed by unit name, got {type(shards).__name__}"
+        )
     missing = [n for n in layout.names if n not in shards]
     extra = [k for k in shards if k not in layout.names]
     if missing or extra:

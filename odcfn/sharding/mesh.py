@@ -43,7 +43,9 @@ class Mesh:
             world = int(os.environ["WORLD_SIZE"])
             rank = int(os.environ["RANK"])
         except KeyError as e:
-            raise RuntimeError(f"Mesh.from_env: {e.args[0]} is not set (run under torchrun or odcfn.launch)") from None
+            raise RuntimeError(
+                f"Mesh.from_env: {e.args[0]} is not set (run under torchrun or odcfn.launch)"
+            ) from None
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
         return cls(world, rank, local, sharding)
 
