@@ -5,8 +5,9 @@ Documented tolerances (bf16 keeps 8 significant bits, unit roundoff 2**-9 ~ 2e-3
   (the loss is summed in fp64 from fp32 logits; measured ~4e-6 on this model);
 - gradients: per unit, ||g_bf16 - g_ref|| / ||g_ref|| <= 3e-2 (measured 5e-3 .. 9e-3 on this
   model, W=2, both comm modes);
-- after 3 AdamW steps on one repeated minibatch, per-step losses agree with the fp32 run to 1e-2 relative, and master
-  parameters stay within 10 x lr of the fp32 ones (Adam's step is at most ~lr per element).
+- after 3 AdamW steps on one repeated minibatch, per-step losses agree with the fp32 run to
+  1e-2 relative, and master parameters stay within 10 x lr of the fp32 ones (Adam's step is
+  at most ~lr per element).
 The fp32 path itself matches the reference to 1e-5 (tests/test_equivalence.py covers it).
 """
 
