@@ -1,18 +1,49 @@
 """Balancers: sample lengths -> rank -> ordered microbatches (sample ids) under a token cap.
 
 Every balancer is pure and deterministic: each rank computes the same assignment from the
-lengths alone, so no communication is needed to agree on it.
+lengths alone, so no communication is needed to agree on it. Ties are broken by sample id and
+rank, never by hash order or randomness.
+
+- ``round_robin``: sample i -> rank i % W, packed in order (no balancing at all).
+- ``local_sort``: samples sorted by cost, dealt round-robin, one sample per microbatch.
+- ``lb_micro``: equal sample counts per rank (Karmarkar-Karp with equal-size chunks, then swap
+  refinement), then the same number of microbatches on every rank, heaviest first. This is what
+  a collective (FSDP) schedule can use: every rank must run the same number of microbatches.
+- ``lb_mini``: free partition (unequal counts allowed; the equal-count partition is a candidate
+  too, so it is never worse), then each rank packs its own microbatches. Needs ODC.
+- work stealing is dynamic (``work_stealing_order`` gives the shared queue's order); it runs in
+  ``odcfn.train.grad_step(balance="work_stealing")`` and ``odcfn.schedule.simulate``.
 """
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable, Sequence
+from functools import partial
 
+from odcfn.schedule.cost import DEFAULT_COST, CostModel
 from odcfn.schedule.plan import Assignment
 
-__all__ = ["BALANCERS", "Balancer", "check_lengths", "get_balancer", "pack_greedy", "round_robin"]
+__all__ = [
+    "BALANCERS",
+    "WORK_STEALING",
+    "Balancer",
+    "check_lengths",
+    "get_balancer",
+    "kk_partition",
+    "lb_micro",
+    "lb_mini",
+    "local_sort",
+    "pack_greedy",
+    "rank_loads",
+    "round_robin",
+    "work_stealing_order",
+]
 
 Balancer = Callable[[Sequence[int], int, int], Assignment]
+WORK_STEALING = "work_stealing"
+_EPS = 1e-12
+_KK_FREE_LIMIT = 1 << 17
 
 
 def check_lengths(lengths: Sequence[int], max_tokens: int) -> None:
@@ -26,6 +57,11 @@ def check_lengths(lengths: Sequence[int], max_tokens: int) -> None:
             raise ValueError(
                 f"sample {i} has {n} tokens, more than max_tokens_per_microbatch={max_tokens}"
             )
+
+
+def _check_world(world_size: int) -> None:
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
 
 
 def pack_greedy(sample_ids: Sequence[int], lengths: Sequence[int], max_tokens: int) -> tuple[tuple[int, ...], ...]:
@@ -49,13 +85,232 @@ def round_robin(lengths: Sequence[int], world_size: int, max_tokens: int) -> Ass
     )
 
 
-BALANCERS: dict[str, Balancer] = {"round_robin": round_robin}
+# --- helpers ------------------------------------------------------------------------------
 
 
-def get_balancer(balance: str | Balancer) -> Balancer:
+def work_stealing_order(lengths: Sequence[int], cost: CostModel = DEFAULT_COST) -> tuple[int, ...]:
+    """The shared queue of work stealing: heaviest first (longest-processing-time order), ties
+    by sample id. Rank r's k-th claim returns ``order[claim]``."""
+    costs = [cost(n) for n in lengths]
+    return tuple(sorted(range(len(lengths)), key=lambda i: (-costs[i], i)))
+
+
+def rank_loads(assignment: Assignment, lengths: Sequence[int], cost: CostModel = DEFAULT_COST) -> list[float]:
+    """Total cost per rank."""
+    return [sum(cost(lengths[i]) for mb in mbs for i in mb) for mbs in assignment]
+
+
+def kk_partition(costs: Sequence[float], k: int, *, equal_counts: bool = False) -> list[list[int]]:
+    """Largest differencing (Karmarkar-Karp) k-way partition of item ids by cost.
+
+    Each partial solution is a k-tuple of subsets; the two with the largest spread are merged by
+    pairing one's heaviest subset with the other's lightest. With ``equal_counts`` the items
+    (sorted by cost, padded with zero-cost dummies) start in chunks of k, one item per subset, so
+    every merge keeps subset sizes equal: counts end up differing by at most one.
+    """
+    n = len(costs)
+    order = sorted(range(n), key=lambda i: (-costs[i], i))
+    # a partial solution: list of (sum, items) with implicit empty subsets up to k, sorted desc
+    heap: list[tuple[float, int, list[tuple[float, list[int]]]]] = []
+    if equal_counts:
+        padded: list[int | None] = list(order) + [None] * (-n % k)
+        for c in range(0, len(padded), k):
+            chunk = [(0.0 if i is None else costs[i], [] if i is None else [i]) for i in padded[c : c + k]]
+            chunk.sort(key=lambda s: -s[0])
+            heap.append((-(chunk[0][0] - chunk[-1][0]), c, chunk))
+    else:
+        for c, i in enumerate(order):
+            spread = costs[i] if k > 1 else 0.0
+            heap.append((-spread, c, [(costs[i], [i])]))
+    heapq.heapify(heap)
+    tie = len(heap) + len(order)
+    while len(heap) > 1:
+        _, _, a = heapq.heappop(heap)
+        _, _, b = heapq.heappop(heap)
+        a_full = a + [(0.0, [])] * (k - len(a))
+        b_asc = [(0.0, [])] * (k - len(b)) + b[::-1]
+        merged = [(sa + sb, ia + ib) for (sa, ia), (sb, ib) in zip(a_full, b_asc)]
+        merged.sort(key=lambda s: -s[0])
+        merged = [s for s in merged if s[1]] if not equal_counts else merged
+        lo = merged[-1][0] if len(merged) == k else 0.0
+        tie += 1
+        heapq.heappush(heap, (-(merged[0][0] - lo), tie, merged))
+    parts = [sorted(items) for _, items in heap[0][2]] if heap else []
+    parts += [[] for _ in range(k - len(parts))]
+    return sorted(parts, key=lambda p: (-sum(costs[i] for i in p), p))
+
+
+def _lpt(costs: Sequence[float], k: int) -> list[list[int]]:
+    """Greedy: heaviest item to the currently lightest subset."""
+    heap = [(0.0, r) for r in range(k)]
+    parts: list[list[int]] = [[] for _ in range(k)]
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        load, r = heapq.heappop(heap)
+        parts[r].append(i)
+        heapq.heappush(heap, (load + costs[i], r))
+    return parts
+
+
+def _refine(parts: list[list[int]], costs: Sequence[float], *, moves: bool, rounds: int = 200) -> list[list[int]]:
+    """Local search on the heaviest subset: move one item (if ``moves``) or swap two items with
+    one of the lightest subsets whenever that lowers the pair's maximum. Swaps keep counts."""
+    parts = [list(p) for p in parts]
+    loads = [sum(costs[i] for i in p) for p in parts]
+    k = len(parts)
+    for _ in range(rounds):
+        h = max(range(k), key=lambda r: (loads[r], -r))
+        best: tuple[float, int, int | None, int | None] | None = None
+        for o in heapq.nsmallest(8, range(k), key=lambda r: (loads[r], r)):
+            if o == h:
+                continue
+            gap = loads[h] - loads[o]
+            if moves:
+                for i in parts[h]:
+                    new_max = max(loads[h] - costs[i], loads[o] + costs[i])
+                    if new_max < loads[h] - _EPS and (best is None or new_max < best[0]):
+                        best = (new_max, o, i, None)
+            for i in parts[h]:
+                for j in parts[o]:
+                    d = costs[i] - costs[j]
+                    if 0 < d < gap:
+                        new_max = max(loads[h] - d, loads[o] + d)
+                        if new_max < loads[h] - _EPS and (best is None or new_max < best[0]):
+                            best = (new_max, o, i, j)
+        if best is None:
+            break
+        _, o, i, j = best
+        parts[h].remove(i)
+        parts[o].append(i)
+        loads[h] -= costs[i]
+        loads[o] += costs[i]
+        if j is not None:
+            parts[o].remove(j)
+            parts[h].append(j)
+            loads[h] += costs[j]
+            loads[o] -= costs[j]
+    return parts
+
+
+def _max_load(parts: Sequence[Sequence[int]], costs: Sequence[float]) -> float:
+    return max(sum(costs[i] for i in p) for p in parts)
+
+
+def _ranked(parts: Sequence[Sequence[int]], costs: Sequence[float]) -> list[list[int]]:
+    """Canonical form: items heaviest first inside a rank, ranks heaviest first."""
+    key = lambda i: (-costs[i], i)
+    out = [sorted(p, key=key) for p in parts]
+    return sorted(out, key=lambda p: (-sum(costs[i] for i in p), p))
+
+
+def _equal_count_partition(costs: Sequence[float], k: int) -> list[list[int]]:
+    return _ranked(_refine(kk_partition(costs, k, equal_counts=True), costs, moves=False), costs)
+
+
+def _free_partition(costs: Sequence[float], k: int) -> list[list[int]]:
+    """Best of KK (when small enough to be quick), LPT and the equal-count solution (so never
+    worse than LB-Micro's), each refined."""
+    candidates = [_refine(_lpt(costs, k), costs, moves=True), _equal_count_partition(costs, k)]
+    if len(costs) * k <= _KK_FREE_LIMIT:  # free KK merges cost O(k) each: O(n k) in all
+        candidates.insert(0, _refine(kk_partition(costs, k), costs, moves=True))
+    return _ranked(min(candidates, key=lambda p: _max_load(p, costs)), costs)
+
+
+def _ffd(items: Sequence[int], lengths: Sequence[int], cap: int) -> list[list[int]]:
+    """First-fit in the given (heaviest-first) order: few microbatches, each under the cap."""
+    bins: list[list[int]] = []
+    used: list[int] = []
+    for i in items:
+        for b, u in enumerate(used):
+            if u + lengths[i] <= cap:
+                bins[b].append(i)
+                used[b] += lengths[i]
+                break
+        else:
+            bins.append([i])
+            used.append(lengths[i])
+    return bins
+
+
+def _pack_exact(items: Sequence[int], m: int, lengths: Sequence[int], costs: Sequence[float], cap: int) -> list[list[int]] | None:
+    """Spread items (heaviest first) over exactly ``m`` microbatches, each to the cheapest one
+    it fits in; None if some item fits nowhere."""
+    bins: list[list[int]] = [[] for _ in range(m)]
+    load = [0.0] * m
+    used = [0] * m
+    for i in items:
+        fits = [b for b in range(m) if used[b] + lengths[i] <= cap]
+        if not fits:
+            return None
+        b = min(fits, key=lambda b: (load[b], b))
+        bins[b].append(i)
+        load[b] += costs[i]
+        used[b] += lengths[i]
+    return [b for b in bins if b]
+
+
+def _heaviest_first(mbs: Sequence[Sequence[int]], costs: Sequence[float]) -> tuple[tuple[int, ...], ...]:
+    ordered = sorted(mbs, key=lambda mb: (-sum(costs[i] for i in mb), min(mb)))
+    return tuple(tuple(mb) for mb in ordered)
+
+
+# --- the balancers ------------------------------------------------------------------------
+
+
+def local_sort(lengths: Sequence[int], world_size: int, max_tokens: int, *, cost: CostModel = DEFAULT_COST) -> Assignment:
+    """Sorted by cost (heaviest first), dealt round-robin; one sample per microbatch."""
+    check_lengths(lengths, max_tokens)
+    _check_world(world_size)
+    order = work_stealing_order(lengths, cost)
+    return tuple(tuple((i,) for i in order[r::world_size]) for r in range(world_size))
+
+
+def lb_micro(lengths: Sequence[int], world_size: int, max_tokens: int, *, cost: CostModel = DEFAULT_COST) -> Assignment:
+    """Equal sample counts per rank (cost-balanced), the same microbatch count on every rank."""
+    check_lengths(lengths, max_tokens)
+    _check_world(world_size)
+    costs = [cost(n) for n in lengths]
+    parts = _equal_count_partition(costs, world_size)
+    m = max(len(_ffd(p, lengths, max_tokens)) for p in parts if p) if any(parts) else 0
+    while True:
+        packed = [_pack_exact(p, m, lengths, costs, max_tokens) for p in parts]
+        if all(x is not None for x in packed):
+            return tuple(_heaviest_first(x, costs) for x in packed)  # type: ignore[arg-type]
+        m += 1  # cheapest-first spreading can fail where first-fit succeeded: one more each
+
+
+def lb_mini(lengths: Sequence[int], world_size: int, max_tokens: int, *, cost: CostModel = DEFAULT_COST) -> Assignment:
+    """Free cost-balanced partition (counts may differ), each rank packs its own microbatches
+    under the cap (first-fit, heaviest first). Only valid with ODC (``comm="odc"``)."""
+    check_lengths(lengths, max_tokens)
+    _check_world(world_size)
+    costs = [cost(n) for n in lengths]
+    parts = _free_partition(costs, world_size)
+    return tuple(_heaviest_first(_ffd(p, lengths, max_tokens), costs) for p in parts)
+
+
+BALANCERS: dict[str, Balancer] = {
+    "round_robin": round_robin,
+    "local_sort": local_sort,
+    "lb_micro": lb_micro,
+    "lb_mini": lb_mini,
+}
+
+
+def get_balancer(balance: str | Balancer, *, cost: CostModel | None = None) -> Balancer:
+    """A balancer by name (optionally bound to a cost model) or a callable passed through."""
     if callable(balance):
         return balance
+    if balance == WORK_STEALING:
+        raise ValueError(
+            "balance='work_stealing' is dynamic: it has no static assignment; use it through "
+            "odcfn.grad_step/train_step (comm='odc') or odcfn.schedule.simulate"
+        )
     try:
-        return BALANCERS[balance]
+        fn = BALANCERS[balance]
     except KeyError:
-        raise ValueError(f"unknown balancer {balance!r}; known: {sorted(BALANCERS)}") from None
+        raise ValueError(
+            f"unknown balancer {balance!r}; known: {sorted(BALANCERS) + [WORK_STEALING]}"
+        ) from None
+    if cost is not None and fn is not round_robin:
+        return partial(fn, cost=cost)
+    return fn
