@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from odcfn.bench_runner import step_records
-from odcfn.bench_workload import POLICIES, resolve_balancer
+from odcfn.bench_workload import POLICIES
 from odcfn.trace import Event
 
 __all__ = [
@@ -47,13 +47,12 @@ def policy_summary(per_rank: Sequence[Sequence[dict]], policy: str) -> dict:
     samples = sum(recs[0]["samples"] for recs in steps)
     tokens = sum(recs[0]["tokens"] for recs in steps)
     bubbles = [step_bubble_rate(recs) for recs in steps if recs[0]["events"]]
-    balance, real = resolve_balancer(POLICIES[policy].balance)
     mbs = [[len(r["microbatches"]) for r in recs] for recs in steps]
     return {
         "policy": policy,
         "comm": POLICIES[policy].comm,
-        "balancer": balance,
-        "balancer_is_fallback": not real,
+        "balancer": steps[-1][0]["balancer"],
+        "balancer_is_fallback": any(r["balancer_is_fallback"] for recs in steps for r in recs),
         "minibatches": len(steps),
         "samples": samples,
         "tokens": tokens,

@@ -106,15 +106,31 @@ def _rank_loop(spec: RunSpec, mesh: Mesh, transport, barrier: Callable[[], None]
             params, opt_state = state[name]
             barrier()
             t0 = time.perf_counter()
-            params, opt_state, m = train_step(
-                params, batch, opt_state=opt_state, model=model, optimizer=opt, mesh=mesh,
-                transport=transport, comm=pol.comm, balance=balance,
-                max_tokens_per_microbatch=w.max_tokens_per_microbatch, slowdown=slow,
-            )
+            try:
+                params, opt_state, m = train_step(
+                    params, batch, opt_state=opt_state, model=model, optimizer=opt, mesh=mesh,
+                    transport=transport, comm=pol.comm, balance=balance,
+                    max_tokens_per_microbatch=w.max_tokens_per_microbatch, slowdown=slow,
+                )
+            except ValueError as e:
+                # a balancer the schedule layer names but train_step cannot run yet: it is
+                # rejected before any communication, on every rank alike, so fall back
+                if "dynamic" not in str(e) or balance == "round_robin":
+                    raise
+                resolved[name] = balance, _ = ("round_robin", False)
+                barrier()
+                t0 = time.perf_counter()
+                params, opt_state, m = train_step(
+                    params, batch, opt_state=opt_state, model=model, optimizer=opt, mesh=mesh,
+                    transport=transport, comm=pol.comm, balance=balance,
+                    max_tokens_per_microbatch=w.max_tokens_per_microbatch, slowdown=slow,
+                )
             wall = time.perf_counter() - t0
             state[name] = (params, opt_state)
             records.append({
                 "policy": name,
+                "balancer": balance,
+                "balancer_is_fallback": not resolved[name][1],
                 "step": step,
                 "warmup": step < spec.warmup,
                 "rank": mesh.rank,

@@ -23,6 +23,7 @@ __all__ = [
     "Workload",
     "make_batch",
     "make_lengths",
+    "model_config",
     "resolve_balancer",
     "sample_longalign_like",
 ]
@@ -62,7 +63,12 @@ _ALIASES: dict[str, tuple[str, ...]] = {
 def resolve_balancer(name: str) -> tuple[str, bool]:
     """(registered balancer name, True) or ("round_robin", False) when ``name`` is not built
     (yet): callers report the fallback instead of crashing."""
+    from odcfn.schedule import balance as bal
+
+    dynamic = getattr(bal, "WORK_STEALING", None)  # run by train_step itself, not a Balancer
     for alias in _ALIASES.get(name, (name,)):
+        if alias == dynamic:
+            return alias, True
         try:
             get_balancer(alias)
         except ValueError:
@@ -71,15 +77,17 @@ def resolve_balancer(name: str) -> tuple[str, bool]:
     return "round_robin", False
 
 
+def model_config(d_model: int = 128, n_layers: int = 4, vocab_size: int = 512) -> QwenConfig:
+    """The benchmark model family: 4 query heads, 2 KV heads (GQA), SwiGLU width 3 x d_model."""
+    return QwenConfig(vocab_size=vocab_size, d_model=d_model, n_layers=n_layers, n_heads=4,
+                      n_kv_heads=2, d_ff=3 * d_model)
+
+
 @dataclass(frozen=True)
 class Workload:
     """Everything that defines the data and the model of a run (picklable, hashable)."""
 
-    model: QwenConfig = field(
-        default_factory=lambda: QwenConfig(
-            vocab_size=512, d_model=128, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=384
-        )
-    )
+    model: QwenConfig = field(default_factory=model_config)
     world_size: int = 2
     samples_per_rank: int = 4
     length_scale: int = 32  # LongAlign lengths / 32: 256-2048 tokens, mean ~515
@@ -127,15 +135,11 @@ def sample_longalign_like(n: int, *, seed: int) -> list[int]:
 
 
 def _schedule_sampler():
-    try:  # issue 4's synthetic dataset samplers, if present
-        from odcfn.schedule import datasets  # type: ignore[attr-defined]
+    try:  # the schedule layer's documented LongAlign-like sampler (docs/simulation.md)
+        from odcfn.schedule.lengths import longalign
     except ImportError:
         return None
-    for name in ("longalign", "longalign_like", "sample_longalign"):
-        fn = getattr(datasets, name, None)
-        if callable(fn):
-            return fn
-    return None
+    return longalign
 
 
 def make_lengths(w: Workload, step: int) -> tuple[int, ...]:

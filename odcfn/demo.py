@@ -24,6 +24,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--length-scale", type=int, default=32,
                    help="divide LongAlign lengths (8K-64K) by this (default 32: 256-2048 tokens)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--d-model", type=int, default=128, help="model width (4 heads, 2 KV heads)")
+    p.add_argument("--n-layers", type=int, default=4, help="decoder layers")
     p.add_argument("--backend", choices=("auto", "process", "thread"), default="auto",
                    help="process: odcfn.launch + shared memory; thread: in-process reference")
     p.add_argument("--out-dir", type=Path, default=Path("odcfn-demo"),
@@ -41,9 +43,10 @@ def main(args: argparse.Namespace) -> int:
         write_timeline_png,
     )
     from odcfn.bench_runner import RunSpec, pick_backend, run
-    from odcfn.bench_workload import Workload, make_lengths
+    from odcfn.bench_workload import Workload, make_lengths, model_config
 
-    w = Workload(world_size=args.world_size, samples_per_rank=args.samples_per_rank,
+    w = Workload(model=model_config(args.d_model, args.n_layers), world_size=args.world_size,
+                 samples_per_rank=args.samples_per_rank,
                  length_scale=args.length_scale, seed=args.seed)
     backend = pick_backend(args.backend)
     spec = RunSpec(w, DEMO_POLICIES, steps=args.steps, warmup=args.warmup,

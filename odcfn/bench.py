@@ -1,0 +1,129 @@
+"""``odcfn bench``: ODC vs collective FSDP vs torch FSDP2, primitives, simulator, straggler.
+
+Every comparison runs its contenders side by side in one job, minibatch by minibatch on the same
+data, so background load on the machine falls on all of them alike. ``--json`` prints one JSON
+object whose keys are documented in docs/benchmarks.md (schema ``odcfn.bench/1``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+SCHEMA = "odcfn.bench/1"
+SECTIONS = ("end_to_end", "balanced", "fsdp2", "primitives", "simulator", "straggler")
+E2E_POLICIES = ("collective+lb-micro", "odc+lb-mini", "odc+work-stealing")
+STRAGGLER_SLOWDOWN = 1.5
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    p.add_argument("--quick", action="store_true", help="reduced version (< 3 minutes on 2 cores)")
+    p.add_argument("--only", nargs="+", choices=SECTIONS, default=None, help="run these sections")
+    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--samples-per-rank", type=int, nargs="+", default=None,
+                   help="minibatch sizes for end_to_end (default 2 4 8; --quick: 4)")
+    p.add_argument("--steps", type=int, default=None, help="timed minibatches per policy")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--length-scale", type=int, default=32)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--d-model", type=int, default=128, help="model width (4 heads, 2 KV heads)")
+    p.add_argument("--n-layers", type=int, default=4, help="decoder layers")
+    p.add_argument("--backend", choices=("auto", "process", "thread"), default="auto")
+    p.add_argument("--sizes-mib", type=int, nargs="+", default=None,
+                   help="primitive sizes (default 1 4 16 64; --quick: 1 16)")
+    p.add_argument("--out", type=Path, default=None, help="also write the JSON here")
+
+
+def _log(msg: str) -> None:
+    sys.stderr.write(msg + "\n")
+    sys.stderr.flush()
+
+
+def machine() -> dict:
+    import torch
+
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "load_average_at_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+    }
+
+
+def main(args: argparse.Namespace) -> int:
+    from odcfn import bench_sections as S
+    from odcfn.bench_runner import pick_backend
+    from odcfn.bench_workload import Workload, model_config
+
+    t_start = time.perf_counter()
+    sections = tuple(args.only or SECTIONS)
+    backend = pick_backend(args.backend)
+    spr = tuple(args.samples_per_rank or ((4,) if args.quick else (2, 4, 8)))
+    steps = args.steps or (2 if args.quick else 4)
+    sizes = tuple(args.sizes_mib or ((1, 16) if args.quick else (1, 4, 16, 64)))
+    w = Workload(model=model_config(args.d_model, args.n_layers), world_size=args.world_size,
+                 samples_per_rank=4 if 4 in spr else spr[0],
+                 length_scale=args.length_scale, seed=args.seed)
+    ctx = S.Context(workload=w, backend=backend, steps=steps, warmup=args.warmup,
+                    progress=not args.json or sys.stderr.isatty(), log=_log)
+    report: dict = {
+        "schema": SCHEMA,
+        "machine": machine(),
+        "config": {"quick": args.quick, "backend": backend, "world_size": w.world_size,
+                   "samples_per_rank": list(spr), "headline_samples_per_rank": w.samples_per_rank,
+                   "steps": steps, "warmup": args.warmup, "length_scale": w.length_scale,
+                   "seed": w.seed, "model": vars(w.model) | {"num_params": w.model.num_params},
+                   "max_tokens_per_microbatch": w.max_tokens_per_microbatch,
+                   "straggler_slowdown": STRAGGLER_SLOWDOWN, "sections": list(sections)},
+        "ratios": {},
+        "syncs_per_minibatch": {},
+        "losses_match": None,
+        "notes": [
+            "all timings: contenders interleaved minibatch by minibatch in one job; step wall "
+            "time = slowest rank, optimizer update included",
+        ],
+    }
+    if backend == "thread":
+        report["notes"].append("ranks ran as threads of one process (odcfn.launch or "
+                               "ShmTransport unavailable): not a multi-process measurement")
+    runners = {
+        "end_to_end": lambda: S.end_to_end(ctx, spr),
+        "balanced": lambda: S.balanced(ctx),
+        "fsdp2": lambda: S.fsdp2(ctx),
+        "primitives": lambda: S.primitives(ctx, sizes),
+        "straggler": lambda: S.straggler(ctx, STRAGGLER_SLOWDOWN),
+        "simulator": lambda: S.simulator(ctx, report),
+    }
+    # the simulator replays end_to_end's plans, so it runs after it
+    for name in sorted(sections, key=lambda s: s == "simulator"):
+        _log(f"== {name}")
+        try:
+            report[name] = runners[name]()
+        except Exception as e:  # one missing piece must not cost the other sections
+            report[name] = {"error": f"{type(e).__name__}: {e}"}
+            _log(f"   {name} failed: {type(e).__name__}: {e}")
+    S.fill_ratios(report)
+    report["elapsed_s"] = time.perf_counter() - t_start
+    text = json.dumps(report, indent=1, default=_jsonable)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text)
+    if args.json:
+        print(text)
+    else:
+        print(S.render(report))
+    return 0
+
+
+def _jsonable(x):
+    if isinstance(x, float):
+        return x
+    return str(x)

@@ -1,0 +1,251 @@
+"""The sections of ``odcfn bench``: each returns a JSON-ready dict of raw figures; ``fill_ratios``
+derives the headline ratios from them and ``render`` prints them for humans."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from odcfn.bench_report import losses_match, policy_summary, ratio, table
+from odcfn.bench_runner import RunSpec, run
+from odcfn.bench_workload import Workload
+
+__all__ = ["Context", "balanced", "end_to_end", "fill_ratios", "fsdp2", "primitives",
+           "render", "simulator", "straggler"]
+
+E2E = ("collective+lb-micro", "odc+lb-mini", "odc+work-stealing")
+BALANCED = ("collective+lb-micro", "odc+lb-mini")
+
+
+@dataclass
+class Context:
+    workload: Workload
+    backend: str
+    steps: int
+    warmup: int
+    progress: bool
+    log: Callable[[str], None] = print
+    records: dict[int, list[list[dict]]] = field(default_factory=dict)  # spr -> per-rank records
+
+
+def _compare(ctx: Context, w: Workload, policies: Sequence[str], slowdown=()) -> tuple[dict, list]:
+    spec = RunSpec(w, tuple(policies), steps=ctx.steps, warmup=ctx.warmup, slowdown=tuple(slowdown),
+                   progress=ctx.progress)
+    per_rank = run(spec, ctx.backend)
+    sums = {p: policy_summary(per_rank, p) for p in policies}
+    ok, worst = losses_match(list(sums.values()))
+    out = {"samples_per_rank": w.samples_per_rank, "policies": sums, "losses_match": ok,
+           "max_loss_rel_diff": worst}
+    return out, per_rank
+
+
+def end_to_end(ctx: Context, samples_per_rank: Sequence[int]) -> dict:
+    out = {}
+    for n in samples_per_rank:
+        ctx.log(f"   {n} samples per rank")
+        res, per_rank = _compare(ctx, ctx.workload.with_(samples_per_rank=n), E2E)
+        ctx.records[n] = per_rank
+        out[str(n)] = res
+    return {"by_samples_per_rank": out}
+
+
+def balanced(ctx: Context) -> dict:
+    res, _ = _compare(ctx, ctx.workload.with_(balanced=True), BALANCED)
+    return res
+
+
+def straggler(ctx: Context, factor: float) -> dict:
+    W = ctx.workload.world_size
+    slow = (1.0,) * (W - 1) + (factor,)
+    ctx.log(f"   rank {W - 1} emulates a {factor}x slower device: after each forward/backward "
+            f"it idles for {factor - 1:.2f}x that step's duration")
+    res, _ = _compare(ctx, ctx.workload, E2E, slow)
+    res["slowdown_per_rank"] = list(slow)
+    res["emulation"] = (f"rank {W - 1} sleeps (slowdown - 1) x the duration of each forward and "
+                        "backward step right after it; counted as busy time in the bubble rate")
+    return res
+
+
+def fsdp2(ctx: Context) -> dict:
+    if ctx.backend != "process":
+        return {"skipped": "torch FSDP2 needs real processes (odcfn.launch)"}
+    from odcfn.bench_fsdp2 import Fsdp2Spec, fsdp2_worker, summarize
+    from odcfn.launch import launch
+
+    spec = Fsdp2Spec(ctx.workload, steps=ctx.steps, warmup=ctx.warmup)
+    per_rank = launch(fsdp2_worker, ctx.workload.world_size, args=(spec,), timeout=1200.0)
+    a, b = summarize(per_rank, "odcfn"), summarize(per_rank, "fsdp2")
+    ok, worst = losses_match([a, b], rtol=1e-3)
+    return {"odcfn_collective": a, "torch_fsdp2": b, "losses_match": ok, "max_loss_rel_diff": worst,
+            "samples_per_rank": ctx.workload.samples_per_rank}
+
+
+def primitives(ctx: Context, sizes_mib: Sequence[int]) -> dict:
+    if ctx.backend != "process":
+        return {"skipped": "shm and gloo primitives need real processes (odcfn.launch)"}
+    from odcfn.bench_primitives import PrimSpec, primitives_worker, summarize
+    from odcfn.launch import launch
+
+    spec = PrimSpec(sizes_mib=tuple(sizes_mib))
+    per_rank = launch(primitives_worker, ctx.workload.world_size, args=(spec,), timeout=600.0)
+    return summarize(per_rank, sizes_mib)
+
+
+def simulator(ctx: Context, report: dict) -> dict:
+    from odcfn.bench_sim import compare
+
+    n = ctx.workload.samples_per_rank
+    if n not in ctx.records:
+        return {"skipped": f"needs the end_to_end run at {n} samples per rank"}
+    return compare(ctx.records[n], ctx.workload, E2E)
+
+
+# --- ratios -------------------------------------------------------------------------------
+
+
+def _sps(section: dict | None, policy: str) -> float | None:
+    try:
+        return section["policies"][policy]["samples_per_s"]
+    except (KeyError, TypeError):
+        return None
+
+
+def fill_ratios(report: dict) -> None:
+    r, cfg = report["ratios"], report["config"]
+    e2e = report.get("end_to_end", {}).get("by_samples_per_rank", {})
+    head = e2e.get(str(cfg["headline_samples_per_rank"]))
+    base = _sps(head, "collective+lb-micro")
+    r["odc_lb_mini_over_collective_lb_micro"] = ratio(_sps(head, "odc+lb-mini"), base)
+    r["odc_work_stealing_over_collective_lb_micro"] = ratio(_sps(head, "odc+work-stealing"), base)
+    r["odc_lb_mini_over_collective_lb_micro_by_samples_per_rank"] = {
+        k: ratio(_sps(v, "odc+lb-mini"), _sps(v, "collective+lb-micro")) for k, v in e2e.items()
+    }
+    bal = report.get("balanced")
+    r["balanced_odc_over_collective"] = ratio(_sps(bal, "odc+lb-mini"), _sps(bal, "collective+lb-micro"))
+    f = report.get("fsdp2") or {}
+    r["collective_over_torch_fsdp2"] = ratio(
+        f.get("odcfn_collective", {}).get("samples_per_s"), f.get("torch_fsdp2", {}).get("samples_per_s")
+    )
+    p = report.get("primitives") or {}
+    if "gbps" in p:
+        sizes, g = p["sizes_mib"], p["gbps"]
+        i = sizes.index(16) if 16 in sizes else len(sizes) - 1
+        r["primitives_at_mib"] = sizes[i]
+        r["shm_gather_over_gloo_all_gather"] = ratio(g["shm_gather"][i], g["gloo_all_gather"][i])
+        r["shm_gather_over_memcpy"] = ratio(g["shm_gather"][i], g["memcpy"][i])
+        r["shm_scatter_accumulate_over_gloo_reduce_scatter"] = ratio(
+            g["shm_scatter_accumulate"][i], g["gloo_reduce_scatter"][i])
+        r["shm_scatter_accumulate_over_local_add"] = ratio(g["shm_scatter_accumulate"][i],
+                                                           g["local_add"][i])
+    else:
+        r["shm_gather_over_gloo_all_gather"] = r["shm_gather_over_memcpy"] = None
+    s = report.get("simulator") or {}
+    r["simulated_over_measured_step_time"] = s.get("simulated_over_measured_step_time")
+    st = report.get("straggler")
+    sb = _sps(st, "collective+lb-micro")
+    r["straggler_odc_lb_mini_over_collective_lb_micro"] = ratio(_sps(st, "odc+lb-mini"), sb)
+    r["straggler_odc_work_stealing_over_collective_lb_micro"] = ratio(
+        _sps(st, "odc+work-stealing"), sb)
+
+    for comm in ("odc", "collective"):
+        vals = [
+            pol["syncs_per_minibatch"]
+            for sec in [*e2e.values(), bal, st] if isinstance(sec, dict) and "policies" in sec
+            for pol in sec["policies"].values() if pol["comm"] == comm
+        ]
+        report["syncs_per_minibatch"][comm] = max(vals) if vals else None
+    flags = [sec.get("losses_match") for sec in [*e2e.values(), bal, st, f]
+             if isinstance(sec, dict) and "losses_match" in sec]
+    report["losses_match"] = all(flags) if flags else None
+    report["targets"] = _targets(r)
+
+
+# (ratio key, target, higher is better)
+TARGETS = (
+    ("odc_lb_mini_over_collective_lb_micro", 1.07, True),
+    ("odc_work_stealing_over_collective_lb_micro", 1.07, True),
+    ("balanced_odc_over_collective", 0.97, True),
+    ("collective_over_torch_fsdp2", 0.9, True),
+    ("shm_gather_over_gloo_all_gather", 3.0, True),
+    ("shm_gather_over_memcpy", 0.5, True),
+    ("straggler_odc_work_stealing_over_collective_lb_micro", 1.15, True),
+)
+
+
+def _targets(r: dict) -> dict:
+    out = {}
+    for key, target, higher in TARGETS:
+        v = r.get(key)
+        out[key] = {"target": target, "measured": v,
+                    "met": None if v is None else (v >= target if higher else v <= target)}
+    v = r.get("simulated_over_measured_step_time")
+    out["simulated_over_measured_step_time"] = {
+        "target": "within 15% (0.85-1.15)", "measured": v,
+        "met": None if v is None else 0.85 <= v <= 1.15}
+    return out
+
+
+# --- human output -------------------------------------------------------------------------
+
+
+def _policy_rows(sec: dict) -> list[list]:
+    base = _sps(sec, "collective+lb-micro")
+    return [[name, p["balancer"] + (" (fallback)" if p["balancer_is_fallback"] else ""),
+             p["samples_per_s"], p["tokens_per_s"], p["bubble_rate"],
+             ratio(p["samples_per_s"], base)]
+            for name, p in sec["policies"].items()]
+
+
+_HDR = ["policy", "balancer", "samples/s", "tokens/s", "bubble", "x collective"]
+
+
+def render(report: dict) -> str:
+    out = [f"odcfn bench ({report['config']['backend']} backend, W={report['config']['world_size']}"
+           f", {report['config']['steps']} timed minibatches per policy)"]
+    for k, sec in report.get("end_to_end", {}).get("by_samples_per_rank", {}).items():
+        out += ["", f"1. end to end, long-tail data, {k} samples per rank "
+                    f"(losses match: {sec['losses_match']})", table(_policy_rows(sec), _HDR)]
+    for title, key in (("2. balanced data (all samples equal length)", "balanced"),
+                       ("6. straggler: one rank emulates a 1.5x slower device", "straggler")):
+        sec = report.get(key) or {}
+        if "policies" in sec:
+            out += ["", title, table(_policy_rows(sec), _HDR)]
+            if key == "straggler":
+                out.append("   " + sec["emulation"])
+        elif sec:
+            out += ["", f"{title}: {sec.get('skipped') or sec.get('error')}"]
+    f = report.get("fsdp2") or {}
+    if "torch_fsdp2" in f:
+        rows = [[v["impl"], v["samples_per_s"], v["tokens_per_s"]]
+                for v in (f["odcfn_collective"], f["torch_fsdp2"])]
+        out += ["", f"3. odcfn collective vs torch FSDP2 (losses match: {f['losses_match']})",
+                table(rows, ["impl", "samples/s", "tokens/s"])]
+    elif f:
+        out += ["", f"3. torch FSDP2: {f.get('skipped') or f.get('error')}"]
+    p = report.get("primitives") or {}
+    if "gbps" in p:
+        rows = [[name, *vals] for name, vals in p["gbps"].items()]
+        out += ["", "4. primitives, GB/s (" + p["definition"] + ")",
+                table(rows, ["primitive", *[f"{s} MiB" for s in p["sizes_mib"]]])]
+    elif p:
+        out += ["", f"4. primitives: {p.get('skipped') or p.get('error')}"]
+    s = report.get("simulator") or {}
+    if "rows" in s:
+        out += ["", "5. simulator vs measured step time (trace makespan)",
+                table(s["rows"], s["columns"])]
+    elif s:
+        out += ["", f"5. simulator: {s.get('skipped') or s.get('error')}"]
+    out += ["", "ratios (higher = first one faster; simulated/measured: 1 = exact)"]
+    out += [f"  {k}: {v:.3f}" if isinstance(v, float) else f"  {k}: {v}"
+            for k, v in report["ratios"].items()]
+    out += ["", "targets"]
+    out += [f"  {k}: measured {_f(t['measured'])} vs target {t['target']}: "
+            f"{'met' if t['met'] else 'MISSED' if t['met'] is False else 'not measured'}"
+            for k, t in report["targets"].items()]
+    out += ["", f"syncs per minibatch: {report['syncs_per_minibatch']}; "
+                f"losses match: {report['losses_match']}; elapsed {report['elapsed_s']:.0f}s"]
+    return "\n".join(out)
+
+
+def _f(v) -> str:
+    return f"{v:.3f}" if isinstance(v, float) else str(v)
