@@ -226,3 +226,20 @@ class QwenModule(nn.Module):
         return self.head(x, mb)
 
 
+
+
+# --- Hugging Face checkpoints (implemented in odcfn.models.hf; imported lazily) -------------
+
+
+def from_hf(path, *, dtype: torch.dtype = torch.float32) -> tuple[QwenConfig, dict]:
+    """Load a local HF Qwen2/Llama checkpoint directory: ``(config, params)``."""
+    from odcfn.models.hf import from_hf as _from_hf
+
+    return _from_hf(path, dtype=dtype)
+
+
+def to_hf(path, params: dict, cfg: QwenConfig, **kwargs):
+    """Write unsharded ``params`` as an HF checkpoint directory (config.json + safetensors)."""
+    from odcfn.models.hf import to_hf as _to_hf
+
+    return _to_hf(path, params, cfg, **kwargs)

@@ -1,0 +1,219 @@
+"""Local Hugging Face Qwen2/Llama checkpoints <-> the params pytree of ``qwen_model``.
+
+A checkpoint directory holds ``config.json`` and either ``model.safetensors`` or several
+``*.safetensors`` files listed by ``model.safetensors.index.json``. Nothing is downloaded.
+
+Name mapping (HF -> odcfn): ``model.embed_tokens.*`` -> ``embed.embed_tokens.*``,
+``model.layers.{i}.*`` -> ``layers.{i}.*`` (same names below), ``model.norm.*`` -> ``head.norm.*``,
+``lm_head.*`` -> ``head.lm_head.*``. Both use the rotate-half RoPE layout, so q/k weights need no
+permutation. Tied embeddings (``tie_word_embeddings``) are untied on load: ``lm_head`` starts
+as a copy of the embedding and the two train separately; ``to_hf`` therefore writes
+``lm_head.weight`` and ``tie_word_embeddings: false``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from odcfn.models.qwen import QwenConfig, unit_shapes
+from odcfn.tree import tree_flatten_with_path, tree_unflatten
+
+__all__ = ["config_from_hf", "config_to_hf", "from_hf", "hf_name", "to_hf"]
+
+_ARCH = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
+
+
+def config_from_hf(hf: dict[str, Any]) -> QwenConfig:
+    """A ``QwenConfig`` from a Hugging Face ``config.json`` dict (Qwen2 or Llama)."""
+    kind = hf.get("model_type")
+    if kind not in _ARCH:
+        raise ValueError(f"config.json model_type={kind!r} is not supported; expected one of {sorted(_ARCH)}")
+    theta = _rope_theta(hf)
+    layer_types = set(hf.get("layer_types") or ["full_attention"])
+    if layer_types != {"full_attention"}:
+        raise ValueError(
+            f"config.json layer_types={sorted(layer_types)} is not supported (full attention only)"
+        )
+    if hf.get("mlp_bias"):
+        raise ValueError("config.json mlp_bias=true is not supported")
+    if hf.get("use_sliding_window"):
+        raise ValueError("config.json use_sliding_window=true is not supported")
+    act = hf.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"config.json hidden_act={act!r} is not supported (SwiGLU with silu only)")
+    try:
+        d, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
+        cfg = QwenConfig(
+            vocab_size=int(hf["vocab_size"]),
+            d_model=d,
+            n_layers=int(hf["num_hidden_layers"]),
+            n_heads=heads,
+            n_kv_heads=int(hf.get("num_key_value_heads") or heads),
+            d_ff=int(hf["intermediate_size"]),
+            rope_theta=theta,
+            rms_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            qkv_bias=True if kind == "qwen2" else bool(hf.get("attention_bias", False)),
+        )
+    except KeyError as e:
+        raise ValueError(f"config.json lacks {e.args[0]!r}") from None
+    head_dim = hf.get("head_dim")
+    if head_dim is not None and int(head_dim) != cfg.head_dim:
+        raise ValueError(
+            f"config.json head_dim={head_dim} != hidden_size / num_attention_heads = {cfg.head_dim}"
+        )
+    return cfg
+
+
+def _rope_theta(hf: dict[str, Any]) -> float:
+    """Plain RoPE's base, from ``rope_parameters`` (transformers >= 5) or ``rope_theta``."""
+    for key in ("rope_parameters", "rope_scaling"):
+        rp = hf.get(key) or {}
+        kind = rp.get("rope_type", rp.get("type", "default"))
+        if kind != "default":
+            raise ValueError(f"config.json {key} has rope_type={kind!r}; only plain RoPE is supported")
+    rp = hf.get("rope_parameters") or {}
+    return float(rp.get("rope_theta", hf.get("rope_theta", 10000.0)))
+
+
+def config_to_hf(cfg: QwenConfig, *, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    """The ``config.json`` dict for ``cfg``: Qwen2 if it has q/k/v biases, else Llama."""
+    kind = "qwen2" if cfg.qkv_bias else "llama"
+    return {
+        "architectures": [_ARCH[kind]],
+        "model_type": kind,
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.d_model,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads,
+        "intermediate_size": cfg.d_ff,
+        "head_dim": cfg.head_dim,
+        "rope_theta": cfg.rope_theta,  # read by transformers < 5
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "rms_norm_eps": cfg.rms_eps,
+        "hidden_act": "silu",
+        "attention_bias": cfg.qkv_bias,
+        "tie_word_embeddings": False,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+
+
+def hf_name(unit: str, path: str) -> str:
+    """odcfn ``(unit, path)`` -> the Hugging Face tensor name."""
+    if unit == "embed":
+        return f"model.{path}"
+    if unit.startswith("layers."):
+        return f"model.{unit}.{path}"
+    if unit == "head":
+        return f"model.{path}" if path.startswith("norm.") else path
+    raise ValueError(f"unit {unit!r} has no Hugging Face name")
+
+
+def _read_tensors(root: Path) -> dict[str, Any]:
+    """HF tensor name -> an open safetensors handle that holds it."""
+    index = root / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = sorted(set(weight_map.values()))
+    elif (root / "model.safetensors").exists():
+        weight_map, files = None, ["model.safetensors"]
+    else:
+        raise FileNotFoundError(f"{root} has neither model.safetensors nor model.safetensors.index.json")
+    where: dict[str, Any] = {}
+    for name in files:
+        f = safe_open(str(root / name), framework="pt")
+        for key in f.keys():
+            if weight_map is None or weight_map.get(key) == name:
+                where[key] = f
+    return where
+
+
+def from_hf(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32) -> tuple[QwenConfig, dict]:
+    """Load a local HF Qwen2/Llama checkpoint: ``(config, params)`` for ``qwen_model(config)``."""
+    root = Path(path)
+    cfg_file = root / "config.json"
+    if not cfg_file.exists():
+        raise FileNotFoundError(f"{cfg_file} does not exist (expected a Hugging Face model directory)")
+    hf_cfg = json.loads(cfg_file.read_text())
+    cfg = config_from_hf(hf_cfg)
+    where = _read_tensors(root)
+    tied = bool(hf_cfg.get("tie_word_embeddings", False))
+    params, used = {}, set()
+    for unit, shapes in unit_shapes(cfg).items():
+        paths, leaves, treedef = tree_flatten_with_path(shapes)
+        out = []
+        for p, shape in zip(paths, leaves):
+            name = hf_name(unit, p)
+            if name == "lm_head.weight" and name not in where and tied:
+                name = "model.embed_tokens.weight"
+            if name not in where:
+                raise ValueError(f"{root}: tensor {name!r} (for {unit}.{p}) is missing")
+            t = where[name].get_tensor(name)
+            if tuple(t.shape) != tuple(shape):
+                raise ValueError(
+                    f"{root}: tensor {name!r} has shape {tuple(t.shape)}, config.json implies {tuple(shape)}"
+                )
+            out.append(t.to(dtype).clone())
+            used.add(name)
+        params[unit] = tree_unflatten(treedef, out)
+    unused = sorted(k for k in where if k not in used and not k.endswith("rotary_emb.inv_freq"))
+    if unused:
+        raise ValueError(
+            f"{root}: tensors the model does not use: {unused[:5]}{'...' if len(unused) > 5 else ''}"
+        )
+    return cfg, params
+
+
+def to_hf(
+    path: str | os.PathLike,
+    params: dict,
+    cfg: QwenConfig,
+    *,
+    dtype: torch.dtype | None = None,
+    max_shard_bytes: int | None = None,
+) -> Path:
+    """Write ``params`` (unsharded) as an HF checkpoint: ``config.json`` + safetensors, split
+    into files of at most ``max_shard_bytes`` with an index when given."""
+    root = Path(path)
+    root.mkdir(parents=True, exist_ok=True)
+    tensors: dict[str, torch.Tensor] = {}
+    for unit, shapes in unit_shapes(cfg).items():
+        if unit not in params:
+            raise ValueError(f"params lack unit {unit!r} required by the config")
+        want, _, _ = tree_flatten_with_path(shapes)
+        names, leaves, _ = tree_flatten_with_path(params[unit])
+        if names != want:
+            raise ValueError(f"params[{unit!r}] has leaves {names}, the config implies {want}")
+        for p, t in zip(names, leaves):
+            t = t.detach()
+            tensors[hf_name(unit, p)] = (t if dtype is None else t.to(dtype)).contiguous().clone()
+    out_dtype = dtype or next(iter(tensors.values())).dtype
+    (root / "config.json").write_text(json.dumps(config_to_hf(cfg, dtype=out_dtype), indent=2))
+    if max_shard_bytes is None:
+        save_file(tensors, str(root / "model.safetensors"), metadata={"format": "pt"})
+        return root
+    groups: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if groups[-1] and size + nbytes > max_shard_bytes:
+            groups.append({})
+            size = 0
+        groups[-1][name] = t
+        size += nbytes
+    weight_map = {}
+    for i, g in enumerate(groups):
+        fname = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+        save_file(g, str(root / fname), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(g, fname))
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (root / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    return root
