@@ -59,7 +59,6 @@ def test_sharded_index_round_trip_and_bf16(tmp_path):
 
 def test_names_follow_hf_layout_written_by_hand(tmp_path):
     """A checkpoint written here with HF names (not by to_hf) loads into the right leaves."""
-    cfg = QwenConfig(vocab_size=11, d_model=8, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=12, qkv_bias=False)
     D, F, K = 8, 12, 4
     hf = {
         "model.embed_tokens.weight": torch.full((11, D), 1.0),
@@ -90,7 +89,16 @@ def test_names_follow_hf_layout_written_by_hand(tmp_path):
     }
     (tmp_path / "m" / "config.json").write_text(json.dumps(conf))
     got_cfg, p = from_hf(tmp_path / "m")
-    assert got_cfg == QwenConfig(11, 8, 1, 2, 1, 12, rope_theta=500.0, qkv_bias=False)
+    assert got_cfg == QwenConfig(
+        vocab_size=11,
+        d_model=D,
+        n_layers=1,
+        n_heads=2,
+        n_kv_heads=1,
+        d_ff=F,
+        rope_theta=500.0,
+        qkv_bias=False,
+    )
     layer = p["layers.0"]
     assert float(p["embed"]["embed_tokens"]["weight"][0, 0]) == 1.0
     assert float(layer["input_layernorm"]["weight"][0]) == 2.0
