@@ -97,7 +97,9 @@ def simulator(ctx: Context, report: dict) -> dict:
     n = ctx.workload.samples_per_rank
     if n not in ctx.records:
         return {"skipped": f"needs the end_to_end run at {n} samples per rank"}
-    return compare(ctx.records[n], ctx.workload, E2E)
+    prim = report.get("primitives")
+    return compare(ctx.records[n], ctx.workload, E2E,
+                   primitives=prim if isinstance(prim, dict) and "gbps" in prim else None)
 
 
 # --- ratios -------------------------------------------------------------------------------
