@@ -1,0 +1,60 @@
+"""Smoke tests of ``odcfn demo`` with a toy model (structure and outputs, never timings)."""
+
+from __future__ import annotations
+
+import argparse
+import builtins
+import json
+
+import pytest
+
+from odcfn import demo
+from odcfn.bench_runner import available_backends
+
+TINY = ["--d-model", "16", "--n-layers", "1", "--length-scale", "1024", "--samples-per-rank", "2",
+        "--steps", "1", "--warmup", "0", "--no-progress"]
+
+
+def _run(argv):
+    p = argparse.ArgumentParser()
+    demo.add_arguments(p)
+    return demo.main(p.parse_args(argv))
+
+
+def test_demo_prints_the_table_and_writes_trace_and_png(tmp_path, capsys):
+    assert _run([*TINY, "--backend", "thread", "--out-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    for policy in demo.DEMO_POLICIES:
+        assert policy in out
+    assert "losses match across the three runs: yes" in out
+    trace = json.loads((tmp_path / "demo_trace.json").read_text())
+    procs = {e["args"]["name"] for e in trace["traceEvents"] if e.get("name") == "process_name"}
+    assert procs == set(demo.DEMO_POLICIES)
+    kinds = {e["cat"] for e in trace["traceEvents"] if e["ph"] == "X"}
+    assert {"forward", "backward", "sync"} <= kinds
+    assert str(tmp_path / "demo_trace.json") in out
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "demo_timeline.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_demo_survives_without_matplotlib(tmp_path, capsys, monkeypatch):
+    real_import = builtins.__import__
+
+    def no_mpl(name, *a, **kw):
+        if name == "matplotlib" or name.startswith("matplotlib."):
+            raise ImportError("no matplotlib here")
+        return real_import(name, *a, **kw)
+
+    monkeypatch.setattr(builtins, "__import__", no_mpl)
+    assert _run([*TINY, "--backend", "thread", "--out-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "timeline PNG skipped" in out
+    assert (tmp_path / "demo_trace.json").exists() and not (tmp_path / "demo_timeline.png").exists()
+
+
+@pytest.mark.skipif("process" not in available_backends(), reason="odcfn.launch/ShmTransport missing")
+def test_demo_on_real_processes(tmp_path, capsys):
+    assert _run([*TINY, "--backend", "process", "--out-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "process backend" in out and "losses match across the three runs: yes" in out
