@@ -54,9 +54,7 @@ def check_lengths(lengths: Sequence[int], max_tokens: int) -> None:
         raise ValueError("cannot balance an empty minibatch")
     for i, n in enumerate(lengths):
         if n > max_tokens:
-            raise ValueError(
-                f"sample {i} has {n} tokens, more than max_tokens_per_microbatch={max_tokens}"
-            )
+            raise ValueError(f"sample {i} has {n} tokens, more than max_tokens_per_microbatch={max_tokens}")
 
 
 def _check_world(world_size: int) -> None:
@@ -64,7 +62,9 @@ def _check_world(world_size: int) -> None:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
 
 
-def pack_greedy(sample_ids: Sequence[int], lengths: Sequence[int], max_tokens: int) -> tuple[tuple[int, ...], ...]:
+def pack_greedy(
+    sample_ids: Sequence[int], lengths: Sequence[int], max_tokens: int
+) -> tuple[tuple[int, ...], ...]:
     """Pack samples in the given order into consecutive microbatches of at most ``max_tokens``."""
     mbs: list[list[int]] = []
     used = 0
@@ -151,7 +151,9 @@ def _lpt(costs: Sequence[float], k: int) -> list[list[int]]:
     return parts
 
 
-def _refine(parts: list[list[int]], costs: Sequence[float], *, moves: bool, rounds: int = 200) -> list[list[int]]:
+def _refine(
+    parts: list[list[int]], costs: Sequence[float], *, moves: bool, rounds: int = 200
+) -> list[list[int]]:
     """Local search on the heaviest subset: move one item (if ``moves``) or swap two items with
     one of the lightest subsets whenever that lowers the pair's maximum. Swaps keep counts."""
     parts = [list(p) for p in parts]
@@ -231,7 +233,9 @@ def _ffd(items: Sequence[int], lengths: Sequence[int], cap: int) -> list[list[in
     return bins
 
 
-def _pack_exact(items: Sequence[int], m: int, lengths: Sequence[int], costs: Sequence[float], cap: int) -> list[list[int]] | None:
+def _pack_exact(
+    items: Sequence[int], m: int, lengths: Sequence[int], costs: Sequence[float], cap: int
+) -> list[list[int]] | None:
     """Spread items (heaviest first) over exactly ``m`` microbatches, each to the cheapest one
     it fits in; None if some item fits nowhere."""
     bins: list[list[int]] = [[] for _ in range(m)]
@@ -256,7 +260,9 @@ def _heaviest_first(mbs: Sequence[Sequence[int]], costs: Sequence[float]) -> tup
 # --- the balancers ------------------------------------------------------------------------
 
 
-def local_sort(lengths: Sequence[int], world_size: int, max_tokens: int, *, cost: CostModel = DEFAULT_COST) -> Assignment:
+def local_sort(
+    lengths: Sequence[int], world_size: int, max_tokens: int, *, cost: CostModel = DEFAULT_COST
+) -> Assignment:
     """Sorted by cost (heaviest first), dealt round-robin; one sample per microbatch."""
     check_lengths(lengths, max_tokens)
     _check_world(world_size)
@@ -264,7 +270,9 @@ def local_sort(lengths: Sequence[int], world_size: int, max_tokens: int, *, cost
     return tuple(tuple((i,) for i in order[r::world_size]) for r in range(world_size))
 
 
-def lb_micro(lengths: Sequence[int], world_size: int, max_tokens: int, *, cost: CostModel = DEFAULT_COST) -> Assignment:
+def lb_micro(
+    lengths: Sequence[int], world_size: int, max_tokens: int, *, cost: CostModel = DEFAULT_COST
+) -> Assignment:
     """Equal sample counts per rank (cost-balanced), the same microbatch count on every rank."""
     check_lengths(lengths, max_tokens)
     _check_world(world_size)
@@ -278,7 +286,9 @@ def lb_micro(lengths: Sequence[int], world_size: int, max_tokens: int, *, cost: 
         m += 1  # cheapest-first spreading can fail where first-fit succeeded: one more each
 
 
-def lb_mini(lengths: Sequence[int], world_size: int, max_tokens: int, *, cost: CostModel = DEFAULT_COST) -> Assignment:
+def lb_mini(
+    lengths: Sequence[int], world_size: int, max_tokens: int, *, cost: CostModel = DEFAULT_COST
+) -> Assignment:
     """Free cost-balanced partition (counts may differ), each rank packs its own microbatches
     under the cap (first-fit, heaviest first). Only valid with ODC (``comm="odc"``)."""
     check_lengths(lengths, max_tokens)

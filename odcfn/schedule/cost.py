@@ -173,7 +173,11 @@ def measure_unit_times(
             x = None
             for unit in model.units:
                 p = tree_map(lambda t: t.detach().requires_grad_(), params[unit.name])
-                xin = x.detach().requires_grad_() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+                xin = (
+                    x.detach().requires_grad_()
+                    if isinstance(x, torch.Tensor) and x.is_floating_point()
+                    else x
+                )
                 t0 = time.perf_counter()
                 y = unit.fwd(p, xin, mb)
                 t1 = time.perf_counter()
@@ -203,4 +207,3 @@ def calibrate(
     totals = [sum(f + b for f, b in times[n].values()) for n in lengths]
     fwd = sum(f for n in lengths for f, _ in times[n].values())
     return fit_quadratic(lengths, totals), fwd / sum(totals)
-

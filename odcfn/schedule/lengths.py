@@ -57,9 +57,7 @@ def longalign(n: int, *, seed: int = 0, scale: float = 1.0) -> tuple[int, ...]:
     _check(n, scale)
     rng = random.Random(f"longalign/{seed}")
     tail = LONGALIGN_MAX - LONGALIGN_MIN
-    return tuple(
-        _scaled(LONGALIGN_MIN + _lognormal_in(rng, 8.6, 1.0, 0.0, tail), scale) for _ in range(n)
-    )
+    return tuple(_scaled(LONGALIGN_MIN + _lognormal_in(rng, 8.6, 1.0, 0.0, tail), scale) for _ in range(n))
 
 
 def swe_smith(n: int, *, seed: int = 0, scale: float = 1.0) -> tuple[int, ...]:
