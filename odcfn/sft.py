@@ -1,0 +1,449 @@
+"""``odcfn train --config run.toml``: a supervised fine-tuning loop on W local ranks.
+
+Each rank reads the same token file, computes the same minibatch for every step
+(``odcfn.data.batch_at``), runs ``train_step`` (ODC or collective), and rank 0 writes one JSON
+line of metrics per step (``<out_dir>/metrics.jsonl``; TensorBoard too when installed and
+asked for). Checkpoints go to ``<out_dir>/checkpoints/step-XXXXXXXX`` every ``every`` steps;
+a rerun resumes from the newest committed one, and because minibatches are a pure function of
+the step, the resumed run continues exactly where the interrupted one would have.
+
+Config (TOML or JSON), every key optional except ``data.path`` and ``train.steps``::
+
+    out_dir = "runs/sft"                  # relative paths are relative to the config file
+    [model]       # either a local HF checkpoint ...
+    hf_path = "path/to/qwen2"             # ... or a fresh model:
+    vocab_size = 256, d_model = 64, n_layers = 2, n_heads = 4, n_kv_heads = 2, d_ff = 128, seed = 0
+    [data]
+    path = "train.jsonl", batch_size = 8, seed = 0, shuffle = true, max_length = 4096
+    [train]
+    steps = 100, lr = 1e-3, warmup_steps = 0, schedule = "constant" | "cosine",
+    optimizer = "adamw" | "sgd", weight_decay = 0.0, max_grad_norm = 1.0,
+    comm = "odc" | "collective", balance = "round_robin", max_tokens_per_microbatch = 4096,
+    compute_dtype = "float32" | "bfloat16", world_size = 2, backend = "threads" | "processes"
+    [checkpoint]
+    every = 50, keep = 3, resume = true, export_hf = "path"   # HF copy of the final weights
+    [log]
+    every = 1, tensorboard = false
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+__all__ = ["SFTConfig", "add_arguments", "load_config", "main", "run"]
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    hf_path: str | None = None
+    vocab_size: int = 256
+    d_model: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    d_ff: int = 128
+    rope_theta: float = 10000.0
+    qkv_bias: bool = True
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class DataSection:
+    path: str = ""
+    batch_size: int = 8
+    seed: int = 0
+    shuffle: bool = True
+    max_length: int | None = None
+
+
+@dataclass(frozen=True)
+class TrainSection:
+    steps: int = 0
+    lr: float = 1e-3
+    warmup_steps: int = 0
+    schedule: str = "constant"
+    optimizer: str = "adamw"
+    weight_decay: float = 0.0
+    max_grad_norm: float | None = None
+    comm: str = "odc"
+    balance: str = "round_robin"
+    max_tokens_per_microbatch: int | None = None
+    compute_dtype: str = "float32"
+    world_size: int = 1
+    backend: str = "threads"
+    timeout: float = 120.0
+
+
+@dataclass(frozen=True)
+class CheckpointSection:
+    every: int = 0
+    keep: int | None = None
+    resume: bool = True
+    export_hf: str | None = None
+
+
+@dataclass(frozen=True)
+class LogSection:
+    every: int = 1
+    tensorboard: bool = False
+    progress: bool = True
+
+
+@dataclass(frozen=True)
+class SFTConfig:
+    out_dir: str = "runs/sft"
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    log: LogSection = field(default_factory=LogSection)
+
+    def __post_init__(self) -> None:
+        t = self.train
+        if not self.data.path:
+            raise ValueError("config: data.path is required")
+        if not isinstance(t.steps, int) or t.steps < 1:
+            raise ValueError(f"config: train.steps must be a positive int, got {t.steps!r}")
+        for key, value, allowed in [
+            ("train.schedule", t.schedule, ("constant", "cosine")),
+            ("train.optimizer", t.optimizer, ("adamw", "sgd")),
+            ("train.comm", t.comm, ("odc", "collective")),
+            ("train.compute_dtype", t.compute_dtype, ("float32", "bfloat16")),
+            ("train.backend", t.backend, ("threads", "processes")),
+        ]:
+            if value not in allowed:
+                raise ValueError(f"config: {key} must be one of {list(allowed)}, got {value!r}")
+        if not isinstance(t.world_size, int) or t.world_size < 1:
+            raise ValueError(f"config: train.world_size must be a positive int, got {t.world_size!r}")
+        if self.checkpoint.every < 0 or self.log.every < 1:
+            raise ValueError("config: checkpoint.every must be >= 0 and log.every >= 1")
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return Path(self.out_dir) / "checkpoints"
+
+    @property
+    def metrics_path(self) -> Path:
+        return Path(self.out_dir) / "metrics.jsonl"
+
+
+_SECTIONS = {
+    "model": ModelSection,
+    "data": DataSection,
+    "train": TrainSection,
+    "checkpoint": CheckpointSection,
+    "log": LogSection,
+}
+_PATH_KEYS = {("model", "hf_path"), ("data", "path"), ("checkpoint", "export_hf")}
+
+
+def config_from_dict(doc: dict[str, Any], *, base_dir: str | os.PathLike = ".") -> SFTConfig:
+    """Build an ``SFTConfig``; unknown sections or keys are errors naming them. Relative paths
+    are resolved against ``base_dir`` (the config file's directory)."""
+    unknown = sorted(set(doc) - set(_SECTIONS) - {"out_dir"})
+    if unknown:
+        raise ValueError(f"config: unknown top-level keys {unknown}; known: out_dir, {sorted(_SECTIONS)}")
+    base = Path(base_dir)
+    kwargs: dict[str, Any] = {"out_dir": str(base / doc.get("out_dir", "runs/sft"))}
+    for name, cls in _SECTIONS.items():
+        section = dict(doc.get(name, {}))
+        known = {f.name for f in fields(cls)}
+        bad = sorted(set(section) - known)
+        if bad:
+            raise ValueError(f"config: unknown keys {bad} in [{name}]; known: {sorted(known)}")
+        for key in section:
+            if (name, key) in _PATH_KEYS and section[key] is not None:
+                section[key] = str(base / section[key])
+        kwargs[name] = cls(**section)
+    return SFTConfig(**kwargs)
+
+
+def load_config(path: str | os.PathLike) -> SFTConfig:
+    """Read a ``.toml`` or ``.json`` config file."""
+    path = Path(path)
+    if path.suffix == ".toml":
+        try:
+            import tomllib
+        except ImportError:  # Python 3.10
+            try:
+                import tomli as tomllib
+            except ImportError:
+                raise ImportError(f"reading {path} on Python 3.10 needs tomli: pip install tomli") from None
+        doc = tomllib.loads(path.read_text())
+    elif path.suffix == ".json":
+        doc = json.loads(path.read_text())
+    else:
+        raise ValueError(f"{path}: config must be .toml or .json")
+    return config_from_dict(doc, base_dir=path.parent)
+
+
+# --- one rank ----------------------------------------------------------------------------------
+
+
+def _lr_fn(t: TrainSection):
+    def lr(step: int) -> float:  # step is 1-based (the optimizer's count after this update)
+        if t.warmup_steps and step <= t.warmup_steps:
+            return t.lr * step / t.warmup_steps
+        if t.schedule == "cosine":
+            span = max(1, t.steps - t.warmup_steps)
+            return 0.5 * t.lr * (1 + math.cos(math.pi * min(1.0, (step - t.warmup_steps) / span)))
+        return t.lr
+
+    return lr
+
+
+def _build_model(cfg: SFTConfig):
+    from odcfn.models import QwenConfig, init_params, qwen_model
+
+    m = cfg.model
+    if m.hf_path:
+        from odcfn.models.hf import from_hf
+
+        qcfg, full = from_hf(m.hf_path)
+    else:
+        qcfg = QwenConfig(
+            vocab_size=m.vocab_size,
+            d_model=m.d_model,
+            n_layers=m.n_layers,
+            n_heads=m.n_heads,
+            n_kv_heads=m.n_kv_heads,
+            d_ff=m.d_ff,
+            rope_theta=m.rope_theta,
+            qkv_bias=m.qkv_bias,
+        )
+        full = init_params(qcfg, seed=m.seed)
+    return qcfg, qwen_model(qcfg), full
+
+
+class _Logger:
+    """Rank 0's metrics sink: JSONL (appended across resumes), optional TensorBoard, stdout."""
+
+    def __init__(self, cfg: SFTConfig) -> None:
+        self.cfg = cfg
+        cfg.metrics_path.parent.mkdir(parents=True, exist_ok=True)
+        self.file = open(cfg.metrics_path, "a")
+        self.tb = None
+        if cfg.log.tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(str(Path(cfg.out_dir) / "tensorboard"))
+            except ImportError:
+                print("odcfn train: tensorboard is not installed; logging JSONL only", file=sys.stderr)
+
+    def log(self, rec: dict[str, Any]) -> None:
+        self.file.write(json.dumps(rec) + "\n")
+        self.file.flush()
+        if self.tb is not None:
+            for k, v in rec.items():
+                if k != "step" and isinstance(v, (int, float)):
+                    self.tb.add_scalar(k, v, rec["step"])
+        if self.cfg.log.progress and (
+            rec["step"] % self.cfg.log.every == 0 or rec["step"] == self.cfg.train.steps
+        ):
+            print(
+                f"step {rec['step']:>6}/{self.cfg.train.steps}  loss {rec['loss']:.4f}  "
+                f"grad_norm {rec['grad_norm']:.3f}  lr {rec['lr']:.2e}  "
+                f"{rec['tokens_per_s']:.0f} tok/s  {rec['step_time']:.2f}s",
+                flush=True,
+            )
+
+    def close(self) -> None:
+        self.file.close()
+        if self.tb is not None:
+            self.tb.close()
+
+
+def _prune(root: Path, keep: int | None) -> None:
+    if not keep:
+        return
+    done = sorted(d for d in root.glob("step-*") if (d / "manifest.json").exists())
+    for d in done[:-keep]:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def train_rank(cfg: SFTConfig, rank: int, transport) -> dict[str, Any]:
+    """The SFT loop for one rank; returns a summary (and rank's final shards for export)."""
+    import torch
+
+    import odcfn
+    from odcfn.checkpoint import latest, load, save
+    from odcfn.data import batch_at, read_dataset, steps_per_epoch
+
+    t = cfg.train
+    mesh = transport.mesh  # the transport's view of the job (ranks_per_node, sharding) wins
+    if mesh.world_size != t.world_size or mesh.rank != rank:
+        raise ValueError(f"transport serves {mesh}, but the config asks for rank {rank} of {t.world_size}")
+    qcfg, model, full = _build_model(cfg)
+    data = read_dataset(cfg.data.path, vocab_size=qcfg.vocab_size, max_length=cfg.data.max_length)
+    per_epoch = steps_per_epoch(data, cfg.data.batch_size)
+    lr = _lr_fn(t)
+    optimizer = (
+        odcfn.adamw(lr, weight_decay=t.weight_decay)
+        if t.optimizer == "adamw"
+        else odcfn.sgd(lr, weight_decay=t.weight_decay)
+    )
+    start, resumed = 0, None
+    ck = latest(cfg.checkpoint_dir) if cfg.checkpoint.resume else None
+    if ck is not None:
+        params, opt_state, start = load(ck, model=model, mesh=mesh)
+        resumed = str(ck)
+    else:
+        params = odcfn.shard(full, model, mesh)
+        opt_state = optimizer.init(params)
+    del full
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[t.compute_dtype]
+    logger = _Logger(cfg) if rank == 0 else None
+    last = None
+    try:
+        for step in range(start, t.steps):
+            batch = batch_at(data, step, cfg.data.batch_size, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
+            params, opt_state, m = odcfn.train_step(
+                params,
+                batch,
+                opt_state=opt_state,
+                model=model,
+                optimizer=optimizer,
+                mesh=mesh,
+                transport=transport,
+                comm=t.comm,
+                balance=t.balance,
+                max_tokens_per_microbatch=t.max_tokens_per_microbatch,
+                compute_dtype=dtype,
+                max_grad_norm=t.max_grad_norm,
+            )
+            last = m.loss
+            done = step + 1
+            if logger is not None:
+                logger.log(
+                    {
+                        "step": done,
+                        "epoch": step // per_epoch,
+                        "loss": m.loss,
+                        "grad_norm": m.grad_norm,
+                        "lr": lr(done),
+                        "samples": m.num_samples,
+                        "tokens": m.num_tokens,
+                        "loss_tokens": m.num_loss_tokens,
+                        "step_time": m.step_time,
+                        "samples_per_s": m.samples_per_s,
+                        "tokens_per_s": m.tokens_per_s,
+                        "microbatches": len(m.plan.microbatches),
+                        "syncs": m.counters.syncs,
+                        "gather_bytes": m.counters.gather_bytes,
+                        "collective_bytes": m.counters.collective_bytes,
+                        "time": time.time(),
+                    }
+                )
+            every = cfg.checkpoint.every
+            if every and (done % every == 0 or done == t.steps):
+                save(
+                    cfg.checkpoint_dir / f"step-{done:08d}",
+                    params,
+                    opt_state,
+                    done,
+                    model=model,
+                    mesh=mesh,
+                    extra={"config": asdict(cfg)},
+                    timeout=t.timeout,
+                )
+                if rank == 0:
+                    _prune(cfg.checkpoint_dir, cfg.checkpoint.keep)
+    finally:
+        if logger is not None:
+            logger.close()
+    out: dict[str, Any] = {
+        "rank": rank,
+        "start_step": start,
+        "steps": t.steps,
+        "final_loss": last,
+        "resumed_from": resumed,
+    }
+    if cfg.checkpoint.export_hf:
+        out["shards"] = {k: v.clone() for k, v in params.items()}
+    return out
+
+
+def _process_worker(cfg: SFTConfig) -> dict[str, Any]:
+    """Entry point of one rank under ``odcfn.launch`` or ``torchrun``."""
+    import torch
+
+    import odcfn
+    from odcfn.kernels.shm import ShmTransport
+
+    torch.set_num_threads(1)
+    mesh = odcfn.Mesh.from_env()
+    if mesh.world_size != cfg.train.world_size:
+        cfg = replace(cfg, train=replace(cfg.train, world_size=mesh.world_size))
+    with ShmTransport(mesh, timeout=cfg.train.timeout) as tr:
+        return train_rank(cfg, mesh.rank, tr)
+
+
+def run(cfg: SFTConfig) -> list[dict[str, Any]]:
+    """Run the whole job on ``cfg.train.world_size`` local ranks; per-rank summaries."""
+    import odcfn
+
+    W = cfg.train.world_size
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # already one rank of torchrun
+        results = [_process_worker(cfg)]
+    elif cfg.train.backend == "processes":
+        from odcfn.launch import launch
+
+        results = launch(_process_worker, W, args=(cfg,), timeout=cfg.train.timeout)
+    else:
+        results = odcfn.run_local(lambda rank, tr: train_rank(cfg, rank, tr), W, timeout=cfg.train.timeout)
+    if cfg.checkpoint.export_hf and len(results) == W:
+        from odcfn.models.hf import to_hf
+
+        qcfg, model, _ = _build_model(cfg)
+        full = odcfn.unshard([r.pop("shards") for r in results], model, odcfn.Mesh(W))
+        to_hf(cfg.checkpoint.export_hf, full, qcfg)
+    return results
+
+
+# --- command line ------------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", required=True, help="run config, .toml or .json")
+    parser.add_argument("--steps", type=int, help="override train.steps")
+    parser.add_argument("--world-size", type=int, help="override train.world_size")
+    parser.add_argument("--out-dir", help="override out_dir")
+    parser.add_argument("--no-resume", action="store_true", help="ignore existing checkpoints")
+    parser.add_argument("--quiet", action="store_true", help="no per-step progress lines")
+
+
+def main(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config)
+    train, ckpt, log = cfg.train, cfg.checkpoint, cfg.log
+    if args.steps is not None:
+        train = replace(train, steps=args.steps)
+    if args.world_size is not None:
+        train = replace(train, world_size=args.world_size)
+    if args.no_resume:
+        ckpt = replace(ckpt, resume=False)
+    if args.quiet:
+        log = replace(log, progress=False)
+    cfg = replace(
+        cfg, train=train, checkpoint=ckpt, log=log, out_dir=args.out_dir if args.out_dir else cfg.out_dir
+    )
+    t0 = time.perf_counter()
+    results = run(cfg)
+    head = results[0]
+    where = f", resumed from {head['resumed_from']}" if head["resumed_from"] else ""
+    print(
+        f"odcfn train: steps {head['start_step']}..{head['steps']} on {cfg.train.world_size} rank(s) "
+        f"({cfg.train.comm}){where}; final loss {head['final_loss']}; "
+        f"metrics {cfg.metrics_path}; {time.perf_counter() - t0:.1f}s",
+        flush=True,
+    )
+    return 0
