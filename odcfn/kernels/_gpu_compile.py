@@ -1,0 +1,153 @@
+"""Compile every GPU kernel ahead of time for a CUDA target (default Hopper, sm_90) on any
+machine, GPU or not, and summarise its PTX: what CI checks.
+
+``python -m odcfn.kernels._gpu_compile [ARCH [NAME,NAME...]]`` prints one JSON line per kernel. Run it in a process
+where ``TRITON_INTERPRET`` is unset (interpreted kernels cannot be compiled).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from dataclasses import asdict, dataclass
+
+__all__ = ["PtxStats", "compile_all", "compile_kernel", "kernel_names", "ptx_stats"]
+
+
+@dataclass(frozen=True)
+class PtxStats:
+    name: str
+    cubin_bytes: int
+    v4_loads: int  # 128-bit global loads
+    v4_stores: int
+    v4_reds: int  # 128-bit atomic reductions (red.global...v4)
+    local_ops: int  # ld/st.local: register spills or stack arrays
+    calls: tuple[str, ...]  # NVSHMEM (or other) functions still called after linking
+    externs_unresolved: tuple[str, ...]  # .extern .func declarations left in the PTX
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def ptx_stats(name: str, ptx: str, cubin: bytes) -> PtxStats:
+    calls = sorted(
+        set(re.findall(r"^\s*(?:@%p\d+\s+)?call(?:\.uni)?\s*(?:\([^)]*\),\s*)?([A-Za-z_][\w$]*)", ptx, re.M))
+    )
+    return PtxStats(
+        name=name,
+        cubin_bytes=len(cubin),
+        v4_loads=len(re.findall(r"\bld\.global[\w.]*\.v4\.", ptx)),
+        v4_stores=len(re.findall(r"\bst\.global[\w.]*\.v4\.", ptx)),
+        v4_reds=len(re.findall(r"\bred\.global[\w.]*\.v4\.", ptx)),
+        local_ops=len(re.findall(r"\b(?:ld|st)\.local\b", ptx)),
+        calls=tuple(calls),
+        externs_unresolved=tuple(sorted(set(re.findall(r"\.extern\s+\.func\s*(?:\([^)]*\)\s*)?(\w+)", ptx)))),
+    )
+
+
+def _div16(fn, names) -> dict:
+    return {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in names}
+
+
+def compile_kernel(
+    fn,
+    signature: dict,
+    constexprs: dict,
+    divisible: tuple[str, ...],
+    *,
+    arch: int = 90,
+    num_warps: int = 4,
+    extern_libs: dict | None = None,
+):
+    """``triton.compile`` for ``cuda:arch`` without a GPU; returns the CompiledKernel (``.asm``
+    holds ``ptx`` and ``cubin``)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    if not hasattr(fn, "arg_names") or type(fn).__name__ == "InterpretedFunction":
+        raise RuntimeError(
+            "compile_kernel needs a JIT kernel: unset TRITON_INTERPRET before importing triton"
+        )
+    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=_div16(fn, divisible))
+    opts: dict = {"num_warps": num_warps}
+    if extern_libs:
+        opts["extern_libs"] = extern_libs
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=opts)
+
+
+def _table(arch: int) -> list[tuple[str, object, dict, dict, tuple, dict | None]]:
+    from odcfn.kernels import _gpu_nvshmem_device as nv
+    from odcfn.kernels import triton_ops as T
+
+    d16 = ("out_ptr", "shard_size")
+    rows: list = []
+    for dt in ("bf16", "fp32"):
+        rows.append(
+            (
+                f"gather[{dt}]",
+                T.gather_kernel,
+                {"table_ptr": "*i64", "out_ptr": f"*{dt}", "shard_size": "i32", "BLOCK": "constexpr"},
+                {"BLOCK": T.BLOCK},
+                d16,
+                None,
+            )
+        )
+        rows.append(
+            (
+                f"accumulate[{dt}]",
+                T.accumulate_kernel,
+                {"acc_ptr": "*fp32", "x_ptr": f"*{dt}", "n": "i32", "BLOCK": "constexpr"},
+                {"BLOCK": T.BLOCK},
+                ("acc_ptr", "x_ptr", "n"),
+                None,
+            )
+        )
+        rows.append(
+            (
+                f"scatter_add[{dt}]",
+                T.scatter_add_kernel,
+                {"table_ptr": "*i64", "grad_ptr": f"*{dt}", "shard_size": "i32", "BLOCK": "constexpr"},
+                {"BLOCK": T.BLOCK},
+                ("grad_ptr", "shard_size"),
+                None,
+            )
+        )
+    for src, dst in (("fp32", "bf16"), ("bf16", "fp32"), ("fp32", "fp32")):
+        rows.append(
+            (
+                f"cast_copy[{src}->{dst}]",
+                T.cast_copy_kernel,
+                {"dst_ptr": f"*{dst}", "src_ptr": f"*{src}", "n": "i32", "BLOCK": "constexpr"},
+                {"BLOCK": T.BLOCK},
+                ("dst_ptr", "src_ptr", "n"),
+                None,
+            )
+        )
+    libs = {"libnvshmem_device": nv.device_bitcode(arch)}
+    for name, (fn, sig, cx, div) in nv.KERNELS.items():
+        rows.append((name, fn, sig, cx, div, libs))
+    return rows
+
+
+def kernel_names(arch: int = 90) -> list[str]:
+    return [row[0] for row in _table(arch)]
+
+
+def compile_all(arch: int = 90, names: list[str] | None = None) -> list[PtxStats]:
+    """Compile the kernels called ``names`` (all by default) and summarise their PTX."""
+    out = []
+    for name, fn, sig, cx, div, libs in _table(arch):
+        if names is not None and name not in names:
+            continue
+        k = compile_kernel(fn, sig, cx, div, arch=arch, extern_libs=libs)
+        out.append(ptx_stats(name, k.asm["ptx"], k.asm["cubin"]))
+    return out
+
+
+if __name__ == "__main__":  # pragma: no cover - exercised through a subprocess in the tests
+    arch = int(sys.argv[1]) if len(sys.argv) > 1 else 90
+    wanted = sys.argv[2].split(",") if len(sys.argv) > 2 else None
+    for s in compile_all(arch, wanted):
+        print(json.dumps(s.as_dict()), flush=True)

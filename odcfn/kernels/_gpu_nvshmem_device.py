@@ -1,0 +1,159 @@
+"""Triton kernels that call NVSHMEM device functions (used by ``odcfn.kernels.nvshmem``).
+
+Stock Triton has no NVSHMEM bindings, so the device API is reached through
+``core.extern_elementwise`` on the bitcode nvidia-nvshmem-cu12 ships
+(``nvidia/nvshmem/lib/libnvshmem_device_sm_XX.bc``); the compiler links it into the kernel.
+Pointers cross the boundary as int64 (symmetric addresses are plain device addresses), sizes as
+uint64, PEs as int32. Functions that return void in C are declared here as returning int32 and
+the result is discarded; NVSHMEM's ``*_block`` functions must be called by every thread of the
+CTA, which is what a scalar call in a Triton program does.
+
+A module that uses these kernels must be registered with NVSHMEM (``nvshmemx_cumodule_init``)
+before its first launch; ``odcfn.kernels.nvshmem`` does that. Importing this file needs only
+triton; compiling needs the bitcode (``device_bitcode()``), launching needs an initialised
+NVSHMEM job.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import triton
+import triton.language as tl
+from triton.language import core
+
+__all__ = [
+    "KERNELS",
+    "device_bitcode",
+    "nvshmem_gather_kernel",
+    "nvshmem_put_signal_kernel",
+]
+
+SIGNAL_SET = tl.constexpr(0)  # NVSHMEM_SIGNAL_SET
+SIGNAL_ADD = tl.constexpr(5)  # NVSHMEM_SIGNAL_ADD
+
+
+@functools.cache
+def device_bitcode(arch: int = 90) -> str:
+    """Path of ``libnvshmem_device_sm_{arch}.bc`` from the nvidia-nvshmem-cu12 wheel."""
+    try:
+        import nvidia.nvshmem as pkg  # type: ignore[import-not-found]
+    except ImportError as e:
+        raise RuntimeError(
+            "NVSHMEM device bitcode not found: install the 'gpu' extra (nvshmem4py-cu12 pulls "
+            "nvidia-nvshmem-cu12)"
+        ) from e
+    roots = list(getattr(pkg, "__path__", []))
+    for root in roots:
+        path = os.path.join(root, "lib", f"libnvshmem_device_sm_{arch}.bc")
+        if os.path.exists(path):
+            return path
+    raise RuntimeError(f"libnvshmem_device_sm_{arch}.bc not found under {roots}")
+
+
+_LIB = "libnvshmem_device"
+
+
+def _path() -> str:
+    # extern_elementwise wants a path at trace time; the options' extern_libs decide what is
+    # linked, so an empty string is enough here (see ``compile_options``).
+    return ""
+
+
+@core.extern
+def getmem_block(dest, source, nbytes, pe, _semantic=None):
+    return core.extern_elementwise(
+        _LIB,
+        _path(),
+        [dest, source, nbytes, pe],
+        {(core.int64, core.int64, core.uint64, core.int32): ("nvshmemx_getmem_block", core.int32)},
+        is_pure=False,
+        _semantic=_semantic,
+    )
+
+
+@core.extern
+def putmem_signal_nbi_block(dest, source, nbytes, sig_addr, signal, sig_op, pe, _semantic=None):
+    return core.extern_elementwise(
+        _LIB,
+        _path(),
+        [dest, source, nbytes, sig_addr, signal, sig_op, pe],
+        {
+            (core.int64, core.int64, core.uint64, core.int64, core.uint64, core.int32, core.int32): (
+                "nvshmemx_putmem_signal_nbi_block",
+                core.int32,
+            )
+        },
+        is_pure=False,
+        _semantic=_semantic,
+    )
+
+
+@core.extern
+def quiet(_semantic=None):
+    return core.extern_elementwise(
+        _LIB, _path(), [], {(): ("nvshmem_quiet", core.int32)}, is_pure=False, _semantic=_semantic
+    )
+
+
+# --- kernels ----------------------------------------------------------------------------------
+@triton.jit
+def nvshmem_gather_kernel(out_ptr, src_addr, pes_ptr, shard_bytes, CHUNK_BYTES: tl.constexpr):
+    """Pull ``shard_bytes`` at symmetric address ``src_addr`` from PE ``pes[p]`` into
+    ``out + p * shard_bytes``; program (p, c) moves chunk c (one-sided: the owner does nothing)."""
+    p = tl.program_id(0)
+    c = tl.program_id(1).to(tl.int64)
+    pe = tl.load(pes_ptr + p)
+    lo = c * CHUNK_BYTES
+    nbytes = tl.minimum(shard_bytes - lo, CHUNK_BYTES)
+    dest = out_ptr.to(tl.int64, bitcast=True) + p.to(tl.int64) * shard_bytes + lo
+    getmem_block(dest, src_addr + lo, nbytes.to(tl.uint64), pe)
+
+
+@triton.jit
+def nvshmem_put_signal_kernel(
+    src_ptr, shard_bytes, nbytes, dst_addr, sig_addr, sig_vals_ptr, pes_ptr, chunk_lo
+):
+    """Program p puts ``nbytes`` of ``src[p * shard_bytes + chunk_lo:]`` into the landing slot
+    at symmetric ``dst_addr`` on PE ``pes[p]``, then sets that PE's ``sig_addr`` to
+    ``sig_vals[p]`` (NVSHMEM orders the signal after the data), and waits for local completion
+    so ``src`` may be reused when the kernel ends."""
+    p = tl.program_id(0)
+    pe = tl.load(pes_ptr + p)
+    val = tl.load(sig_vals_ptr + p).to(tl.uint64, bitcast=True)
+    src = src_ptr.to(tl.int64, bitcast=True) + p.to(tl.int64) * shard_bytes + chunk_lo
+    putmem_signal_nbi_block(dst_addr, src, nbytes.to(tl.uint64), sig_addr, val, SIGNAL_SET, pe)
+    quiet()
+
+
+# name -> (kernel, signature, constexprs, divisible args): what CI compiles for sm_90.
+KERNELS = {
+    "nvshmem_gather": (
+        nvshmem_gather_kernel,
+        {
+            "out_ptr": "*u8",
+            "src_addr": "i64",
+            "pes_ptr": "*i32",
+            "shard_bytes": "i64",
+            "CHUNK_BYTES": "constexpr",
+        },
+        {"CHUNK_BYTES": 65536},
+        ("out_ptr",),
+    ),
+    "nvshmem_put_signal": (
+        nvshmem_put_signal_kernel,
+        {
+            "src_ptr": "*u8",
+            "shard_bytes": "i64",
+            "nbytes": "i64",
+            "dst_addr": "i64",
+            "sig_addr": "i64",
+            "sig_vals_ptr": "*i64",
+            "pes_ptr": "*i32",
+            "chunk_lo": "i64",
+        },
+        {},
+        ("src_ptr",),
+    ),
+}
