@@ -113,27 +113,32 @@ def _fmt(x: object) -> str:
     return str(x)
 
 
-# --- trace files --------------------------------------------------------------------------
+# --- trace files (odcfn.trace's formats, one block per policy) ---------------------------
+
+
+def _step_events(per_rank, policy: str, step: int) -> list[list[Event]]:
+    out = []
+    for recs in per_rank:
+        out += [_events(r) for r in recs if r["policy"] == policy and r["step"] == step]
+    return out
 
 
 def chrome_trace(per_rank: Sequence[Sequence[dict]], policies: Sequence[str], step: int) -> dict:
-    """Chrome/Perfetto trace of minibatch ``step``: one process per policy, one thread per rank."""
-    out = []
-    for pid, pol in enumerate(policies):
-        out.append({"ph": "M", "name": "process_name", "pid": pid, "args": {"name": pol}})
-        for recs in per_rank:
-            for r in recs:
-                if r["policy"] != pol or r["step"] != step:
-                    continue
-                out.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": r["rank"],
-                            "args": {"name": f"rank {r['rank']}"}})
-                for kind, name, s, e, mb in r["events"]:
-                    out.append({
-                        "ph": "X", "pid": pid, "tid": r["rank"], "cat": kind,
-                        "name": f"{kind} {name}" + (f" mb{mb}" if mb >= 0 else ""),
-                        "ts": s * 1e6, "dur": max(0.0, e - s) * 1e6,
-                    })
-    return {"traceEvents": out, "displayTimeUnit": "ms"}
+    """Chrome/Perfetto trace of minibatch ``step``: ``odcfn.trace.chrome_trace`` per policy,
+    its processes renumbered and named "<policy> / rank r" so the policies stack in one view."""
+    from odcfn import trace
+
+    out: list[dict] = []
+    W = len(per_rank)
+    for k, pol in enumerate(policies):
+        for e in trace.chrome_trace(_step_events(per_rank, pol, step), label=pol)["traceEvents"]:
+            e = dict(e, pid=e["pid"] + k * W)
+            if e.get("name") == "process_name":
+                e["args"] = {"name": f"{pol} / {e['args']['name']}"}
+            if e.get("name") == "process_sort_index":
+                e["args"] = {"sort_index": e["pid"]}
+            out.append(e)
+    return {"traceEvents": out, "displayTimeUnit": "ms", "otherData": {"step": step}}
 
 
 def write_chrome_trace(path: Path, per_rank, policies: Sequence[str], step: int) -> Path:
@@ -143,38 +148,23 @@ def write_chrome_trace(path: Path, per_rank, policies: Sequence[str], step: int)
     return path
 
 
-_COLORS = {"forward": "#4c72b0", "backward": "#dd8452", "straggle": "#937860",
-           "gather": "#55a868", "scatter": "#8172b3", "collective": "#c44e52", "sync": "#000000"}
-
-
 def write_timeline_png(path: Path, per_rank, policies: Sequence[str], step: int) -> Path | None:
-    """One panel per policy, one lane per rank (white = idle); None if matplotlib is missing."""
+    """``odcfn.trace.plot_timeline`` of each policy, stacked; None if matplotlib is missing."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-        from matplotlib.patches import Patch
     except ImportError:
         return None
+    from odcfn import trace
+
     W = len(per_rank)
-    fig, axes = plt.subplots(len(policies), 1, figsize=(11, 1.0 + 0.9 * W * len(policies)),
-                             squeeze=False, sharex=True)
+    fig, axes = plt.subplots(len(policies), 1, figsize=(11, (0.45 * W + 1.9) * len(policies)),
+                             squeeze=False)
     for ax, pol in zip(axes[:, 0], policies, strict=True):
-        for recs in per_rank:
-            for r in recs:
-                if r["policy"] != pol or r["step"] != step:
-                    continue
-                for kind, _, s, e, _ in r["events"]:
-                    if kind in _COLORS and e > s:
-                        ax.barh(r["rank"], e - s, left=s, height=0.8, color=_COLORS[kind], lw=0)
-        ax.set_yticks(range(W), [f"rank {i}" for i in range(W)])
-        ax.invert_yaxis()
-        ax.set_title(pol, fontsize=9, loc="left")
-    axes[-1, 0].set_xlabel("seconds since the start of the minibatch")
-    fig.legend(handles=[Patch(color=c, label=k) for k, c in _COLORS.items()], ncol=len(_COLORS),
-               loc="lower center", fontsize=8, frameon=False)
-    fig.tight_layout(rect=(0, 0.06, 1, 1))
+        trace.plot_timeline(_step_events(per_rank, pol, step), ax=ax, title=pol)
+    fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

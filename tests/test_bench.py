@@ -106,9 +106,12 @@ def test_thread_run_records_every_policy_step_and_rank():
             assert ids == list(range(w.samples_per_step))
     trace = chrome_trace(per_rank, pols, 2)
     names = {e["args"]["name"] for e in trace["traceEvents"] if e.get("name") == "process_name"}
-    assert names == set(pols)
+    assert names == {f"{p} / rank {r}" for p in pols for r in (0, 1)}
+    pids = {e["pid"] for e in trace["traceEvents"]}
+    assert pids == {0, 1, 2, 3}  # policies do not share a process row
     spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
-    assert spans and all(e["dur"] >= 0 and e["tid"] in (0, 1) for e in spans)
+    assert spans and all(e["dur"] >= 0 for e in spans)
+    assert {e["cat"] for e in spans} >= {"forward", "backward", "sync", "gather", "collective"}
 
 
 def _bench(argv: list[str], capsys) -> dict:

@@ -29,7 +29,7 @@ def test_demo_prints_the_table_and_writes_trace_and_png(tmp_path, capsys):
     assert "losses match across the three runs: yes" in out
     trace = json.loads((tmp_path / "demo_trace.json").read_text())
     procs = {e["args"]["name"] for e in trace["traceEvents"] if e.get("name") == "process_name"}
-    assert procs == set(demo.DEMO_POLICIES)
+    assert procs == {f"{p} / rank {r}" for p in demo.DEMO_POLICIES for r in (0, 1)}
     kinds = {e["cat"] for e in trace["traceEvents"] if e["ph"] == "X"}
     assert {"forward", "backward", "sync"} <= kinds
     assert str(tmp_path / "demo_trace.json") in out
