@@ -27,7 +27,7 @@ BATCH = odcfn.random_batch([9, 17, 5, 12, 7, 20], CFG.vocab_size, seed=0)
 LOSS_RTOL, GRAD_RTOL = 1e-3, 3e-2
 
 
-def _grads(W: int, comm: str, dtype: torch.dtype, cap: int = 24):
+def _grads(W: int, comm: str, dtype: torch.dtype, cap: int = 24, **kw):
     def fn(rank, tr):
         mesh = odcfn.Mesh(W, rank)
         p = odcfn.shard(FULL, MODEL, mesh)
@@ -40,6 +40,7 @@ def _grads(W: int, comm: str, dtype: torch.dtype, cap: int = 24):
             comm=comm,
             max_tokens_per_microbatch=cap,
             compute_dtype=dtype,
+            **kw,
         )
         return {k: v.clone() for k, v in g.items()}, m
 
@@ -71,6 +72,22 @@ def test_bf16_gradients_within_tolerance_of_fp32_reference(reference, W, comm, c
         assert rel <= GRAD_RTOL, f"{unit}: relative grad error {rel:.2e} > {GRAD_RTOL}"
         # bf16 really ran: a bf16 gradient is not bit-identical to the fp32 one
         assert rel > 0, unit
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        odcfn.ScheduleOptions(prefetch=2, remat=frozenset({"layers.0", "layers.1"})),
+        odcfn.ScheduleOptions(prefetch=0, reshard_after_forward=False),
+    ],
+    ids=["remat-prefetch2", "no-reshard"],
+)
+def test_bf16_with_remat_and_schedule_options(reference, options):
+    """Rematerialised bf16 units and re-gathered bf16 buffers give the same tolerance."""
+    _, g_ref = reference
+    shards, _ = _grads(2, "odc", torch.bfloat16, options=options, balance="lb_mini")
+    g = odcfn.unshard(shards, MODEL, odcfn.Mesh(2))
+    assert float((_flat(g) - _flat(g_ref)).norm() / _flat(g_ref).norm()) <= GRAD_RTOL
 
 
 def test_bf16_is_not_trivially_close_a_wrong_gradient_fails(reference):
