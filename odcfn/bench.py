@@ -38,6 +38,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sizes-mib", type=int, nargs="+", default=None,
                    help="primitive sizes (default 1 4 16 64; --quick: 1 16)")
     p.add_argument("--out", type=Path, default=None, help="also write the JSON here")
+    p.add_argument("--cost", choices=("calibrated", "default"), default="calibrated",
+                   help="balancers' cost model: fitted to this machine's measured unit times "
+                        "(default) or the schedule layer's FLOPs-based default")
 
 
 def _log(msg: str) -> None:
@@ -74,6 +77,12 @@ def main(args: argparse.Namespace) -> int:
                  length_scale=args.length_scale, seed=args.seed)
     ctx = S.Context(workload=w, backend=backend, steps=steps, warmup=args.warmup,
                     progress=not args.json or sys.stderr.isatty(), log=_log)
+    if args.cost == "calibrated" and ({"end_to_end", "balanced", "fsdp2", "straggler",
+                                       "simulator"} & set(sections)):
+        from odcfn.bench_sim import calibrate_cost
+
+        _log("== calibrating the cost model (forward+backward time of each unit vs length)")
+        ctx.calibration = calibrate_cost(w)
     report: dict = {
         "schema": SCHEMA,
         "machine": machine(),
@@ -82,7 +91,8 @@ def main(args: argparse.Namespace) -> int:
                    "steps": steps, "warmup": args.warmup, "length_scale": w.length_scale,
                    "seed": w.seed, "model": vars(w.model) | {"num_params": w.model.num_params},
                    "max_tokens_per_microbatch": w.max_tokens_per_microbatch,
-                   "straggler_slowdown": STRAGGLER_SLOWDOWN, "sections": list(sections)},
+                   "straggler_slowdown": STRAGGLER_SLOWDOWN, "sections": list(sections),
+                   "cost_model": ctx.calibration[2] if ctx.calibration else "schedule default"},
         "ratios": {},
         "syncs_per_minibatch": {},
         "losses_match": None,

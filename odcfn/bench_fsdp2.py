@@ -25,6 +25,7 @@ class Fsdp2Spec:
     steps: int = 3
     warmup: int = 1
     timeout: float = 120.0
+    cost: object | None = None  # CostModel for LB-Micro (None: the schedule layer's default)
 
 
 def _dummy_microbatch():
@@ -92,7 +93,9 @@ def fsdp2_worker(spec: Fsdp2Spec) -> list[dict]:
         opt = adamw(w.lr, b1=b1, b2=b2, eps=eps, weight_decay=wd)
         params = shard(init_params(w.model, seed=w.seed), model, mesh)
         opt_state = opt.init(params)
-        balance, _ = resolve_balancer("lb_micro")
+        from odcfn.bench_runner import _balancer
+
+        balance = _balancer(resolve_balancer("lb_micro")[0], spec.cost)
         cap = w.max_tokens_per_microbatch
         out = []
         for step in range(spec.warmup + spec.steps):

@@ -11,6 +11,7 @@ gloo) and ``thread`` (``odcfn.run_local``: W threads in one process, the referen
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import sys
 import threading
@@ -39,6 +40,7 @@ class RunSpec:
     progress: bool = False
     timeout: float = 120.0
     threads_per_rank: int = 1
+    cost: object | None = None  # a CostModel (picklable) for the static balancers; None: theirs
 
     def __post_init__(self) -> None:
         unknown = [p for p in self.policies if p not in POLICIES]
@@ -89,6 +91,7 @@ def _rank_loop(spec: RunSpec, mesh: Mesh, transport, barrier: Callable[[], None]
     full = init_params(w.model, seed=w.seed)
     opt = adamw(w.lr)
     resolved = {name: resolve_balancer(POLICIES[name].balance) for name in spec.policies}
+    balancers = {name: _balancer(resolved[name][0], spec.cost) for name in spec.policies}
     state = {}
     for name in spec.policies:
         p = shard(full, model, mesh)
@@ -103,13 +106,14 @@ def _rank_loop(spec: RunSpec, mesh: Mesh, transport, barrier: Callable[[], None]
         for name in spec.policies[k:] + spec.policies[:k]:
             pol: Policy = POLICIES[name]
             balance, _ = resolved[name]
+            balancer = balancers[name]
             params, opt_state = state[name]
             barrier()
             t0 = time.perf_counter()
             try:
                 params, opt_state, m = train_step(
                     params, batch, opt_state=opt_state, model=model, optimizer=opt, mesh=mesh,
-                    transport=transport, comm=pol.comm, balance=balance,
+                    transport=transport, comm=pol.comm, balance=balancer,
                     max_tokens_per_microbatch=w.max_tokens_per_microbatch, slowdown=slow,
                 )
             except ValueError as e:
@@ -118,6 +122,7 @@ def _rank_loop(spec: RunSpec, mesh: Mesh, transport, barrier: Callable[[], None]
                 if "dynamic" not in str(e) or balance == "round_robin":
                     raise
                 resolved[name] = balance, _ = ("round_robin", False)
+                balancers[name] = "round_robin"
                 barrier()
                 t0 = time.perf_counter()
                 params, opt_state, m = train_step(
@@ -149,6 +154,24 @@ def _rank_loop(spec: RunSpec, mesh: Mesh, transport, barrier: Callable[[], None]
             if bar is not None:
                 bar.tick(f"{name} mb{step}{' (warmup)' if step < spec.warmup else ''}")
     return records
+
+
+def _balancer(name: str, cost):
+    """The balancer to hand train_step: a static one bound to ``cost`` when it takes one (every
+    rank binds the same cost, so every rank still computes the same assignment)."""
+    if cost is None:
+        return name
+    import inspect
+
+    from odcfn.schedule.balance import get_balancer
+
+    try:
+        fn = get_balancer(name)
+    except ValueError:  # dynamic (work stealing): train_step resolves the name itself
+        return name
+    if "cost" not in inspect.signature(fn).parameters:
+        return name
+    return functools.partial(fn, cost=cost)
 
 
 def _process_worker(spec: RunSpec) -> list[dict]:

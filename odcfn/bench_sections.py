@@ -26,11 +26,16 @@ class Context:
     progress: bool
     log: Callable[[str], None] = print
     records: dict[int, list[list[dict]]] = field(default_factory=dict)  # spr -> per-rank records
+    calibration: tuple | None = None  # bench_sim.calibrate_cost's (cost, sim workload, record)
+
+    @property
+    def cost(self):
+        return self.calibration[0] if self.calibration else None
 
 
 def _compare(ctx: Context, w: Workload, policies: Sequence[str], slowdown=()) -> tuple[dict, list]:
     spec = RunSpec(w, tuple(policies), steps=ctx.steps, warmup=ctx.warmup, slowdown=tuple(slowdown),
-                   progress=ctx.progress)
+                   progress=ctx.progress, cost=ctx.cost)
     per_rank = run(spec, ctx.backend)
     sums = {p: policy_summary(per_rank, p) for p in policies}
     ok, worst = losses_match(list(sums.values()))
@@ -72,7 +77,7 @@ def fsdp2(ctx: Context) -> dict:
     from odcfn.bench_fsdp2 import Fsdp2Spec, fsdp2_worker, summarize
     from odcfn.launch import launch
 
-    spec = Fsdp2Spec(ctx.workload, steps=ctx.steps, warmup=ctx.warmup)
+    spec = Fsdp2Spec(ctx.workload, steps=ctx.steps, warmup=ctx.warmup, cost=ctx.cost)
     per_rank = launch(fsdp2_worker, ctx.workload.world_size, args=(spec,), timeout=1200.0)
     a, b = summarize(per_rank, "odcfn"), summarize(per_rank, "fsdp2")
     ok, worst = losses_match([a, b], rtol=1e-3)
@@ -98,7 +103,7 @@ def simulator(ctx: Context, report: dict) -> dict:
     if n not in ctx.records:
         return {"skipped": f"needs the end_to_end run at {n} samples per rank"}
     prim = report.get("primitives")
-    return compare(ctx.records[n], ctx.workload, E2E,
+    return compare(ctx.records[n], ctx.workload, E2E, calibration=ctx.calibration,
                    primitives=prim if isinstance(prim, dict) and "gbps" in prim else None)
 
 

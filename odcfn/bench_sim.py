@@ -12,6 +12,7 @@ the part the simulator models; balancing and the optimizer update are outside bo
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 
 from odcfn.bench_runner import step_records
 from odcfn.bench_workload import POLICIES, Workload, make_lengths
@@ -98,8 +99,8 @@ def _simulate_step(recs, policy, cost, sim_w, comm, slowdown):
 
 
 def compare(per_rank, w: Workload, policies: Sequence[str], *, primitives: dict | None = None,
-            slowdown: Sequence[float] | None = None) -> dict:
-    cost, sim_w, calib = calibrate_cost(w)
+            slowdown: Sequence[float] | None = None, calibration: tuple | None = None) -> dict:
+    cost, sim_w, calib = calibration or calibrate_cost(w)
     comms, comm_src = _comm_models(primitives, w.world_size)
     rows, per_policy, sim_all, meas_all = [], {}, 0.0, 0.0
     for policy in policies:
@@ -146,7 +147,8 @@ def extrapolate(w: Workload, cost, sim_w, comms, devices=(2, 8, 16, 32), samples
                         res = simulate_work_stealing(lengths, D, workload=sim_w, cost=cost,
                                                      comm=comms["odc"], record=False)
                     else:
-                        a = get_balancer(pol.balance)(lengths, D, wd.max_tokens_per_microbatch)
+                        a = partial(get_balancer(pol.balance), cost=cost)(
+                            lengths, D, wd.max_tokens_per_microbatch)
                         plans = [compile_plan(sim_w.units, a, r, pol.comm) for r in range(D)]
                         res = simulate(plans, lengths, workload=sim_w, cost=cost,
                                        comm=comms[pol.comm], record=False)

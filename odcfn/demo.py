@@ -30,6 +30,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="process: odcfn.launch + shared memory; thread: in-process reference")
     p.add_argument("--out-dir", type=Path, default=Path("odcfn-demo"),
                    help="where the Chrome trace and timeline PNG go")
+    p.add_argument("--cost", choices=("calibrated", "default"), default="calibrated",
+                   help="balancers' cost model: fitted to this machine's measured unit times "
+                        "(default) or the schedule layer's FLOPs-based default")
     p.add_argument("--no-progress", action="store_true")
 
 
@@ -49,8 +52,6 @@ def main(args: argparse.Namespace) -> int:
                  samples_per_rank=args.samples_per_rank,
                  length_scale=args.length_scale, seed=args.seed)
     backend = pick_backend(args.backend)
-    spec = RunSpec(w, DEMO_POLICIES, steps=args.steps, warmup=args.warmup,
-                   progress=not args.no_progress)
     lengths = make_lengths(w, 0)
     print(f"odcfn demo: {w.world_size} ranks ({backend} backend), Qwen-style model "
           f"d={w.model.d_model} x {w.model.n_layers} layers "
@@ -61,6 +62,15 @@ def main(args: argparse.Namespace) -> int:
           f"microbatch cap {w.max_tokens_per_microbatch} tokens")
     if backend == "thread":
         print("  note: odcfn.launch / ShmTransport not available, ranks are threads of one process")
+    cost = None
+    if args.cost == "calibrated":
+        from odcfn.bench_sim import calibrate_cost
+
+        cost, _, calib = calibrate_cost(w)
+        print(f"  balancers' cost model, calibrated on this machine: {cost.a:.3g} s x len^2 + "
+              f"{cost.b:.3g} s x len (fitted at lengths {calib['lengths']})")
+    spec = RunSpec(w, DEMO_POLICIES, steps=args.steps, warmup=args.warmup,
+                   progress=not args.no_progress, cost=cost)
     per_rank = run(spec, backend)
 
     sums = [policy_summary(per_rank, p) for p in DEMO_POLICIES]
