@@ -1,0 +1,323 @@
+"""The ODC protocol over an *arena fabric*: what the CUDA-IPC and NVSHMEM transports share.
+
+A fabric gives each rank an arena of bytes peers can reach and an int64 signal array peers
+write (layouts in ``_gpu_protocol``). On top of it this module implements the transport
+protocol of ``kernels/base.py`` with the same semantics as ``LocalTransport``:
+
+- ``begin_step``: zero the accumulators, *then* publish shards, fence, then write the new
+  version into every shard-group peer's VERSION word (so no push can land before the zeroing);
+- ``gather``: wait until every owner's VERSION word reached this step, then pull one-sided;
+- ``scatter_accumulate``: "remote_add" (atomic adds by the writer straight into the owners'
+  accumulators; the owner does nothing) or "landing" (put into a per-client slot with a signal;
+  the owner's drain thread adds it on a side stream and returns a credit);
+- ``flush``: fence, tell every owner ``FIN = (step, last request id)``, wait until every client's
+  FIN for this step arrived and (landing) everything up to its last id was drained;
+- ``sync``: the ONE collective of the minibatch. ``claim``: an atomic add on the rendezvous store.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+import torch
+
+from odcfn.kernels._gpu_protocol import (
+    HEADER_BYTES,
+    STEP_BITS,
+    ArenaLayout,
+    SeqIds,
+    SignalLayout,
+    SlotReceiver,
+    SlotSender,
+    pack_fin,
+    unpack_fin,
+)
+from odcfn.kernels.base import Counters, Done, Handle, TransportError
+from odcfn.sharding import Layout, Mesh
+
+__all__ = ["ArenaTransport", "Collectives", "Fabric", "MODES"]
+
+MODES = ("landing", "remote_add")
+
+
+class Fabric(Protocol):
+    """Memory peers can reach. Ranks are global; ``group`` is the shard group (in order)."""
+
+    device: torch.device
+    arena: torch.Tensor  # uint8, this rank's
+    side_stream: Any  # where owner-side accumulation runs (None: same thread, CPU)
+
+    def setup(self, nbytes: int, words: int, key: str) -> None: ...
+    def signal_read(self, idx: int) -> int: ...
+    def signal_write(self, rank: int, idx: int, value: int) -> None: ...
+    def get(self, owners: tuple[int, ...], offset: int, out: torch.Tensor) -> None: ...
+    def put_signal(self, rank: int, parts: list[tuple[int, torch.Tensor]], idx: int, value: int) -> None:
+        """Write each (byte offset, tensor) into ``rank``'s arena, then set its signal word
+        ``idx`` to ``value``; the word must become visible only after all the bytes."""
+    def scatter_add(self, owners: tuple[int, ...], offset: int, grad: torch.Tensor) -> None: ...
+    def accumulate(self, acc: torch.Tensor, x: torch.Tensor) -> None: ...
+    def cast_copy(self, dst: torch.Tensor, src: torch.Tensor) -> None: ...
+    def fence(self) -> None: ...
+    def close(self) -> None: ...
+
+
+class Collectives(Protocol):
+    """The collective half (FSDP baseline, hybrid replica reduce, the one sync)."""
+
+    def all_gather(self, group: tuple[int, ...], mine: torch.Tensor, out: torch.Tensor) -> None: ...
+    def reduce_scatter(self, group: tuple[int, ...], grad: torch.Tensor, out: torch.Tensor) -> None: ...
+    def all_reduce(self, group: tuple[int, ...], x: torch.Tensor) -> torch.Tensor: ...
+
+
+class ArenaTransport:
+    def __init__(
+        self,
+        mesh: Mesh,
+        fabric: Fabric,
+        store: Any,
+        collectives: Collectives,
+        *,
+        mode: str = "landing",
+        slots: int = 4,
+        slot_elems: int = 1 << 20,
+        timeout: float = 300.0,
+        poll_s: float = 50e-6,
+        prefix: str = "odcfn",
+    ) -> None:
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        self.mesh, self.fabric, self.store, self.coll = mesh, fabric, store, collectives
+        self.mode, self.slots, self.slot_elems = mode, slots, slot_elems
+        self.timeout, self.poll_s, self.prefix = timeout, poll_s, prefix
+        self.counters = Counters()
+        self.ids = SeqIds()
+        self.group = mesh.shard_group
+        self.me = mesh.shard_index
+        self.sig = SignalLayout(len(self.group), slots)
+        self.step = 0
+        self.layout: Layout | None = None
+        self.arena_layout: ArenaLayout | None = None
+        self.generation = 0
+        self.senders = [SlotSender(slots, self.ids) for _ in self.group]
+        self.receivers = [SlotReceiver(slots, self.ids) for _ in self.group]
+        self._seen = [0] * len(self.group)  # highest VERSION seen per owner (cache)
+        self._acc_lock = threading.Lock()  # the drain thread and self-pushes share acc
+        self._drain: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._error: BaseException | None = None
+        self._unit_index: dict[str, int] = {}
+        self._views: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    # --- setup ------------------------------------------------------------------------------
+    def _ensure_arena(self, layout: Layout, dtype: torch.dtype) -> None:
+        sizes = tuple(u.shard_size for u in layout.units)
+        isz = torch.empty((), dtype=dtype).element_size()
+        al = self.arena_layout
+        if al is not None and al.shard_sizes == sizes and al.param_itemsize == isz:
+            return
+        self._stop_drain()
+        self.generation += 1
+        al = ArenaLayout.build(sizes, isz, isz, len(self.group), self.slots, self.slot_elems)
+        self.fabric.setup(al.nbytes, self.sig.words, f"{self.prefix}/arena/{self.generation}")
+        self.arena_layout, self.dtype = al, dtype
+        self._unit_index = {u.name: i for i, u in enumerate(layout.units)}
+        self._views = {}
+        a = self.fabric.arena
+        for i, u in enumerate(layout.units):
+            p = a[al.param_offsets[i] : al.param_offsets[i] + u.shard_size * isz].view(dtype)
+            g = a[al.acc_offsets[i] : al.acc_offsets[i] + u.shard_size * 4].view(torch.float32)
+            self._views[u.name] = (p, g)
+        self.senders = [SlotSender(self.slots, self.ids) for _ in self.group]
+        self.receivers = [SlotReceiver(self.slots, self.ids) for _ in self.group]
+        self._seen = [0] * len(self.group)
+
+    # --- per step ---------------------------------------------------------------------------
+    def begin_step(self, layout: Layout, shards: Mapping[str, torch.Tensor], compute_dtype: torch.dtype) -> None:
+        self._raise_if_failed()
+        self._ensure_arena(layout, compute_dtype)
+        self.layout = layout
+        self.step += 1
+        al = self.arena_layout
+        self.fabric.arena[al.params_end : al.acc_end].zero_()  # accumulators first ...
+        for u in layout.units:
+            pub, _ = self._views[u.name]
+            self.fabric.cast_copy(pub, shards[u.name].detach())  # ... then the new shards
+        self.fabric.fence()
+        for peer in self.group:  # ... then the version, visible only after both
+            self.fabric.signal_write(peer, self.sig.version(self.me), self.step)
+        if self.mode == "landing" and len(self.group) > 1 and self._drain is None:
+            self._stop.clear()
+            self._drain = threading.Thread(target=self._drain_loop, name=f"odcfn-drain-{self.mesh.rank}", daemon=True)
+            self._drain.start()
+
+    def _wait(self, pred, what: str) -> None:
+        deadline = time.monotonic() + self.timeout
+        while not pred():
+            self._raise_if_failed()
+            if time.monotonic() > deadline:
+                raise TransportError(f"rank {self.mesh.rank}: timed out after {self.timeout}s waiting for {what}")
+            time.sleep(self.poll_s)
+
+    def _wait_version(self, i: int) -> None:
+        if self._seen[i] >= self.step:
+            return
+
+        def ok() -> bool:
+            self._seen[i] = self.fabric.signal_read(self.sig.version(i))
+            return self._seen[i] >= self.step
+
+        self._wait(ok, f"rank {self.group[i]} to publish step {self.step}")
+
+    def gather(self, unit: str, out: torch.Tensor) -> Handle:
+        i_u = self._unit_index[unit]
+        size = self.layout[unit].shard_size
+        for i in range(len(self.group)):
+            self._wait_version(i)
+        dev = out if out.device == self.fabric.device else torch.empty(out.numel(), dtype=out.dtype, device=self.fabric.device)
+        self.fabric.get(self.group, self.arena_layout.param_offsets[i_u], dev)
+        if dev is not out:
+            out.copy_(dev)
+        self.counters.gathers += 1
+        self.counters.gather_bytes += (len(self.group) - 1) * size * out.element_size()
+        return Done()
+
+    def scatter_accumulate(self, unit: str, grad: torch.Tensor) -> Handle:
+        i_u = self._unit_index[unit]
+        size = self.layout[unit].shard_size
+        for i in range(len(self.group)):  # never push into an owner before it zeroed (cached)
+            self._wait_version(i)
+        grad = grad.to(self.fabric.device, self.dtype).contiguous()
+        if self.mode == "remote_add":
+            self.fabric.scatter_add(self.group, self.arena_layout.acc_offsets[i_u], grad)
+        else:
+            for i, owner in enumerate(self.group):
+                piece = grad[i * size : (i + 1) * size]
+                if i == self.me:
+                    with self._acc_lock:
+                        self.fabric.accumulate(self._views[unit][1], piece)
+                    continue
+                for lo, n in self.arena_layout.chunks(size):
+                    self._push(i, owner, i_u, lo, piece[lo : lo + n])
+        self.counters.scatters += 1
+        self.counters.scatter_bytes += (len(self.group) - 1) * size * grad.element_size()
+        return Done()
+
+    def _push(self, i: int, owner: int, unit: int, lo: int, data: torch.Tensor) -> None:
+        snd = self.senders[i]
+        if not snd.can_send():
+            self._wait(
+                lambda: snd.on_credit(self.fabric.signal_read(self.sig.credit(i))) or snd.can_send(),
+                f"credit from rank {owner}",
+            )
+        rid, slot = snd.next()
+        header = torch.tensor([unit, lo, data.numel(), rid], dtype=torch.int64)
+        off = self.arena_layout.landing_offset(self.me, slot)
+        parts = [(off, header), (off + HEADER_BYTES, data)]
+        self.fabric.put_signal(owner, parts, self.sig.slot(self.me, slot), rid)
+
+    def _drain_once(self) -> bool:
+        al, progressed = self.arena_layout, False
+        for c, client in enumerate(self.group):
+            if c == self.me:
+                continue
+            rcv = self.receivers[c]
+            rid, slot = rcv.expected()
+            if not rcv.ready(self.fabric.signal_read(self.sig.slot(c, slot))):
+                continue
+            base = al.landing_offset(c, slot)
+            hdr = self.fabric.arena[base : base + 32].view(torch.int64).tolist()
+            unit, lo, n, hrid = hdr
+            if hrid % self.ids.modulus != rid:
+                raise TransportError(f"rank {self.mesh.rank}: slot ({c},{slot}) header id {hrid} != signal id {rid}")
+            name = self.layout.units[unit].name
+            x = self.fabric.arena[base + HEADER_BYTES : base + HEADER_BYTES + n * al.grad_itemsize].view(self.dtype)
+            with self._acc_lock:
+                self.fabric.accumulate(self._views[name][1][lo : lo + n], x)
+            rcv.consume()
+            self.fabric.signal_write(client, self.sig.credit(self.me), rid)
+            progressed = True
+        return progressed
+
+    def _drain_loop(self) -> None:
+        side = self.fabric.side_stream
+        ctx = torch.cuda.stream(side) if side is not None else contextlib.nullcontext()
+        try:
+            with ctx:
+                while not self._stop.is_set():
+                    if not self._drain_once():
+                        time.sleep(self.poll_s)
+        except BaseException as e:  # noqa: BLE001 - surfaced by the next wait on the main thread
+            self._error = e
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise TransportError(f"rank {self.mesh.rank}: drain thread failed: {self._error!r}") from self._error
+
+    def _stop_drain(self) -> None:
+        if self._drain is not None:
+            self._stop.set()
+            self._drain.join(timeout=10)
+            self._drain = None
+
+    def flush(self) -> None:
+        self.fabric.fence()
+        for i, owner in enumerate(self.group):
+            self.fabric.signal_write(owner, self.sig.fin(self.me), pack_fin(self.step, self.senders[i].issued, self.ids))
+        step = self.step % (1 << STEP_BITS)
+
+        def done(c: int) -> bool:
+            st, last = unpack_fin(self.fabric.signal_read(self.sig.fin(c)), self.ids)
+            return st == step and (self.mode == "remote_add" or c == self.me or self.receivers[c].caught_up(last))
+
+        for c in range(len(self.group)):
+            self._wait(lambda c=c: done(c), f"rank {self.group[c]} to finish pushing into rank {self.mesh.rank}")
+
+    # --- collectives ------------------------------------------------------------------------
+    def all_gather(self, unit: str, out: torch.Tensor) -> None:
+        pub, _ = self._views[unit]
+        dev = out if out.device == self.fabric.device else torch.empty(out.numel(), dtype=out.dtype, device=self.fabric.device)
+        self.coll.all_gather(self.group, pub, dev)
+        if dev is not out:
+            out.copy_(dev)
+        self.counters.collectives += 1
+        self.counters.collective_bytes += out.numel() * out.element_size()
+
+    def reduce_scatter(self, unit: str, grad: torch.Tensor) -> None:
+        _, acc = self._views[unit]
+        grad = grad.to(self.fabric.device).contiguous()
+        part = torch.empty(acc.numel(), dtype=grad.dtype, device=grad.device)
+        self.coll.reduce_scatter(self.group, grad, part)
+        self.fabric.accumulate(acc, part)
+        self.counters.collectives += 1
+        self.counters.collective_bytes += grad.numel() * grad.element_size()
+
+    def replica_all_reduce(self, grads: Mapping[str, torch.Tensor]) -> None:
+        group = self.mesh.replica_group
+        if len(group) == 1:
+            return
+        names = sorted(grads)
+        flat = torch.cat([grads[n] for n in names])
+        total = self.coll.all_reduce(group, flat)
+        for n, piece in zip(names, total.split([grads[n].numel() for n in names])):
+            grads[n].copy_(piece)
+        self.counters.collectives += 1
+        self.counters.collective_bytes += flat.numel() * flat.element_size()
+
+    def sync(self, stats: torch.Tensor) -> torch.Tensor:
+        out = self.coll.all_reduce(tuple(range(self.mesh.world_size)), stats)
+        self.counters.syncs += 1
+        return out
+
+    def grad_shards(self) -> dict[str, torch.Tensor]:
+        return {name: acc for name, (_, acc) in self._views.items()}
+
+    def claim(self) -> int:
+        return int(self.store.add(f"{self.prefix}/claim/{self.step}", 1)) - 1
+
+    def close(self) -> None:
+        self._stop_drain()
+        self.fabric.close()

@@ -1,0 +1,271 @@
+"""Intra-node GPU transport: every rank's arena mapped into every process of its shard group.
+
+Data plane: the arena is one device allocation per rank, shared through CUDA IPC (torch's own
+``reduce_tensor``/rebuild pair, the mechanism ``torch.multiprocessing`` uses; it works between
+processes on one GPU as well as across the GPUs of a node). A gather is ONE Triton launch that
+pulls every owner's shard through a table of mapped pointers; scatter-accumulate is either ONE
+Triton launch of vectorised atomic adds into the owners' accumulators ("remote_add": the owner
+is never involved) or a put into a per-client landing slot that the owner's drain thread adds
+on a side stream ("landing"). Control plane: int64 signal words in host shared memory
+(``/dev/shm``), each written by exactly one peer after a stream synchronize, so no word ever
+needs a cross-process read-modify-write; ``claim`` uses the rendezvous store's atomic add.
+
+The same fabric runs on CPU tensors (arena in ``/dev/shm`` too): with ``TRITON_INTERPRET=1``
+through the very same Triton kernels, otherwise through their torch references. That is how
+the protocol is tested on machines without a GPU. NOT YET RUN ON GPU HARDWARE.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import time
+import uuid
+from typing import Any
+
+import torch
+
+from odcfn.kernels._gpu_engine import ArenaTransport
+from odcfn.kernels.base import TransportError
+from odcfn.sharding import Mesh
+
+__all__ = ["IpcFabric", "LocalCollectives", "TorchCollectives", "cuda_ipc_transport", "require_cuda"]
+
+
+def require_cuda(what: str = "the CUDA-IPC transport") -> None:
+    if not torch.cuda.is_available():
+        raise RuntimeError(
+            f"{what} needs a CUDA GPU, but torch {torch.__version__} sees none "
+            f"(CPU build or no driver). On CPU use device='cpu' (shared memory + triton "
+            "interpreter/torch references) or odcfn.run_local."
+        )
+
+
+def _triton_ops(device: torch.device):
+    """The Triton kernels when they can run here (CUDA, or interpreter on CPU), else None."""
+    try:
+        from odcfn.kernels import triton_ops
+    except ImportError:
+        if device.type == "cuda":
+            raise RuntimeError("the CUDA-IPC transport needs triton: pip install 'odcfn[gpu]'") from None
+        return None
+    return triton_ops if device.type == "cuda" or triton_ops.interpreting() else None
+
+
+def _shm(path: str, nbytes: int, create: bool) -> torch.Tensor:
+    if create:
+        with open(path, "wb") as f:
+            f.truncate(nbytes)  # zero-filled
+    return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+
+
+class IpcFabric:
+    """Arena + signals of one rank of an intra-node shard group (see module doc)."""
+
+    def __init__(
+        self, mesh: Mesh, store: Any, device: torch.device | str, *, shm_dir: str = "/dev/shm", timeout: float = 300.0
+    ) -> None:
+        self.device = torch.device(device)
+        if self.device.type == "cuda":
+            require_cuda()
+        elif self.device.type != "cpu":
+            raise ValueError(f"IpcFabric: device must be cuda or cpu, got {self.device}")
+        if mesh.sharding == "full" and mesh.num_nodes > 1:
+            raise ValueError(
+                f"IpcFabric: a full-shard group spans {mesh.num_nodes} nodes; CUDA IPC reaches one node "
+                "(use sharding='hybrid' or the NVSHMEM transport)"
+            )
+        self.mesh, self.store, self.shm_dir, self.timeout = mesh, store, shm_dir, timeout
+        self.group = mesh.shard_group
+        self.ops = _triton_ops(self.device)
+        self.side_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.arena = torch.empty(0, dtype=torch.uint8)
+        self.peers: dict[int, torch.Tensor] = {}
+        self.peer_sigs: dict[int, torch.Tensor] = {}
+        self.sig = torch.empty(0, dtype=torch.int64)
+        self._own_files: list[str] = []
+        self._tables: dict[tuple[int, ...], torch.Tensor] = {}
+
+    # --- rendezvous: map every shard-group peer's arena and signal words ----------------------
+    def setup(self, nbytes: int, words: int, key: str) -> None:
+        self.close()
+        r = self.mesh.rank
+        tag = f"odcfn-{uuid.uuid4().hex[:12]}-{r}"
+        sig_path = os.path.join(self.shm_dir, f"{tag}.sig")
+        self._own_files = [sig_path]
+        self.sig = _shm(sig_path, words * 8, create=True).view(torch.int64)
+        if self.device.type == "cpu":
+            arena_path = os.path.join(self.shm_dir, f"{tag}.arena")
+            self._own_files.append(arena_path)
+            self.arena = _shm(arena_path, nbytes, create=True)
+            blob = ("file", arena_path)
+        else:
+            from torch.multiprocessing.reductions import reduce_tensor
+
+            self.arena = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
+            blob = ("cuda", reduce_tensor(self.arena))
+        self.store.set(f"{key}/{r}", pickle.dumps({"sig": sig_path, "arena": blob, "nbytes": nbytes}))
+        for peer in self.group:
+            info = pickle.loads(self.store.get(f"{key}/{peer}"))
+            if info["nbytes"] != nbytes:
+                raise TransportError(f"rank {peer} laid out {info['nbytes']} arena bytes, rank {r} {nbytes}")
+            self.peer_sigs[peer] = self.sig if peer == r else _shm(info["sig"], words * 8, False).view(torch.int64)
+            if peer == r:
+                self.peers[peer] = self.arena
+            elif info["arena"][0] == "file":
+                self.peers[peer] = _shm(info["arena"][1], nbytes, create=False)
+            else:
+                fn, args = info["arena"][1]
+                self.peers[peer] = fn(*args)
+        # everyone has mapped everyone: the files can go (mappings stay valid, a crash leaks nothing)
+        self.store.add(f"{key}/mapped", 1)
+        deadline = time.monotonic() + self.timeout
+        while int(self.store.add(f"{key}/mapped", 0)) < len(self.group):
+            if time.monotonic() > deadline:
+                raise TransportError(f"rank {r}: peers did not map the arenas within {self.timeout}s")
+            time.sleep(1e-3)
+        self._unlink()
+
+    def _unlink(self) -> None:
+        for p in self._own_files:
+            try:
+                os.unlink(p)
+            except FileNotFoundError:
+                pass
+        self._own_files = []
+
+    # --- signals ------------------------------------------------------------------------------
+    def signal_read(self, idx: int) -> int:
+        return int(self.sig[idx])
+
+    def signal_write(self, rank: int, idx: int, value: int) -> None:
+        self.fence()  # every byte this thread wrote to the peer lands before the word
+        self.peer_sigs[rank][idx] = value
+
+    # --- data ---------------------------------------------------------------------------------
+    def _table(self, owners: tuple[int, ...], offset: int) -> torch.Tensor:
+        key = (*owners, offset)
+        t = self._tables.get(key)
+        if t is None:
+            ptrs = [self.peers[o].data_ptr() + offset for o in owners]
+            t = self._tables[key] = torch.tensor(ptrs, dtype=torch.int64, device=self.device)
+        return t
+
+    def get(self, owners: tuple[int, ...], offset: int, out: torch.Tensor) -> None:
+        n = out.numel() // len(owners)
+        if self.ops is not None:
+            self.ops.gather(self._table(owners, offset), out)
+            return
+        nbytes = n * out.element_size()
+        for i, o in enumerate(owners):
+            out[i * n : (i + 1) * n].copy_(self.peers[o][offset : offset + nbytes].view(out.dtype))
+
+    def put_signal(self, rank: int, parts: list[tuple[int, torch.Tensor]], idx: int, value: int) -> None:
+        dst = self.peers[rank]
+        for off, t in parts:
+            b = t.contiguous().view(torch.uint8).reshape(-1)
+            dst[off : off + b.numel()].copy_(b, non_blocking=True)
+        self.signal_write(rank, idx, value)
+
+    def scatter_add(self, owners: tuple[int, ...], offset: int, grad: torch.Tensor) -> None:
+        if self.ops is None:
+            raise RuntimeError(
+                "mode='remote_add' needs triton atomics: a CUDA device, or TRITON_INTERPRET=1 on CPU "
+                "(plain torch add_ from several processes loses updates)"
+            )
+        self.ops.scatter_add(self._table(owners, offset), grad)
+
+    def accumulate(self, acc: torch.Tensor, x: torch.Tensor) -> None:
+        if self.ops is not None:
+            self.ops.accumulate(acc, x)
+        else:
+            acc.add_(x)
+
+    def cast_copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        src = src.to(dst.device).contiguous()
+        if self.ops is not None and src.dtype in (torch.float32, torch.bfloat16, torch.float16):
+            self.ops.cast_copy(dst, src)
+        else:
+            dst.copy_(src)
+
+    def fence(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+
+    def close(self) -> None:
+        self._unlink()
+        self.peers, self.peer_sigs, self._tables = {}, {}, {}
+
+
+class TorchCollectives:
+    """Collectives on torch.distributed (nccl on GPU, gloo on CPU). Construct on every rank in
+    the same order: it creates one process group per shard group and per replica group."""
+
+    def __init__(self, mesh: Mesh, device: torch.device | str) -> None:
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            raise RuntimeError("TorchCollectives needs torch.distributed.init_process_group first")
+        self.dist, self.device = dist, torch.device(device)
+        self.groups: dict[tuple[int, ...], Any] = {tuple(range(mesh.world_size)): None}
+        for r in range(mesh.world_size):
+            m = mesh.with_rank(r)
+            for g in (m.shard_group, m.replica_group):
+                if g not in self.groups:
+                    self.groups[g] = dist.new_group(list(g))
+
+    def all_gather(self, group: tuple[int, ...], mine: torch.Tensor, out: torch.Tensor) -> None:
+        self.dist.all_gather_into_tensor(out, mine.contiguous(), group=self.groups[group])
+
+    def reduce_scatter(self, group: tuple[int, ...], grad: torch.Tensor, out: torch.Tensor) -> None:
+        self.dist.reduce_scatter_tensor(out, grad, group=self.groups[group])
+
+    def all_reduce(self, group: tuple[int, ...], x: torch.Tensor) -> torch.Tensor:
+        y = x.to(self.device, copy=True)
+        self.dist.all_reduce(y, group=self.groups[group])
+        return y.to(x.device)
+
+
+class LocalCollectives:
+    """Collectives between in-process ranks (threads) of a ``LocalWorld``: for CPU tests."""
+
+    def __init__(self, world: Any, rank: int) -> None:
+        self.world, self.rank = world, rank
+
+    def all_gather(self, group: tuple[int, ...], mine: torch.Tensor, out: torch.Tensor) -> None:
+        torch.cat(self.world.exchange(group, self.rank, mine.clone()), out=out)
+
+    def reduce_scatter(self, group: tuple[int, ...], grad: torch.Tensor, out: torch.Tensor) -> None:
+        parts = self.world.exchange(group, self.rank, grad.clone())
+        i, n = group.index(self.rank), out.numel()
+        out.copy_(torch.stack([p[i * n : (i + 1) * n] for p in parts]).sum(0))
+
+    def all_reduce(self, group: tuple[int, ...], x: torch.Tensor) -> torch.Tensor:
+        return torch.stack(self.world.exchange(group, self.rank, x.clone())).sum(0)
+
+
+def cuda_ipc_transport(
+    mesh: Mesh,
+    store: Any,
+    collectives: Any,
+    *,
+    device: torch.device | str | None = None,
+    mode: str = "remote_add",
+    slots: int = 4,
+    slot_elems: int = 1 << 20,
+    timeout: float = 300.0,
+    prefix: str = "odcfn",
+) -> ArenaTransport:
+    """The CUDA-IPC transport for ``mesh.rank``. ``store``: a torch.distributed Store shared by
+    the ranks (rendezvous + ``claim``); ``collectives``: ``TorchCollectives`` (or
+    ``LocalCollectives`` for threads). ``device`` defaults to ``cuda:{local_rank % count}``, so W
+    processes on a one-GPU machine share that GPU. ``mode``: "remote_add" or "landing"."""
+    if device is None:
+        require_cuda()
+        device = torch.device("cuda", mesh.local_rank % torch.cuda.device_count())
+    fabric = IpcFabric(mesh, store, device, timeout=timeout)
+    if mode == "remote_add" and fabric.ops is None:
+        fabric.scatter_add((), 0, torch.empty(0))  # raises the clear error
+    return ArenaTransport(
+        mesh, fabric, store, collectives, mode=mode, slots=slots, slot_elems=slot_elems, timeout=timeout, prefix=prefix
+    )
