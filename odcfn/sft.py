@@ -23,7 +23,10 @@ Config (TOML or JSON), every key optional except ``data.path`` and ``train.steps
     [checkpoint]
     every = 50, keep = 3, resume = true, export_hf = "path"   # HF copy of the final weights
     [log]
-    every = 1, tensorboard = false
+    every = 1, tensorboard = false        # progress line every N steps (JSONL gets every step)
+
+``odcfn train --init DIR`` writes a runnable example (``DIR/run.toml`` + a generated
+``DIR/train.jsonl``) to start from.
 """
 
 from __future__ import annotations
@@ -224,11 +227,19 @@ def _build_model(cfg: SFTConfig):
     return qcfg, qwen_model(qcfg), full
 
 
+def _busy(events) -> float:
+    from odcfn.trace import COMPUTE_KINDS
+
+    return sum(e.duration for e in events if e.kind in COMPUTE_KINDS)
+
+
 class _Logger:
-    """Rank 0's metrics sink: JSONL (appended across resumes), optional TensorBoard, stdout."""
+    """Rank 0's metrics sink: JSONL every step (appended across resumes), optional TensorBoard,
+    a progress line on stdout every ``log.every`` steps."""
 
     def __init__(self, cfg: SFTConfig) -> None:
         self.cfg = cfg
+        self.t0, self.n = time.perf_counter(), 0
         cfg.metrics_path.parent.mkdir(parents=True, exist_ok=True)
         self.file = open(cfg.metrics_path, "a")
         self.tb = None
@@ -247,13 +258,14 @@ class _Logger:
             for k, v in rec.items():
                 if k != "step" and isinstance(v, (int, float)):
                     self.tb.add_scalar(k, v, rec["step"])
-        if self.cfg.log.progress and (
-            rec["step"] % self.cfg.log.every == 0 or rec["step"] == self.cfg.train.steps
-        ):
+        self.n += 1
+        total = self.cfg.train.steps
+        if self.cfg.log.progress and (rec["step"] % self.cfg.log.every == 0 or rec["step"] == total):
+            eta = (time.perf_counter() - self.t0) / self.n * (total - rec["step"])
             print(
-                f"step {rec['step']:>6}/{self.cfg.train.steps}  loss {rec['loss']:.4f}  "
+                f"step {rec['step']:>6}/{total}  loss {rec['loss']:.4f}  "
                 f"grad_norm {rec['grad_norm']:.3f}  lr {rec['lr']:.2e}  "
-                f"{rec['tokens_per_s']:.0f} tok/s  {rec['step_time']:.2f}s",
+                f"{rec['tokens_per_s']:.0f} tok/s  {rec['step_time']:.2f}s/step  eta {eta:.0f}s",
                 flush=True,
             )
 
@@ -341,6 +353,8 @@ def train_rank(cfg: SFTConfig, rank: int, transport) -> dict[str, Any]:
                         "syncs": m.counters.syncs,
                         "gather_bytes": m.counters.gather_bytes,
                         "collective_bytes": m.counters.collective_bytes,
+                        # rank 0's forward+backward share of its step (1 - its own bubble)
+                        "busy_fraction": _busy(m.events) / m.step_time if m.step_time > 0 else 0.0,
                         "time": time.time(),
                     }
                 )
@@ -413,8 +427,65 @@ def run(cfg: SFTConfig) -> list[dict[str, Any]]:
 # --- command line ------------------------------------------------------------------------------
 
 
+EXAMPLE_TOML = """\
+# odcfn train --config run.toml   (written by `odcfn train --init`)
+out_dir = "out"
+
+[model]
+vocab_size = 128
+d_model = 32
+n_layers = 2
+n_heads = 4
+n_kv_heads = 2
+d_ff = 64
+seed = 0
+
+[data]
+path = "train.jsonl"
+batch_size = 8
+seed = 0
+
+[train]
+steps = 12
+lr = 3e-3
+warmup_steps = 2
+schedule = "cosine"
+max_grad_norm = 1.0
+comm = "odc"
+balance = "lb_mini"
+max_tokens_per_microbatch = 256
+world_size = 2
+backend = "threads"
+
+[checkpoint]
+every = 4
+keep = 2
+
+[log]
+every = 1
+"""
+
+
+def write_example(directory: str | os.PathLike, *, num_samples: int = 48, seed: int = 0) -> Path:
+    """A runnable example: ``run.toml`` and a generated SFT-shaped ``train.jsonl``."""
+    import random
+
+    from odcfn.data import synthetic_records, write_jsonl
+
+    root = Path(directory)
+    root.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    lengths = [min(256, int(16 + rng.lognormvariate(3.5, 0.7))) for _ in range(num_samples)]
+    write_jsonl(root / "train.jsonl", synthetic_records(lengths, 128, seed=seed))
+    (root / "run.toml").write_text(EXAMPLE_TOML)
+    return root / "run.toml"
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", required=True, help="run config, .toml or .json")
+    parser.add_argument("--config", help="run config, .toml or .json")
+    parser.add_argument(
+        "--init", metavar="DIR", help="write an example run.toml + train.jsonl into DIR and exit"
+    )
     parser.add_argument("--steps", type=int, help="override train.steps")
     parser.add_argument("--world-size", type=int, help="override train.world_size")
     parser.add_argument("--out-dir", help="override out_dir")
@@ -423,6 +494,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.init:
+        path = write_example(args.init)
+        print(
+            f"odcfn train: wrote {path} and {path.parent / 'train.jsonl'}; run: odcfn train --config {path}"
+        )
+        return 0
+    if not args.config:
+        print("odcfn train: give --config FILE (or --init DIR for an example)", file=sys.stderr)
+        return 2
     cfg = load_config(args.config)
     train, ckpt, log = cfg.train, cfg.checkpoint, cfg.log
     if args.steps is not None:

@@ -186,3 +186,16 @@ def test_processes_backend(tmp_path):
     for x, y in zip(_metrics(tmp_path), _metrics(ref)):
         assert x["loss"] == pytest.approx(y["loss"], rel=1e-6)
     assert torch.isfinite(torch.tensor([r["grad_norm"] for r in _metrics(tmp_path)])).all()
+
+
+def test_init_writes_a_runnable_example(tmp_path, capsys):
+    assert cli.main(["train", "--init", str(tmp_path / "ex")]) == 0
+    assert (tmp_path / "ex" / "train.jsonl").exists()
+    cfg = load_config(tmp_path / "ex" / "run.toml")
+    assert cfg.train.balance == "lb_mini" and cfg.train.world_size == 2
+    assert cli.main(["train", "--config", str(tmp_path / "ex" / "run.toml"), "--steps", "4"]) == 0
+    recs = [json.loads(x) for x in (tmp_path / "ex" / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs] == [1, 2, 3, 4]
+    assert all(0 < r["busy_fraction"] <= 1 for r in recs)
+    assert "eta" in capsys.readouterr().out
+    assert cli.main(["train"]) == 2  # neither --config nor --init
