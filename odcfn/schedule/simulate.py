@@ -5,8 +5,10 @@ for compute and a bandwidth/latency model for communication, and emits ``odcfn.t
 in the runtime's format (so ``bubble_rate``, the Chrome export and the timeline plot work on
 both). Work stealing is simulated as a dynamic queue with the runtime's claim order.
 
-Timing rules (per rank: a compute clock and one communication stream, FIFO):
-- ``Gather``/``ScatterAccumulate``: issued without blocking compute; the transfer starts when the
+Timing rules (per rank: a compute clock and two FIFO communication streams, one pulling
+parameters in and one pushing gradients out: links are full duplex, and FSDP2 too runs
+all-gathers and reduce-scatters on separate streams):
+- ``Gather``/``ScatterAccumulate``: issued without blocking compute; the transfer starts when its
   stream is free and takes ``latency + bytes * (S-1)/S / bandwidth`` (S = shard-group size;
   inter-node bandwidth when the group spans nodes). Owners do nothing and nobody waits for them.
 - ``Forward``/``Backward`` of a unit start when the compute clock is free and the unit's latest
@@ -29,7 +31,7 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from odcfn.schedule.balance import work_stealing_order
+from odcfn.schedule.balance import work_stealing_items
 from odcfn.schedule.cost import DEFAULT_COST, CostModel
 from odcfn.schedule.plan import (
     AllGather,
@@ -214,11 +216,12 @@ def _slowdowns(slowdown: Sequence[float] | None, world: int) -> list[float]:
 class _Rank:
     """One rank's clocks while it runs a stream of steps."""
 
-    __slots__ = ("busy", "events", "ready", "remat", "slow", "stream", "t")
+    __slots__ = ("busy", "events", "pull", "push", "ready", "remat", "slow", "t")
 
     def __init__(self, n_units: int, slow: float, record: bool) -> None:
         self.t = 0.0  # compute clock: when the next step can be issued
-        self.stream = 0.0  # the communication stream is free from here
+        self.pull = 0.0  # the gather stream is free from here
+        self.push = 0.0  # the scatter stream is free from here
         self.ready = [0.0] * n_units  # when each unit's latest gather lands
         self.remat = [False] * n_units
         self.busy = 0.0
@@ -286,12 +289,14 @@ class _Engine:
                     ev.append(Event(r, _KIND[code], self.work.units[u], start, end, mb))
                     if slow > 1.0:
                         ev.append(Event(r, "straggle", self.work.units[u], end, st.t, mb))
-            elif code == _GATHER or code == _SCATTER:
-                start = st.t if st.t >= st.stream else st.stream
-                end = start + (self.gather_time[u] if code == _GATHER else self.scatter_time[u])
-                st.stream = end
-                if code == _GATHER:
-                    st.ready[u] = end
+            elif code == _GATHER:
+                start = st.t if st.t >= st.pull else st.pull
+                st.pull = st.ready[u] = end = start + self.gather_time[u]
+                if ev is not None:
+                    ev.append(Event(r, _KIND[code], self.work.units[u], start, end))
+            elif code == _SCATTER:
+                start = st.t if st.t >= st.push else st.push
+                st.push = end = start + self.scatter_time[u]
                 if ev is not None:
                     ev.append(Event(r, _KIND[code], self.work.units[u], start, end))
             elif code == _RELEASE:
@@ -304,21 +309,27 @@ class _Engine:
             pc += 1
         return pc
 
-    def arrive(self, st: _Rank) -> float:
-        return st.t if st.t >= st.stream else st.stream
+    def arrive(self, st: _Rank, code: int) -> float:
+        """When this rank can start the collective (``code``): compute has issued it and the
+        stream it runs on is free (the sync also waits for both streams: flush)."""
+        if code == _AG:
+            return max(st.t, st.pull)
+        if code == _RS:
+            return max(st.t, st.push)
+        return max(st.t, st.pull, st.push)
 
     def finish(self, r: int, st: _Rank, code: int, u: int, start: float, arrival: float) -> None:
         """Complete a collective (or the sync) that started at ``start`` for rank ``r``."""
         if code == _SYNC:
             end = start + self.sync_time
-            st.t = st.stream = end
+            st.t = st.pull = st.push = end
             if st.events is not None:
                 st.events.append(Event(r, "sync", "", arrival, end))
             return
-        end = start + (self.gather_time[u] if code == _AG else self.scatter_time[u])
-        st.stream = end
         if code == _AG:
-            st.ready[u] = end
+            st.pull = st.ready[u] = end = start + self.gather_time[u]
+        else:
+            st.push = end = start + self.scatter_time[u]
         if st.events is not None:
             st.events.append(Event(r, "collective", self.work.units[u], start, end))
 
@@ -398,7 +409,7 @@ def simulate(
                 f"plans disagree: ranks {list(group)} meet at different collectives {stuck}; "
                 "collective plans must issue the same collectives in the same order"
             )
-        arrivals = [eng.arrive(ranks[m]) for m in members]
+        arrivals = [eng.arrive(ranks[m], code) for m in members]
         start = max(arrivals)
         for m, t in zip(members, arrivals):
             eng.finish(m, ranks[m], code, u, start, t)
@@ -423,11 +434,11 @@ def _result(plans: Sequence[Plan], ranks: Sequence[_Rank], lengths: Sequence[int
 
 
 def stealing_fragment(
-    units: Sequence[str], sample: int, mb: int, options: ScheduleOptions | None = None
+    units: Sequence[str], sample_ids: Sequence[int], mb: int, options: ScheduleOptions | None = None
 ) -> tuple:
-    """The steps a work-stealing rank runs for one claimed sample: a one-microbatch plan (its
+    """The steps a work-stealing rank runs for one claimed item: a one-microbatch plan (its
     gathers prefetched inside it) without the Sync, renumbered as microbatch ``mb``."""
-    steps = compile_plan(units, (((sample,),),), 0, "odc", options).steps[:-1]
+    steps = compile_plan(units, ((tuple(sample_ids),),), 0, "odc", options).steps[:-1]
     if mb == 0:
         return steps
     return tuple(replace(s, mb=mb) if isinstance(s, (Forward, Backward)) else s for s in steps)
@@ -439,39 +450,46 @@ def simulate_work_stealing(
     *,
     workload: Workload,
     cost: CostModel = DEFAULT_COST,
-    order: Sequence[int] | None = None,
+    items: Sequence[Sequence[int]] | None = None,
+    max_tokens: int | None = None,
+    split_tail: float = 1.0,
     options: ScheduleOptions | None = None,
     comm: CommModel = ZERO_COMM,
     mesh: Mesh | None = None,
     slowdown: Sequence[float] | None = None,
     record: bool = True,
 ) -> SimResult:
-    """Work stealing as the runtime does it: the samples wait in one queue (``order``; default
-    heaviest first by ``cost``); whenever a rank is free it claims the next one and runs it as a
-    one-microbatch fragment; when the queue is empty it goes to the Sync. Ties: lowest rank."""
+    """Work stealing as the runtime does it: the work items (microbatches of one or a few
+    samples) wait in one queue (``items``; default ``work_stealing_items(lengths, cost,
+    world_size=world_size, max_tokens=max_tokens, split_tail=split_tail)``); whenever a rank is
+    free it claims the next one and runs it as a one-microbatch fragment; when the queue is
+    empty it goes to the Sync. Ties (ranks free at the same time): lowest rank first."""
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
-    order = tuple(work_stealing_order(lengths, cost) if order is None else order)
-    if sorted(order) != list(range(len(lengths))):
-        raise ValueError("order must be a permutation of the sample ids")
+    if items is None:
+        items = work_stealing_items(
+            lengths, cost, world_size=world_size, max_tokens=max_tokens, split_tail=split_tail
+        )
+    items = tuple(tuple(it) for it in items)
+    if sorted(i for it in items for i in it) != list(range(len(lengths))) or not all(items):
+        raise ValueError("work items must be non-empty and hold every sample id exactly once")
     mesh = _mesh_for(mesh, world_size)
     eng = _Engine(workload, mesh, comm, record)
     ranks = [_Rank(len(workload.units), f, record) for f in _slowdowns(slowdown, world_size)]
-    frag = stealing_fragment(workload.units, 0, 0, options)
-    codes = eng.codes(frag)
-    claims: list[list[int]] = [[] for _ in range(world_size)]
+    codes = eng.codes(stealing_fragment(workload.units, (0,), 0, options))
+    claims: list[list[tuple[int, ...]]] = [[] for _ in range(world_size)]
     free = [(0.0, r) for r in range(world_size)]
-    for i in order:
+    for item in items:
         _, r = heapq.heappop(free)
         st = ranks[r]
         k = len(claims[r])
-        claims[r].append(i)
+        claims[r].append(item)
         n0 = len(st.events) if st.events is not None else 0
-        eng.run(r, st, codes, 0, (cost(lengths[i]),))
+        eng.run(r, st, codes, 0, (sum(cost(lengths[i]) for i in item),))
         if st.events is not None and k:  # the fragment says mb 0: it is this rank's k-th claim
             st.events[n0:] = [replace(e, mb=k) if e.mb == 0 else e for e in st.events[n0:]]
         heapq.heappush(free, (st.t, r))
-    arrivals = [eng.arrive(st) for st in ranks]
+    arrivals = [eng.arrive(st, _SYNC) for st in ranks]
     start = max(arrivals)
     for r, (st, a) in enumerate(zip(ranks, arrivals)):
         eng.finish(r, st, _SYNC, -1, start, a)
@@ -480,7 +498,7 @@ def simulate_work_stealing(
             r,
             "odc",
             workload.units,
-            tuple((i,) for i in claims[r]),
+            tuple(claims[r]),
             _realised(workload.units, claims[r], options) if record else (),
         )
         for r in range(world_size)
@@ -488,10 +506,12 @@ def simulate_work_stealing(
     return _result(plans, ranks, lengths)
 
 
-def _realised(units: Sequence[str], claimed: Sequence[int], options: ScheduleOptions | None) -> tuple:
+def _realised(
+    units: Sequence[str], claimed: Sequence[Sequence[int]], options: ScheduleOptions | None
+) -> tuple:
     steps: list = []
-    for k, i in enumerate(claimed):
-        steps += stealing_fragment(units, i, k, options)
+    for k, item in enumerate(claimed):
+        steps += stealing_fragment(units, item, k, options)
     return (*steps, Sync())
 
 

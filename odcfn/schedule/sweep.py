@@ -1,0 +1,243 @@
+"""``odcfn simulate``: balancers x devices x samples per device x datasets, in the simulator.
+
+For each cell it samples minibatches of ``devices x samples_per_device`` lengths, builds the
+three schedules -- Collective + LB-Micro (the FSDP baseline), ODC + LB-Mini, ODC + work stealing
+-- simulates them and reports bubble rates, the bubble lower bound ``max(max cost, total / D)``
+and samples/s. Compute costs are the FLOPs of a 7B-class model at a fixed MFU on A100s; comm is
+an A100 cluster (NVLink inside a node of 8, 200 Gb/s InfiniBand across nodes) unless ``--comm
+zero``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+from odcfn.schedule.balance import lb_micro, lb_mini
+from odcfn.schedule.cost import QWEN25_7B, QuadraticCost, flops_cost
+from odcfn.schedule.lengths import DATASETS, get_dataset
+from odcfn.schedule.simulate import (
+    A100_COMM,
+    ZERO_COMM,
+    CommModel,
+    Workload,
+    compile_plans,
+    lower_bound_makespan,
+    simulate,
+    simulate_work_stealing,
+)
+from odcfn.sharding import Mesh
+
+__all__ = ["POLICIES", "Row", "add_arguments", "main", "run_cell", "sweep"]
+
+POLICIES = ("collective+lb-micro", "odc+lb-mini", "odc+work-stealing")
+A100_BF16_FLOPS = 312e12
+MFU = 0.45
+RANKS_PER_NODE = 8
+MODEL_PARAMS = 7.6e9  # Qwen2.5-7B
+COMMS = {"a100": A100_COMM, "zero": ZERO_COMM}
+
+
+@dataclass(frozen=True)
+class Row:
+    dataset: str
+    devices: int
+    samples_per_device: int
+    policy: str
+    straggler: float
+    bubble_rate: float
+    lower_bound_bubble_rate: float
+    samples_per_s: float  # simulated
+    speedup: float  # samples/s relative to collective+lb-micro in the same cell
+
+
+def default_cost() -> QuadraticCost:
+    """Seconds per sample: the 7B model's training FLOPs at ``MFU`` of an A100's bf16 peak."""
+    return flops_cost(QWEN25_7B).scaled(1.0 / (A100_BF16_FLOPS * MFU))
+
+
+def run_cell(
+    dataset: str,
+    devices: int,
+    samples_per_device: int,
+    *,
+    straggler: float = 1.0,
+    minibatches: int = 4,
+    units: int = 8,
+    comm: CommModel = A100_COMM,
+    cost: QuadraticCost | None = None,
+    max_tokens: int | None = None,
+    seed: int = 0,
+) -> list[Row]:
+    """One cell: the three policies on the same ``minibatches`` sampled minibatches. Bubble
+    rates are time-weighted over the minibatches; samples/s = all samples / all step time."""
+    ds = get_dataset(dataset)
+    cost = cost or default_cost()
+    cap = max_tokens or ds.max_tokens
+    mesh = Mesh(devices, 0, RANKS_PER_NODE if devices % RANKS_PER_NODE == 0 else None)
+    # bf16 parameters gathered, bf16 gradients pushed (owners accumulate in fp32), both modes
+    work = Workload.uniform(units, model_bytes=2 * MODEL_PARAMS)
+    acc = {p: [0.0, 0.0, 0] for p in POLICIES}  # busy, rank-time, samples
+    lb_busy = lb_time = 0.0
+    for k in range(minibatches):
+        lengths = ds.sample(devices * samples_per_device, seed=seed * 1000 + k)
+        # the slow device sits at a random rank each minibatch: balancers sort ranks by load,
+        # so a fixed index would always meet the same (heaviest or lightest) share
+        slow = [1.0] * devices
+        slow[random.Random(f"straggler/{seed}/{k}").randrange(devices)] = straggler
+        results = {
+            "collective+lb-micro": simulate(
+                compile_plans(work.units, lb_micro(lengths, devices, cap, cost=cost), "collective"),
+                lengths,
+                workload=work,
+                cost=cost,
+                comm=comm,
+                mesh=mesh,
+                slowdown=slow,
+                record=False,
+            ),
+            "odc+lb-mini": simulate(
+                compile_plans(work.units, lb_mini(lengths, devices, cap, cost=cost), "odc"),
+                lengths,
+                workload=work,
+                cost=cost,
+                comm=comm,
+                mesh=mesh,
+                slowdown=slow,
+                record=False,
+            ),
+            "odc+work-stealing": simulate_work_stealing(
+                lengths,
+                devices,
+                workload=work,
+                cost=cost,
+                comm=comm,
+                mesh=mesh,
+                slowdown=slow,
+                record=False,
+            ),
+        }
+        for p, res in results.items():
+            acc[p][0] += sum(res.busy)
+            acc[p][1] += devices * res.makespan
+            acc[p][2] += res.num_samples
+        total = sum(cost(n) for n in lengths)
+        lb_busy += total
+        lb_time += devices * lower_bound_makespan(lengths, devices, cost, slow)
+    base = acc[POLICIES[0]][2] / (acc[POLICIES[0]][1] / devices)
+    rows = []
+    for p in POLICIES:
+        busy, rank_time, n = acc[p]
+        sps = n / (rank_time / devices)
+        rows.append(
+            Row(
+                dataset,
+                devices,
+                samples_per_device,
+                p,
+                straggler,
+                1.0 - busy / rank_time,
+                1.0 - lb_busy / lb_time,
+                sps,
+                sps / base,
+            )
+        )
+    return rows
+
+
+def sweep(
+    datasets: Sequence[str], devices: Sequence[int], samples_per_device: Sequence[int], **kw: object
+) -> list[Row]:
+    return [
+        row
+        for ds in datasets
+        for d in devices
+        for s in samples_per_device
+        for row in run_cell(ds, d, s, **kw)  # type: ignore[arg-type]
+    ]
+
+
+def format_table(rows: Sequence[Row]) -> str:
+    """One line per cell: bubble rates of the three policies and the lower bound, and the ODC
+    policies' samples/s relative to Collective + LB-Micro."""
+    head = (
+        f"{'dataset':<10} {'D':>5} {'s/D':>4} | {'bubble: coll+micro':>18} {'odc+mini':>9} "
+        f"{'odc+ws':>7} {'bound':>6} | {'x mini':>6} {'x ws':>6}"
+    )
+    lines = [head, "-" * len(head)]
+    cells: dict[tuple, dict[str, Row]] = {}
+    for r in rows:
+        cells.setdefault((r.dataset, r.devices, r.samples_per_device), {})[r.policy] = r
+    for (ds, d, s), by in cells.items():
+        c, m, w = (by[p] for p in POLICIES)
+        lines.append(
+            f"{ds:<10} {d:>5} {s:>4} | {c.bubble_rate:>18.1%} {m.bubble_rate:>9.1%} "
+            f"{w.bubble_rate:>7.1%} {c.lower_bound_bubble_rate:>6.1%} | {m.speedup:>5.2f}x {w.speedup:>5.2f}x"
+        )
+    return "\n".join(lines)
+
+
+def _ints(s: str) -> list[int]:
+    try:
+        out = [int(x) for x in s.split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {s!r}") from None
+    if not out or min(out) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive ints, got {s!r}")
+    return out
+
+
+def _names(s: str) -> list[str]:
+    out = [x for x in s.split(",") if x]
+    bad = [x for x in out if x not in DATASETS]
+    if bad or not out:
+        raise argparse.ArgumentTypeError(f"unknown dataset(s) {bad}; known: {sorted(DATASETS)}")
+    return out
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--devices", type=_ints, default=[8, 16, 32, 64, 1024], help="comma-separated")
+    p.add_argument("--samples-per-device", type=_ints, default=[1, 2, 4, 8], help="comma-separated")
+    p.add_argument("--datasets", type=_names, default=list(DATASETS), help=f"of {sorted(DATASETS)}")
+    p.add_argument("--straggler", type=float, default=1.0, help="slow one device by this factor")
+    p.add_argument("--minibatches", type=int, default=4, help="sampled minibatches per cell")
+    p.add_argument("--units", type=int, default=8, help="FSDP units the 7B model is cut into")
+    p.add_argument("--comm", choices=sorted(COMMS), default="a100", help="communication model")
+    p.add_argument("--max-tokens", type=int, default=None, help="microbatch cap (default: dataset max)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print one JSON list of rows instead")
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.straggler < 1.0:
+        print(f"odcfn simulate: --straggler must be >= 1.0, got {args.straggler}", file=sys.stderr)
+        return 2
+    if args.minibatches < 1 or args.units < 1:
+        print("odcfn simulate: --minibatches and --units must be >= 1", file=sys.stderr)
+        return 2
+    t0 = time.perf_counter()
+    rows = sweep(
+        args.datasets,
+        args.devices,
+        args.samples_per_device,
+        straggler=args.straggler,
+        minibatches=args.minibatches,
+        units=args.units,
+        comm=COMMS[args.comm],
+        max_tokens=args.max_tokens,
+        seed=args.seed,
+    )
+    if args.json:
+        print(json.dumps([asdict(r) for r in rows]))
+    else:
+        print(format_table(rows))
+        print(
+            f"({len(rows) // len(POLICIES)} cells in {time.perf_counter() - t0:.1f} s; "
+            f"straggler x{args.straggler:g}, comm={args.comm}, {args.units} units)"
+        )
+    return 0
