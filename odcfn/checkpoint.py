@@ -49,9 +49,7 @@ def _rank_file(rank: int) -> str:
 # --- pytree <-> (JSON skeleton, tensors) ---------------------------------------------------
 
 
-def _encode(
-    tree: Any, key: str, layout: Layout, tensors: dict[str, torch.Tensor], rank0: bool
-) -> Any:
+def _encode(tree: Any, key: str, layout: Layout, tensors: dict[str, torch.Tensor], rank0: bool) -> Any:
     """JSON skeleton of ``tree``; its tensors go into ``tensors`` under ``key``-derived names.
 
     A dict keyed by exactly the unit names whose values are shard-sized 1-D tensors is a
@@ -68,9 +66,7 @@ def _encode(
         items = {}
         for k, v in tree.items():
             if not isinstance(k, str) or "/" in k:
-                raise TypeError(
-                    f"checkpoint: dict key {k!r} under {key!r} must be a str without '/'"
-                )
+                raise TypeError(f"checkpoint: dict key {k!r} under {key!r} must be a str without '/'")
             items[k] = _encode(v, f"{key}/{k}", layout, tensors, rank0)
         return {"type": "dict", "items": items}
     if isinstance(tree, (list, tuple)):
@@ -107,13 +103,26 @@ def _decode(node: dict, read_sharded, read_tensor) -> Any:
 # --- save --------------------------------------------------------------------------------
 
 
+def _tmp_name(path: Path) -> Path:
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}-{time.monotonic_ns()}")
+
+
+def _fsync(path: Path) -> None:
+    """Data on disk before the rename publishes it (a crash then leaves the old name or the
+    whole new file, never a truncated one)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{time.monotonic_ns()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
+    tmp = _tmp_name(path)
+    tmp.write_text(text)
+    _fsync(tmp)
     os.replace(tmp, path)
+    _fsync(path.parent)  # the rename itself
 
 
 def _file_step(path: Path) -> int | None:
@@ -124,11 +133,12 @@ def _file_step(path: Path) -> int | None:
         return None
 
 
-def _wait(pred, what: str, timeout: float) -> None:
+def _wait(pred, what, timeout: float) -> None:
+    """Poll ``pred`` until true; ``what()`` describes what is still missing on timeout."""
     deadline = time.monotonic() + timeout
     while not pred():
         if time.monotonic() > deadline:
-            raise TimeoutError(f"checkpoint: timed out after {timeout}s waiting for {what}")
+            raise TimeoutError(f"checkpoint: timed out after {timeout}s waiting for {what()}")
         time.sleep(0.01)
 
 
@@ -173,14 +183,16 @@ def save(
         raise ValueError("checkpoint: params are not this mesh's shards")
     if mesh.rank in writers:
         target = root / _rank_file(mesh.rank)
-        tmp = root / f".{target.name}.tmp-{os.getpid()}-{time.monotonic_ns()}"
+        tmp = _tmp_name(target)
         meta = {"step": str(step), "rank": str(mesh.rank), "format": FORMAT}
         save_file(tensors, str(tmp), metadata=meta)
+        _fsync(tmp)
         os.replace(tmp, target)
     if mesh.rank == 0:
+        missing = lambda: [r for r in writers if _file_step(root / _rank_file(r)) != step]  # noqa: E731
         _wait(
-            lambda: all(_file_step(root / _rank_file(r)) == step for r in writers),
-            f"the files of ranks {list(writers)} for step {step} in {root}",
+            lambda: not missing(),
+            lambda: f"the files of ranks {missing()} for step {step} in {root} (did every rank call save?)",
             timeout,
         )
         doc = {
@@ -208,7 +220,7 @@ def save(
         }
         _atomic_write_text(manifest, json.dumps(doc, indent=1))
     else:
-        _wait(lambda: _manifest_step(manifest) == step, f"rank 0 to commit {manifest}", timeout)
+        _wait(lambda: _manifest_step(manifest) == step, lambda: f"rank 0 to commit {manifest}", timeout)
     return root
 
 
@@ -226,14 +238,10 @@ def read_manifest(path: str | os.PathLike) -> dict:
     """The committed manifest of checkpoint ``path`` (raises if it is not committed)."""
     manifest = Path(path) / MANIFEST
     if not manifest.exists():
-        raise FileNotFoundError(
-            f"{manifest} does not exist: {path} is not a committed odcfn checkpoint"
-        )
+        raise FileNotFoundError(f"{manifest} does not exist: {path} is not a committed odcfn checkpoint")
     doc = json.loads(manifest.read_text())
     if doc.get("format") != FORMAT:
-        raise ValueError(
-            f"{manifest} is not an odcfn checkpoint manifest (format={doc.get('format')!r})"
-        )
+        raise ValueError(f"{manifest} is not an odcfn checkpoint manifest (format={doc.get('format')!r})")
     if doc.get("version") != VERSION:
         raise ValueError(f"{manifest} has version {doc.get('version')}, this odcfn reads {VERSION}")
     return doc
@@ -255,20 +263,14 @@ def latest(root: str | os.PathLike) -> Path | None:
 def _check_units(doc: dict, layout: Layout, path: Path) -> None:
     saved = doc["units"]
     if set(saved) != set(layout.names):
-        raise ValueError(
-            f"checkpoint {path} has units {sorted(saved)}, the model has {sorted(layout.names)}"
-        )
+        raise ValueError(f"checkpoint {path} has units {sorted(saved)}, the model has {sorted(layout.names)}")
     for u in layout.units:
         s = saved[u.name]
         if s["paths"] != list(u.paths) or [tuple(x) for x in s["shapes"]] != list(u.shapes):
-            raise ValueError(
-                f"checkpoint {path}: unit {u.name!r} has different parameters than the model"
-            )
+            raise ValueError(f"checkpoint {path}: unit {u.name!r} has different parameters than the model")
 
 
-def load(
-    path: str | os.PathLike, *, model: Model, mesh: Mesh
-) -> tuple[dict[str, torch.Tensor], Any, int]:
+def load(path: str | os.PathLike, *, model: Model, mesh: Mesh) -> tuple[dict[str, torch.Tensor], Any, int]:
     """This rank's ``(params, opt_state, step)`` from checkpoint ``path``, resharded for ``mesh``
     (which may have a different world size or sharding than the one that saved it)."""
     root = Path(path)
@@ -278,9 +280,7 @@ def load(
     files = [root / f for f in doc["files"]]
     for f in files:
         if _file_step(f) != doc["step"]:
-            raise ValueError(
-                f"checkpoint {root}: {f.name} is missing or is not from step {doc['step']}"
-            )
+            raise ValueError(f"checkpoint {root}: {f.name} is missing or is not from step {doc['step']}")
     handles: dict[int, Any] = {}
 
     def handle(i: int):

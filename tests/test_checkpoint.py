@@ -187,9 +187,20 @@ def test_uncommitted_checkpoint_is_rejected_and_latest_skips_it(tmp_path):
 
 def test_missing_rank_file_times_out_with_a_clear_error(tmp_path):
     p = odcfn.shard(FULL, MODEL, odcfn.Mesh(2, 0))
-    with pytest.raises(TimeoutError, match=r"ranks \[0, 1\]"):
+    with pytest.raises(TimeoutError, match=r"files of ranks \[1\] for step 1"):
         save(tmp_path / "ck", p, {}, 1, model=MODEL, mesh=odcfn.Mesh(2, 0), timeout=0.2)
     assert not (tmp_path / "ck" / "manifest.json").exists()
+
+
+def test_stale_rank_file_from_an_older_step_does_not_commit(tmp_path):
+    """Overwriting a directory: rank 1's file from step 1 must not pass for step 2's."""
+    states = _trained_state(2, steps=1)
+    _save_all(tmp_path / "ck", states, 2, step=1)
+    p, o = states[0]
+    with pytest.raises(TimeoutError, match=r"files of ranks \[1\] for step 2"):
+        save(tmp_path / "ck", p, o, 2, model=MODEL, mesh=odcfn.Mesh(2, 0), timeout=0.2)
+    with pytest.raises(FileNotFoundError):  # the old manifest was withdrawn first
+        read_manifest(tmp_path / "ck")
 
 
 def test_load_rejects_a_different_model(tmp_path):
