@@ -13,6 +13,7 @@ from odcfn.trace import Event
 
 __all__ = [
     "losses_match",
+    "paired_median_speedup",
     "policy_summary",
     "ratio",
     "table",
@@ -79,6 +80,17 @@ def ratio(a: float | None, b: float | None) -> float | None:
     if a is None or b is None or b == 0 or not math.isfinite(a) or not math.isfinite(b):
         return None
     return a / b
+
+
+def paired_median_speedup(a: dict, base: dict) -> float | None:
+    """Median over minibatches of base step time / ``a``'s step time on the same minibatch: a
+    noise-robust companion of the samples/s ratio (a burst of load from other jobs hits a few
+    minibatches, not the median)."""
+    xs = sorted(b / t for t, b in zip(a["step_time_s"], base["step_time_s"], strict=True) if t > 0)
+    if not xs:
+        return None
+    m = len(xs) // 2
+    return xs[m] if len(xs) % 2 else 0.5 * (xs[m - 1] + xs[m])
 
 
 def losses_match(summaries: Sequence[dict], rtol: float = 1e-4) -> tuple[bool, float]:

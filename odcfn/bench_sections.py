@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from odcfn.bench_report import losses_match, policy_summary, ratio, table
+from odcfn.bench_report import losses_match, paired_median_speedup, policy_summary, ratio, table
 from odcfn.bench_runner import RunSpec, run
 from odcfn.bench_workload import Workload
 
@@ -154,6 +154,19 @@ def fill_ratios(report: dict) -> None:
     r["straggler_odc_work_stealing_over_collective_lb_micro"] = ratio(
         _sps(st, "odc+work-stealing"), sb)
 
+    def paired(sec, a, b="collective+lb-micro"):
+        try:
+            return paired_median_speedup(sec["policies"][a], sec["policies"][b])
+        except (KeyError, TypeError):
+            return None
+
+    r["paired_median"] = {
+        "odc_lb_mini_over_collective_lb_micro": paired(head, "odc+lb-mini"),
+        "odc_work_stealing_over_collective_lb_micro": paired(head, "odc+work-stealing"),
+        "balanced_odc_over_collective": paired(bal, "odc+lb-mini"),
+        "straggler_odc_lb_mini_over_collective_lb_micro": paired(st, "odc+lb-mini"),
+        "straggler_odc_work_stealing_over_collective_lb_micro": paired(st, "odc+work-stealing"),
+    }
     for comm in ("odc", "collective"):
         vals = [
             pol["syncs_per_minibatch"]
@@ -242,9 +255,20 @@ def render(report: dict) -> str:
                 table(s["rows"], s["columns"])]
     elif s:
         out += ["", f"5. simulator: {s.get('skipped') or s.get('error')}"]
+    if "extrapolation" in s:
+        rows = [[x["devices"], x["samples_per_device"], x["collective+lb-micro"]["samples_per_s"],
+                 x["odc+lb-mini"]["over_collective_lb_micro"],
+                 x["odc+work-stealing"]["over_collective_lb_micro"]] for x in s["extrapolation"]]
+        out += ["", "   simulator extrapolation (same model and data per device, comm as above)",
+                table(rows, ["devices", "samples/device", "collective samples/s",
+                             "odc+lb-mini x", "odc+work-stealing x"])]
     out += ["", "ratios (higher = first one faster; simulated/measured: 1 = exact)"]
-    out += [f"  {k}: {v:.3f}" if isinstance(v, float) else f"  {k}: {v}"
-            for k, v in report["ratios"].items()]
+    for k, v in report["ratios"].items():
+        if isinstance(v, dict):
+            out.append(f"  {k}:")
+            out += [f"    {k2}: {_f(v2)}" for k2, v2 in v.items()]
+        else:
+            out.append(f"  {k}: {_f(v)}")
     out += ["", "targets"]
     out += [f"  {k}: measured {_f(t['measured'])} vs target {t['target']}: "
             f"{'met' if t['met'] else 'MISSED' if t['met'] is False else 'not measured'}"

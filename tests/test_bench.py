@@ -190,3 +190,12 @@ def test_bench_process_sections_fsdp2_and_primitives(capsys):
                       "gloo_all_gather", "gloo_reduce_scatter"}
     assert all(len(v) == 1 and v[0] > 0 for v in g.values())
     assert r["ratios"]["shm_gather_over_memcpy"] == pytest.approx(g["shm_gather"][0] / g["memcpy"][0])
+
+
+def test_paired_median_speedup_ignores_a_noise_burst():
+    from odcfn.bench_report import paired_median_speedup
+
+    base = {"step_time_s": [2.0, 2.0, 2.0]}
+    # one minibatch of the contender hit by a 10x burst of load: the median ignores it
+    assert paired_median_speedup({"step_time_s": [1.0, 1.0, 20.0]}, base) == 2.0
+    assert paired_median_speedup({"step_time_s": [1.0, 4.0]}, {"step_time_s": [3.0, 4.0]}) == 2.0
