@@ -199,3 +199,23 @@ def test_paired_median_speedup_ignores_a_noise_burst():
     # one minibatch of the contender hit by a 10x burst of load: the median ignores it
     assert paired_median_speedup({"step_time_s": [1.0, 1.0, 20.0]}, base) == 2.0
     assert paired_median_speedup({"step_time_s": [1.0, 4.0]}, {"step_time_s": [3.0, 4.0]}) == 2.0
+
+
+def test_compare_runs_script_reads_bench_json(tmp_path, capsys):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parents[1] / "bench" / "compare_runs.py"
+    spec = importlib.util.spec_from_file_location("compare_runs", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    run = {"schema": bench.SCHEMA, "ratios": {"a_over_b": 1.25, "nested": {"x": 1.0}},
+           "targets": {"a_over_b": {"met": True}}, "losses_match": True,
+           "syncs_per_minibatch": {"odc": 1}}
+    (tmp_path / "r1.json").write_text(json.dumps(run))
+    (tmp_path / "bad.json").write_text(json.dumps({"schema": "other"}))
+    assert mod.main([str(tmp_path / "r1.json"), str(tmp_path / "r1.json")]) == 0
+    out = capsys.readouterr().out
+    assert "a_over_b" in out and "1.250 ok" in out and "nested" not in out
+    with pytest.raises(ValueError, match="not an odcfn bench JSON"):
+        mod.main([str(tmp_path / "bad.json")])
