@@ -11,6 +11,7 @@ comes out already flat and padded, ready to scatter.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +20,7 @@ import torch
 from odcfn.batch import Batch, Microbatch, pack
 from odcfn.kernels.base import Handle, Transport
 from odcfn.model import Model
+from odcfn.schedule.balance import stealing_fragment
 from odcfn.schedule.plan import (
     AllGather,
     Backward,
@@ -28,12 +30,14 @@ from odcfn.schedule.plan import (
     ReduceScatter,
     Release,
     ScatterAccumulate,
+    ScheduleOptions,
+    Step,
     Sync,
 )
 from odcfn.sharding import Layout
 from odcfn.trace import Event
 
-__all__ = ["ExecResult", "execute"]
+__all__ = ["ExecResult", "execute", "execute_stealing"]
 
 _KIND = {
     Gather: "gather",
@@ -168,9 +172,17 @@ class _Executor:
     # --- the loop ---------------------------------------------------------------------------
     def run(self, t0: float) -> tuple[list[Event], torch.Tensor]:
         events: list[Event] = []
+        stats = self.run_steps(self.plan.steps, t0, events)
+        if stats is None:
+            raise ValueError("plan has no Sync step")
+        return events, stats
+
+    def run_steps(self, steps: Sequence[Step], t0: float, events: list[Event]) -> Any:
+        """Run ``steps`` (all of the plan, or a work-stealing fragment), appending their events;
+        returns the synced stats if a Sync was among them."""
         rank = self.plan.rank
         stats = None
-        for s in self.plan.steps:
+        for s in steps:
             start = time.perf_counter()
             if isinstance(s, (Gather, AllGather)):
                 buf = self._buffer(s.unit)
@@ -207,9 +219,7 @@ class _Executor:
                 # emulate a slower device: idle for (slowdown - 1) x the step's compute time
                 time.sleep((self.slowdown - 1.0) * (end - start))
                 events.append(Event(rank, "straggle", s.unit, end - t0, time.perf_counter() - t0, s.mb))
-        if stats is None:
-            raise ValueError("plan has no Sync step")
-        return events, stats
+        return stats
 
     def sync(self) -> torch.Tensor:
         for h in self.pushes:
@@ -240,3 +250,34 @@ def execute(
     ex = _Executor(plan, model, layout, batch, transport, compute_dtype, slowdown)
     events, stats = ex.run(t0)
     return ExecResult(float(stats[0]), float(stats[1].clamp_min(0).sqrt()), events)
+
+
+def execute_stealing(
+    items: Sequence[Sequence[int]],
+    *,
+    model: Model,
+    layout: Layout,
+    batch: Batch,
+    transport: Transport,
+    compute_dtype: torch.dtype,
+    options: ScheduleOptions | None = None,
+    slowdown: float = 1.0,
+) -> tuple[ExecResult, Plan]:
+    """Work stealing (ODC only): claim work items (``items[transport.claim()]``, the same queue
+    on every rank) until the queue is exhausted, running each as a one-microbatch plan fragment;
+    then the one Sync. Returns the result and the plan this rank actually ran."""
+    t0 = time.perf_counter()
+    rank, units = transport.mesh.rank, model.unit_names
+    mbs: list[tuple[int, ...]] = []
+    steps: list[Step] = []
+    events: list[Event] = []
+    ex = _Executor(Plan(rank, "odc", units, (), ()), model, layout, batch, transport, compute_dtype, slowdown)
+    while (k := transport.claim()) < len(items):
+        frag = stealing_fragment(units, items[k], len(mbs), options)
+        mbs.append(tuple(items[k]))
+        steps.extend(frag)
+        ex.plan = Plan(rank, "odc", units, tuple(mbs), ())  # the executor packs from microbatches
+        ex.run_steps(frag, t0, events)
+    ex.plan = Plan(rank, "odc", units, tuple(mbs), (*steps, Sync()))
+    stats = ex.run_steps((Sync(),), t0, events)
+    return ExecResult(float(stats[0]), float(stats[1].clamp_min(0).sqrt()), events), ex.plan

@@ -12,8 +12,15 @@ from odcfn.batch import Batch
 from odcfn.kernels.base import Counters, Transport
 from odcfn.model import Model
 from odcfn.optim import Optimizer, clip_scale
-from odcfn.runtime import execute
-from odcfn.schedule.balance import Balancer, get_balancer
+from odcfn.runtime import execute, execute_stealing
+from odcfn.schedule.balance import (
+    WORK_STEALING,
+    Balancer,
+    check_lengths,
+    get_balancer,
+    stealing_fragment,
+    work_stealing_items,
+)
 from odcfn.schedule.plan import Comm, Plan, ScheduleOptions, compile_plan
 from odcfn.sharding import Layout, Mesh, make_layout
 from odcfn.sharding.layout import check_shards
@@ -84,15 +91,32 @@ def grad_step(
     t0 = time.perf_counter()
     layout = _validate(params, batch, model, mesh, transport, comm)
     cap = max(batch.lengths) if max_tokens_per_microbatch is None else max_tokens_per_microbatch
-    assignment = get_balancer(balance)(batch.lengths, mesh.world_size, cap)
-    plan = compile_plan(model.unit_names, assignment, mesh.rank, comm, options)
+    stealing = isinstance(balance, str) and balance == WORK_STEALING
+    if stealing:  # dynamic: ranks claim work items from a shared counter (ODC only)
+        if comm != "odc":
+            raise ValueError(
+                f"balance='work_stealing' needs comm='odc' (got comm={comm!r}): collectives need "
+                "every rank to run the same microbatches in lockstep, known in advance"
+            )
+        check_lengths(batch.lengths, cap)
+        items = work_stealing_items(batch.lengths, world_size=mesh.world_size, max_tokens=cap)
+        stealing_fragment(model.unit_names, items[0], 0, options)  # bad options fail here, not later
+    else:
+        assignment = get_balancer(balance)(batch.lengths, mesh.world_size, cap)
+        plan = compile_plan(model.unit_names, assignment, mesh.rank, comm, options)
     dtype = compute_dtype or model.dtype
     before = transport.counters.copy()
     transport.begin_step(layout, params, dtype)
-    result = execute(
-        plan, model=model, layout=layout, batch=batch, transport=transport,
-        compute_dtype=dtype, slowdown=slowdown,
-    )
+    if stealing:
+        result, plan = execute_stealing(
+            items, model=model, layout=layout, batch=batch, transport=transport,
+            compute_dtype=dtype, options=options, slowdown=slowdown,
+        )
+    else:
+        result = execute(
+            plan, model=model, layout=layout, batch=batch, transport=transport,
+            compute_dtype=dtype, slowdown=slowdown,
+        )
     metrics = StepMetrics(
         loss=result.loss_sum / batch.num_loss_tokens,
         grad_norm=result.grad_norm,

@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from functools import partial
 
 from odcfn.schedule.cost import DEFAULT_COST, CostModel
-from odcfn.schedule.plan import Assignment
+from odcfn.schedule.plan import Assignment, Backward, Forward, ScheduleOptions, Step, compile_plan
 
 __all__ = [
     "BALANCERS",
@@ -37,6 +38,7 @@ __all__ = [
     "pack_greedy",
     "rank_loads",
     "round_robin",
+    "stealing_fragment",
     "work_stealing_items",
     "work_stealing_order",
 ]
@@ -374,3 +376,15 @@ def get_balancer(balance: str | Balancer, *, cost: CostModel | None = None) -> B
     if cost is not None and fn is not round_robin:
         return partial(fn, cost=cost)
     return fn
+
+
+def stealing_fragment(
+    units: Sequence[str], sample_ids: Sequence[int], mb: int, options: ScheduleOptions | None = None
+) -> tuple[Step, ...]:
+    """The steps a work-stealing rank runs for one claimed item: a one-microbatch plan (its
+    gathers prefetched inside it) without the Sync, renumbered as microbatch ``mb``. Used by the
+    runtime and the simulator alike."""
+    steps = compile_plan(units, ((tuple(sample_ids),),), 0, "odc", options).steps[:-1]
+    if mb == 0:
+        return steps
+    return tuple(replace(s, mb=mb) if isinstance(s, (Forward, Backward)) else s for s in steps)

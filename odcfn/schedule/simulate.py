@@ -31,7 +31,7 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from odcfn.schedule.balance import work_stealing_items
+from odcfn.schedule.balance import stealing_fragment, work_stealing_items
 from odcfn.schedule.cost import DEFAULT_COST, CostModel
 from odcfn.schedule.plan import (
     AllGather,
@@ -431,17 +431,6 @@ def _result(plans: Sequence[Plan], ranks: Sequence[_Rank], lengths: Sequence[int
         num_samples=len(ids),
         num_tokens=sum(lengths[i] for i in ids),
     )
-
-
-def stealing_fragment(
-    units: Sequence[str], sample_ids: Sequence[int], mb: int, options: ScheduleOptions | None = None
-) -> tuple:
-    """The steps a work-stealing rank runs for one claimed item: a one-microbatch plan (its
-    gathers prefetched inside it) without the Sync, renumbered as microbatch ``mb``."""
-    steps = compile_plan(units, ((tuple(sample_ids),),), 0, "odc", options).steps[:-1]
-    if mb == 0:
-        return steps
-    return tuple(replace(s, mb=mb) if isinstance(s, (Forward, Backward)) else s for s in steps)
 
 
 def simulate_work_stealing(
