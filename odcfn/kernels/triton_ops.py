@@ -16,6 +16,7 @@ imported (that is how the CPU test-suite runs them).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
 import torch
@@ -40,6 +41,19 @@ __all__ = [
 BLOCK = 1024
 NUM_WARPS = 4
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+# The interpreter patches module-level state while a kernel runs: two threads launching at once
+# corrupt each other (measured). Launches are serialised under it; compiled launches are not.
+_INTERPRETER_LOCK = threading.Lock()
+
+
+def _launch(kernel, grid, *args) -> None:
+    if interpreting():
+        with _INTERPRETER_LOCK:
+            kernel[grid](*args, BLOCK=BLOCK)
+    else:
+        kernel[grid](*args, BLOCK=BLOCK, num_warps=NUM_WARPS)
 
 
 def interpreting() -> bool:
@@ -168,7 +182,7 @@ def gather(table: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"gather: out has {out.numel()} elements, not a multiple of {w} peers")
     n = out.numel() // w
     grid = (w, triton.cdiv(n, BLOCK))
-    gather_kernel[grid](table, out, n, BLOCK=BLOCK, num_warps=NUM_WARPS)
+    _launch(gather_kernel, grid, table, out, n)
     return out
 
 
@@ -179,9 +193,7 @@ def accumulate(acc: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     if acc.numel() != x.numel():
         raise ValueError(f"accumulate: acc has {acc.numel()} elements, x has {x.numel()}")
     if acc.numel():
-        accumulate_kernel[(triton.cdiv(acc.numel(), BLOCK),)](
-            acc, x, acc.numel(), BLOCK=BLOCK, num_warps=NUM_WARPS
-        )
+        _launch(accumulate_kernel, (triton.cdiv(acc.numel(), BLOCK),), acc, x, acc.numel())
     return acc
 
 
@@ -194,7 +206,7 @@ def scatter_add(table: torch.Tensor, grad: torch.Tensor) -> None:
     if grad.numel() % w:
         raise ValueError(f"scatter_add: grad has {grad.numel()} elements, not a multiple of {w} owners")
     n = grad.numel() // w
-    scatter_add_kernel[(w, triton.cdiv(n, BLOCK))](table, grad, n, BLOCK=BLOCK, num_warps=NUM_WARPS)
+    _launch(scatter_add_kernel, (w, triton.cdiv(n, BLOCK)), table, grad, n)
 
 
 def cast_copy(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
@@ -204,7 +216,5 @@ def cast_copy(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     if dst.numel() != src.numel():
         raise ValueError(f"cast_copy: dst has {dst.numel()} elements, src has {src.numel()}")
     if dst.numel():
-        cast_copy_kernel[(triton.cdiv(dst.numel(), BLOCK),)](
-            dst, src, dst.numel(), BLOCK=BLOCK, num_warps=NUM_WARPS
-        )
+        _launch(cast_copy_kernel, (triton.cdiv(dst.numel(), BLOCK),), dst, src, dst.numel())
     return dst
