@@ -1,0 +1,279 @@
+"""Multi-process ODC on one machine: the CPU analogue of CUDA IPC over /dev/shm.
+
+Each rank owns one shared-memory segment that every peer maps::
+
+    ctrl  int64[16 + W]   version | pid | abort | claim step | claim count | ... | done[client]
+    pub   per unit: this rank's parameter shard in the compute dtype (what gathers read)
+    acc   per unit: this rank's fp32 gradient accumulator (what scatter-accumulates add into)
+
+- ``gather``: the reader waits until the owner's ``version`` equals this step, then copies the
+  owner's shard itself; the owner does nothing (one-sided). The owner writes the shard, then the
+  version ("data, then flag": x86-64 keeps stores in order; aarch64 would need a fence).
+- ``scatter_accumulate``: writer-side ``add_`` into the owner's accumulator, chunk by chunk, each
+  chunk under its own kernel byte-range lock (bench/shm_accumulate.py and docs/transports.md
+  measure this against an owner-side accumulate thread; plain concurrent ``add_`` loses updates).
+- ``begin_step`` zeroes the accumulators before it publishes the new version: a peer pushes into
+  a unit only after gathering it at this step's version, so one accumulator buffer suffices.
+- ``flush``: point-to-point completion: each client writes "done with step t" into a slot of its
+  own in every owner's ``ctrl``; the owner waits for all its clients' slots (no atomics needed).
+- ``sync`` (the one global all-reduce), ``all_gather``/``reduce_scatter``/``replica_all_reduce``
+  go over torch.distributed (gloo), so one transport serves ``comm="odc"`` and ``"collective"``.
+- ``claim``: a fetch-and-add on rank 0's ``ctrl`` under a byte-range lock, fresh each step.
+
+Segments are created at the first ``begin_step`` (when the layout is known) and again only if the
+layout or compute dtype changes: every rank creates its file, all map all files between two
+barriers, then each unlinks its own, so nothing is left in /dev/shm even if a rank is killed
+later. Waits poll with a short sleep and end in ``TransportError`` when a peer dies (its pid is
+in ``ctrl``), aborts (its ``abort`` flag, set when a rank leaves the context on an exception) or
+does not answer within ``timeout``.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from odcfn.kernels._shm_sync import RangeLock, Segment, shm_dir, wait_until
+from odcfn.kernels.base import Counters, Done, Handle, TransportError
+from odcfn.kernels.collective import DistOps
+from odcfn.sharding import Layout, Mesh
+
+__all__ = ["ShmTransport"]
+
+VERSION, PID, ABORT, CLAIM_STEP, CLAIM_COUNT, DONE = 0, 1, 2, 3, 4, 16
+_ALIGN = 64
+_CLAIM_LOCK = 0  # lock byte for claim(); accumulator chunk locks use byte offsets >= the acc region
+
+
+def _align(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+@dataclass(frozen=True)
+class _SegLayout:
+    """Byte offsets inside every rank's segment (identical on all ranks)."""
+
+    key: tuple
+    nbytes: int
+    pub: dict[str, int]
+    acc: dict[str, int]
+    sizes: dict[str, int]
+
+    @classmethod
+    def build(cls, layout: Layout, dtype: torch.dtype, world: int) -> _SegLayout:
+        key = (tuple((u.name, u.shard_size) for u in layout.units), dtype, world)
+        esize = torch.empty((), dtype=dtype).element_size()
+        off = _align((DONE + world) * 8)
+        pub, acc, sizes = {}, {}, {}
+        for u in layout.units:
+            pub[u.name], off = off, _align(off + u.shard_size * esize)
+            sizes[u.name] = u.shard_size
+        for u in layout.units:
+            acc[u.name], off = off, _align(off + u.shard_size * 4)
+        return cls(key, off, pub, acc, sizes)
+
+
+class ShmTransport:
+    """The full transport protocol for W local processes: ODC over /dev/shm, collectives and the
+    sync over gloo. ``with ShmTransport(odcfn.Mesh.from_env()) as tr: ...``
+
+    ``chunk_elems``: scatter-accumulate granularity (elements per lock); smaller chunks let more
+    writers into one owner's unit at once, larger ones pay fewer lock round trips.
+    """
+
+    def __init__(self, mesh: Mesh, *, timeout: float = 60.0, chunk_elems: int = 1 << 16) -> None:
+        if not isinstance(chunk_elems, int) or chunk_elems < 1:
+            raise ValueError(f"chunk_elems must be a positive int, got {chunk_elems!r}")
+        self.dist = DistOps(mesh, timeout, "gloo")
+        self.mesh, self.timeout, self.chunk = mesh, float(timeout), chunk_elems
+        self.counters = Counters()
+        self.step = 0
+        self.layout: Layout | None = None
+        # one name per transport instance, agreed on by all ranks; launch/the test pool set a
+        # per-job prefix so they can sweep leftovers of a rank killed during setup
+        tag = self.dist.broadcast_object(uuid.uuid4().hex[:12] if mesh.rank == 0 else None)
+        self._stem = f"{os.environ.get('ODCFN_SHM_PREFIX', 'odcfn')}-{tag}"
+        self._gen = 0
+        self._seg: _SegLayout | None = None
+        self._segs: list[Segment] = []
+        self._ctrl: list[np.ndarray] = []
+        self._pub: list[dict[str, torch.Tensor]] = []
+        self._acc: list[dict[str, torch.Tensor]] = []
+        self._closed = False
+
+    # --- setup ---------------------------------------------------------------------------------
+    def _path(self, rank: int) -> str:
+        return os.path.join(shm_dir(), f"{self._stem}-g{self._gen}-r{rank}")
+
+    def _map(self, seg: _SegLayout, dtype: torch.dtype) -> None:
+        """Create this rank's segment, map every rank's between two barriers, unlink ours."""
+        self._release()
+        self._gen += 1
+        r, w = self.mesh.rank, self.mesh.world_size
+        own = Segment(self._path(r), seg.nbytes, create=True)
+        segs = [own]
+        try:
+            own.view(0, DONE + w, torch.int64)[PID] = os.getpid()
+            self.dist.barrier()  # every file exists
+            segs = [own if p == r else Segment(self._path(p), seg.nbytes, create=False) for p in range(w)]
+            self.dist.barrier()  # every rank mapped every file
+        except BaseException:
+            for s in segs:
+                s.close()
+            raise
+        finally:
+            own.unlink()
+        self._seg, self._segs = seg, segs
+        self._ctrl = [s.view(0, DONE + w, torch.int64).numpy() for s in segs]
+        self._pub = [{n: s.view(o, seg.sizes[n], dtype) for n, o in seg.pub.items()} for s in segs]
+        self._acc = [{n: s.view(o, seg.sizes[n], torch.float32) for n, o in seg.acc.items()} for s in segs]
+
+    def _release(self) -> None:
+        self._ctrl, self._pub, self._acc = [], [], []
+        for s in self._segs:
+            s.close()
+        self._segs, self._seg = [], None
+
+    # --- waiting -------------------------------------------------------------------------------
+    def _aborted(self) -> str | None:
+        for p, c in enumerate(self._ctrl):
+            if c[ABORT] and p != self.mesh.rank:
+                return f"rank {p} aborted"
+        return None
+
+    def _wait(self, pred, what: str, peers: tuple[int, ...]) -> None:
+        wait_until(
+            pred, timeout=self.timeout, what=f"{what} (rank {self.mesh.rank}, step {self.step})",
+            check=self._aborted,
+            peers=[(p, lambda p=p: int(self._ctrl[p][PID])) for p in peers if p != self.mesh.rank],
+        )
+
+    def _need_step(self) -> None:
+        if self._seg is None or self.layout is None:
+            raise TransportError("begin_step must come before any communication")
+
+    # --- the protocol --------------------------------------------------------------------------
+    def begin_step(
+        self, layout: Layout, shards: Mapping[str, torch.Tensor], compute_dtype: torch.dtype
+    ) -> None:
+        if self._closed:
+            raise TransportError("ShmTransport is closed")
+        seg = _SegLayout.build(layout, compute_dtype, self.mesh.world_size)
+        if self._seg is None or self._seg.key != seg.key:
+            self._map(seg, compute_dtype)
+        self.layout = layout
+        self.step += 1
+        r = self.mesh.rank
+        for u in layout.units:
+            self._acc[r][u.name].zero_()  # before publishing: see the module docstring
+            self._pub[r][u.name].copy_(shards[u.name])
+        self._ctrl[r][VERSION] = self.step  # data, then flag
+
+    def gather(self, unit: str, out: torch.Tensor) -> Handle:
+        self._need_step()
+        size, step, me = self.layout[unit].shard_size, self.step, self.mesh.rank
+        for i, owner in enumerate(self.mesh.shard_group):
+            if owner != me:
+                c = self._ctrl[owner]
+                self._wait(lambda c=c: c[VERSION] >= step, f"rank {owner} to publish {unit!r}", (owner,))
+            src = self._pub[owner][unit]
+            out[i * size : (i + 1) * size].copy_(src)
+            if owner != me:
+                self.counters.gather_bytes += src.numel() * src.element_size()
+        self.counters.gathers += 1
+        return Done()
+
+    def scatter_accumulate(self, unit: str, grad: torch.Tensor) -> Handle:
+        self._need_step()
+        size, me, chunk = self.layout[unit].shard_size, self.mesh.rank, self.chunk
+        base = self._seg.acc[unit]
+        for i, owner in enumerate(self.mesh.shard_group):
+            piece, acc, fd = grad[i * size : (i + 1) * size], self._acc[owner][unit], self._segs[owner].fd
+            for lo in range(0, size, chunk):
+                hi = min(lo + chunk, size)
+                with RangeLock(fd, base + lo * 4, self.timeout, f"rank {owner}'s {unit!r}[{lo}:{hi}]"):
+                    acc[lo:hi].add_(piece[lo:hi])
+            if owner != me:
+                self.counters.scatter_bytes += piece.numel() * piece.element_size()
+        self.counters.scatters += 1
+        return Done()
+
+    def flush(self) -> None:
+        self._need_step()
+        me, step, group = self.mesh.rank, self.step, self.mesh.shard_group
+        for owner in group:  # our pushes into every owner are done (the lock syscalls fence them)
+            self._ctrl[owner][DONE + me] = step
+        mine = self._ctrl[me]
+        self._wait(
+            lambda: all(mine[DONE + c] >= step for c in group),
+            "peers to finish pushing into this rank", group,
+        )
+
+    def all_gather(self, unit: str, out: torch.Tensor) -> None:
+        self._need_step()
+        self.dist.all_gather(out, self._pub[self.mesh.rank][unit])
+        self.counters.collectives += 1
+        self.counters.collective_bytes += out.numel() * out.element_size()
+
+    def reduce_scatter(self, unit: str, grad: torch.Tensor) -> None:
+        self._need_step()
+        self.dist.reduce_scatter_add(self._acc[self.mesh.rank][unit], grad)
+        self.counters.collectives += 1
+        self.counters.collective_bytes += grad.numel() * grad.element_size()
+
+    def replica_all_reduce(self, grads: Mapping[str, torch.Tensor]) -> None:
+        moved = self.dist.replica_all_reduce(grads)
+        if moved:
+            self.counters.collectives += 1
+            self.counters.collective_bytes += moved
+
+    def sync(self, stats: torch.Tensor) -> torch.Tensor:
+        out = self.dist.all_reduce(stats)
+        self.counters.syncs += 1
+        return out
+
+    def grad_shards(self) -> dict[str, torch.Tensor]:
+        self._need_step()
+        return self._acc[self.mesh.rank]
+
+    def claim(self) -> int:
+        self._need_step()
+        c = self._ctrl[0]
+        with RangeLock(self._segs[0].fd, _CLAIM_LOCK, self.timeout, "the claim counter"):
+            if c[CLAIM_STEP] != self.step:  # the first claim of this step resets the counter
+                c[CLAIM_STEP], c[CLAIM_COUNT] = self.step, 0
+            n = int(c[CLAIM_COUNT])
+            c[CLAIM_COUNT] = n + 1
+        return n
+
+    # --- lifetime ------------------------------------------------------------------------------
+    def abort(self) -> None:
+        """Tell peers waiting on this rank to give up now rather than at their timeout."""
+        if self._ctrl:
+            self._ctrl[self.mesh.rank][ABORT] = 1
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._release()
+        self.dist.close()
+
+    def __enter__(self) -> ShmTransport:
+        return self
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        if exc_type is not None:
+            self.abort()
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self._release()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
