@@ -1,0 +1,264 @@
+"""Balancers, cost models and synthetic length samplers (pure Python, no ranks)."""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from odcfn.schedule.balance import (
+    BALANCERS,
+    get_balancer,
+    kk_partition,
+    lb_micro,
+    lb_mini,
+    local_sort,
+    rank_loads,
+    round_robin,
+    work_stealing_items,
+    work_stealing_order,
+)
+from odcfn.schedule.cost import (
+    DEFAULT_COST,
+    QWEN25_7B,
+    ModelShape,
+    QuadraticCost,
+    TokenCost,
+    fit_quadratic,
+    flops_cost,
+    microbatch_cost,
+)
+from odcfn.schedule.lengths import DATASETS, aime_rl, get_dataset, longalign
+
+COSTS = [DEFAULT_COST, TokenCost(), QuadraticCost(1.0, 0.0)]
+
+
+@st.composite
+def problems(draw, max_n=40):
+    cap = draw(st.integers(4, 300))
+    lengths = draw(st.lists(st.integers(1, cap), min_size=1, max_size=max_n))
+    world = draw(st.integers(1, 9))
+    cost = draw(st.sampled_from(COSTS))
+    return lengths, world, cap, cost
+
+
+def _ids(assignment):
+    return sorted(i for mbs in assignment for mb in mbs for i in mb)
+
+
+# --- properties shared by every balancer ------------------------------------------------------
+
+
+@settings(max_examples=60, deadline=None)
+@given(problems(), st.sampled_from(sorted(BALANCERS)))
+def test_every_sample_once_under_the_cap_and_deterministic(problem, name):
+    lengths, world, cap, cost = problem
+    fn = get_balancer(name, cost=cost)
+    a = fn(lengths, world, cap)
+    assert len(a) == world
+    assert _ids(a) == list(range(len(lengths)))
+    for mbs in a:
+        for mb in mbs:
+            assert mb, "balancers emit no empty microbatches (collective compile pads)"
+            assert sum(lengths[i] for i in mb) <= cap
+    assert fn(list(lengths), world, cap) == a  # same input -> same output
+
+
+@settings(max_examples=60, deadline=None)
+@given(problems())
+def test_lb_micro_equal_counts_and_equal_microbatch_counts(problem):
+    lengths, world, cap, cost = problem
+    a = lb_micro(lengths, world, cap, cost=cost)
+    counts = [sum(len(mb) for mb in mbs) for mbs in a]
+    assert max(counts) - min(counts) <= 1
+    if len(lengths) % world == 0:
+        assert len(set(counts)) == 1
+    m = max(len(mbs) for mbs in a)
+    for mbs, n in zip(a, counts):  # same count everywhere, but for ranks with too few samples
+        assert len(mbs) == min(m, n), f"unequal microbatch counts: {a}"
+    for mbs in a:  # heaviest first
+        c = [microbatch_cost(cost, [lengths[i] for i in mb]) for mb in mbs]
+        assert c == sorted(c, reverse=True)
+
+
+@settings(max_examples=80, deadline=None)
+@given(problems())
+def test_lb_mini_partition_never_worse_than_lb_micro(problem):
+    lengths, world, cap, cost = problem
+    mini = max(rank_loads(lb_mini(lengths, world, cap, cost=cost), lengths, cost))
+    micro = max(rank_loads(lb_micro(lengths, world, cap, cost=cost), lengths, cost))
+    assert mini <= micro * (1 + 1e-12)
+    total = sum(cost(n) for n in lengths)
+    assert mini >= max(max(cost(n) for n in lengths), total / world) * (1 - 1e-12)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(1, 50), min_size=1, max_size=9), st.integers(2, 3))
+def test_lb_mini_is_optimal_on_tiny_inputs_often_and_always_close(lengths, world):
+    """Brute force over all partitions: LB-Mini's max load is within 4/3 of the optimum (LPT's
+    guarantee; it also takes the KK and equal-count candidates)."""
+    cost = TokenCost()
+    best = min(
+        max(sum(n for n, r in zip(lengths, ranks) if r == k) for k in range(world))
+        for ranks in itertools.product(range(world), repeat=len(lengths))
+    )
+    got = max(rank_loads(lb_mini(lengths, world, 50, cost=cost), lengths, cost))
+    assert best <= got <= best * 4 / 3 + 1e-9
+
+
+def test_kk_two_way_textbook_example():
+    # differencing {8,7,6,5,4}: 8-7=1; 6-5=1; 4-1=3; 3-1=2 -> parts differ by 2
+    parts = kk_partition([8, 7, 6, 5, 4], 2)
+    sums = sorted(sum([8, 7, 6, 5, 4][i] for i in p) for p in parts)
+    assert sums == [14, 16]
+    assert sorted(i for p in parts for i in p) == list(range(5))
+
+
+def test_kk_equal_counts_chunks():
+    costs = [10, 9, 8, 7, 6, 5, 4]
+    parts = kk_partition(costs, 3, equal_counts=True)
+    assert sorted(len(p) for p in parts) == [2, 2, 3]
+    assert sorted(i for p in parts for i in p) == list(range(7))
+
+
+def test_local_sort_deals_sorted_one_per_microbatch():
+    lengths = [5, 1, 9, 3, 7, 2]
+    a = local_sort(lengths, 2, 10, cost=TokenCost())
+    # sorted: 9 (id 2), 7 (4), 5 (0), 3 (3), 2 (5), 1 (1); dealt alternately
+    assert a == (((2,), (0,), (5,)), ((4,), (3,), (1,)))
+
+
+def test_round_robin_unchanged():
+    assert round_robin([3, 3, 3, 3, 3], 2, 6) == (((0, 2), (4,)), ((1, 3),))
+
+
+def test_lb_micro_beats_round_robin_on_skew():
+    lengths = [100, 1, 1, 1, 90, 2, 2, 2]
+    cost = TokenCost()
+    rr = max(rank_loads(round_robin(lengths, 2, 100), lengths, cost))
+    micro = max(rank_loads(lb_micro(lengths, 2, 100, cost=cost), lengths, cost))
+    assert micro < rr
+
+
+def test_errors_name_the_culprit():
+    with pytest.raises(ValueError, match="sample 1 has 12 tokens"):
+        lb_mini([3, 12], 2, 10)
+    with pytest.raises(ValueError, match="world_size"):
+        lb_micro([3, 4], 0, 10)
+    with pytest.raises(ValueError, match="empty minibatch"):
+        local_sort([], 2, 10)
+    with pytest.raises(ValueError, match="unknown balancer 'nope'"):
+        get_balancer("nope")
+    with pytest.raises(ValueError, match="dynamic"):
+        get_balancer("work_stealing")
+    with pytest.raises(ValueError, match="split_tail"):
+        work_stealing_items([1, 2], world_size=2, split_tail=2.0)
+
+
+# --- work-stealing queues -------------------------------------------------------------------
+
+
+@settings(max_examples=40, deadline=None)
+@given(problems(), st.floats(0.0, 1.0))
+def test_work_stealing_items_cover_every_sample_once(problem, split):
+    lengths, world, cap, cost = problem
+    items = work_stealing_items(lengths, cost, world_size=world, max_tokens=cap, split_tail=split)
+    assert sorted(i for it in items for i in it) == list(range(len(lengths)))
+    assert all(sum(lengths[i] for i in it) <= cap for it in items)
+    if split == 1.0:
+        assert all(len(it) == 1 for it in items)
+    lpt = work_stealing_order(lengths, cost)
+    assert [cost(lengths[i]) for i in lpt] == sorted((cost(n) for n in lengths), reverse=True)
+
+
+def test_seeded_queue_first_claims_are_each_ranks_first_planned_item():
+    lengths = [50, 40, 30, 20, 10, 5]
+    cost = TokenCost()
+    parts = lb_mini(lengths, 3, 50, cost=cost)
+    items = work_stealing_items(lengths, cost, world_size=3, max_tokens=50)
+    # the first W items are the heaviest sample of ranks 0, 1, 2 (all start at time 0)
+    assert [it[0] for it in items[:3]] == [mbs[0][0] for mbs in parts]
+
+
+# --- cost models ------------------------------------------------------------------------------
+
+
+def test_quadratic_and_microbatch_cost():
+    c = QuadraticCost(a=2.0, b=3.0)
+    assert c(10) == 2 * 100 + 3 * 10
+    assert microbatch_cost(c, [1, 2]) == (2 + 3) + (8 + 6)  # sum over samples, not (1+2)^2
+    assert c.scaled(0.5)(10) == 115.0
+    with pytest.raises(ValueError, match="QuadraticCost.a"):
+        QuadraticCost(-1.0, 1.0)
+    with pytest.raises(ValueError, match="a > 0 or b > 0"):
+        QuadraticCost(0.0, 0.0)
+
+
+def test_flops_cost_by_hand():
+    m = ModelShape(d_model=8, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=16, vocab_size=10)
+    # per layer: q 64 + k 32 + v 32 + o 64 = 192, mlp 3*8*16 = 384; head 80
+    assert m.matmul_params == 2 * (192 + 384) + 80
+    c = flops_cost(m)
+    assert c.b == 6 * m.matmul_params
+    assert c.a == 6 * 8 * 2
+    # Qwen2.5-7B: ~6.5B matmul params; attention matches the linear part at ~65K tokens
+    assert 6.0e9 < QWEN25_7B.matmul_params < 7.6e9
+    assert 50_000 < flops_cost(QWEN25_7B).b / flops_cost(QWEN25_7B).a < 80_000
+    assert DEFAULT_COST(1) == pytest.approx(1.0, rel=1e-4)
+
+
+def test_fit_quadratic_recovers_coefficients():
+    lengths = [64, 128, 256, 512, 1024]
+    times = [3e-9 * s * s + 2e-6 * s for s in lengths]
+    fit = fit_quadratic(lengths, times)
+    assert fit.a == pytest.approx(3e-9, rel=1e-6)
+    assert fit.b == pytest.approx(2e-6, rel=1e-6)
+    linear = fit_quadratic(lengths, [-1e-9 * s * s + 1e-3 * s for s in lengths])
+    assert linear.a == 0.0 and linear.b > 0  # constrained to non-negative coefficients
+    with pytest.raises(ValueError, match="distinct lengths"):
+        fit_quadratic([5, 5], [1.0, 1.0])
+
+
+def test_calibrate_on_the_real_model_is_positive_and_grows_with_length():
+    from odcfn.models import QwenConfig, init_params, qwen_model
+    from odcfn.schedule.cost import calibrate
+
+    cfg = QwenConfig(vocab_size=37, d_model=16, n_layers=1, n_heads=4, n_kv_heads=2, d_ff=24)
+    cost, fwd = calibrate(qwen_model(cfg), init_params(cfg), (32, 64, 128), vocab_size=37, repeats=1)
+    assert cost(128) > cost(32) > 0
+    assert 0.0 < fwd < 1.0
+
+
+# --- synthetic lengths ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(DATASETS))
+def test_samplers_match_the_paper_means_and_are_deterministic(name):
+    ds = get_dataset(name)
+    lengths = ds.sample(20_000, seed=3)
+    assert statistics.mean(lengths) == pytest.approx(ds.paper_mean, rel=0.05)
+    assert max(lengths) <= ds.max_tokens
+    assert ds.sample(50, seed=1) == ds.sample(50, seed=1) != ds.sample(50, seed=2)
+
+
+def test_longalign_range_and_tail():
+    lengths = longalign(20_000, seed=0)
+    assert min(lengths) >= 8192 and max(lengths) <= 65536
+    assert statistics.median(lengths) < statistics.mean(lengths)  # right-skewed: a long tail
+
+
+def test_aime_wrong_answers_longer_and_truncation_spike():
+    right = statistics.mean(aime_rl(10_000, seed=0, p_correct=1.0))
+    wrong = statistics.mean(aime_rl(10_000, seed=0, p_correct=0.0))
+    assert 2.4 < wrong / right < 3.2
+    lengths = aime_rl(20_000, seed=0)
+    at_cap = sum(n >= 20480 + 100 for n in lengths) / len(lengths)
+    assert at_cap > 0.03  # the truncation spike: prompt + a response clipped at the cap
+    assert longalign(4, seed=0, scale=1 / 16) == tuple(round(n / 16) for n in longalign(4, seed=0))
+    with pytest.raises(ValueError, match="scale"):
+        longalign(3, scale=2.0)
+    with pytest.raises(ValueError, match="unknown dataset"):
+        get_dataset("c4")
