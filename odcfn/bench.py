@@ -28,7 +28,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--samples-per-rank", type=int, nargs="+", default=None,
                    help="minibatch sizes for end_to_end (default 2 4 8; --quick: 4)")
-    p.add_argument("--steps", type=int, default=None, help="timed minibatches per policy")
+    p.add_argument("--steps", type=int, default=None, help="timed minibatches per policy (default 6; --quick: 2)")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--length-scale", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
@@ -70,7 +70,7 @@ def main(args: argparse.Namespace) -> int:
     sections = tuple(args.only or SECTIONS)
     backend = pick_backend(args.backend)
     spr = tuple(args.samples_per_rank or ((4,) if args.quick else (2, 4, 8)))
-    steps = args.steps or (2 if args.quick else 4)
+    steps = args.steps or (2 if args.quick else 6)
     sizes = tuple(args.sizes_mib or ((1, 16) if args.quick else (1, 4, 16, 64)))
     w = Workload(model=model_config(args.d_model, args.n_layers), world_size=args.world_size,
                  samples_per_rank=4 if 4 in spr else spr[0],

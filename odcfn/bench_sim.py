@@ -82,53 +82,132 @@ def _trace_makespan(recs: Sequence[dict]) -> float:
     return max((e[3] for r in recs for e in r["events"]), default=0.0)
 
 
-def _simulate_step(recs, policy, cost, sim_w, comm, slowdown):
+def _stealing_items(lengths: Sequence[int], world: int, cap: int):
+    """The queue the runtime's work stealing used (the schedule layer's default cost)."""
+    from odcfn.schedule.balance import work_stealing_items
+
+    return work_stealing_items(lengths, world_size=world, max_tokens=cap)
+
+
+def _simulate_step(recs, policy, cost, sim_w, comm, cap, slowdown=None) -> float:
     from odcfn.schedule.plan import compile_plan
     from odcfn.schedule.simulate import simulate, simulate_work_stealing
 
     lengths = recs[0]["lengths"]
     W = len(recs)
-    pol = POLICIES[policy]
     if recs[0]["balancer"] == "work_stealing":
-        return simulate_work_stealing(lengths, W, workload=sim_w, cost=cost, comm=comm,
-                                      slowdown=slowdown, record=False).makespan
+        return simulate_work_stealing(
+            lengths, W, workload=sim_w, cost=cost, items=_stealing_items(lengths, W, cap),
+            comm=comm, slowdown=slowdown, record=False).makespan
     assignment = tuple(tuple(tuple(mb) for mb in r["microbatches"]) for r in recs)
-    plans = [compile_plan(sim_w.units, assignment, r, pol.comm) for r in range(W)]
+    plans = [compile_plan(sim_w.units, assignment, r, POLICIES[policy].comm) for r in range(W)]
     return simulate(plans, lengths, workload=sim_w, cost=cost, comm=comm, slowdown=slowdown,
                     record=False).makespan
 
 
+def _microbatch_times(rec: dict) -> list[tuple[float, float, float]]:
+    """(sum of s^2, sum of s, forward+backward seconds) of each non-empty microbatch of a rank."""
+    busy: dict[int, float] = {}
+    for kind, _, start, end, mb in rec["events"]:
+        if kind in ("forward", "backward"):
+            busy[mb] = busy.get(mb, 0.0) + end - start
+    out = []
+    for k, ids in enumerate(rec["microbatches"]):
+        if ids and k in busy:
+            ls = [rec["lengths"][i] for i in ids]
+            out.append((float(sum(n * n for n in ls)), float(sum(ls)), busy[k]))
+    return out
+
+
+def fit_from_traces(steps: Sequence[Sequence[dict]], units: Sequence[str]):
+    """(QuadraticCost, unit weights, forward fraction) fitted to the runtime's own compute events
+    (least squares, ``a, b >= 0``) of the given minibatches."""
+    from odcfn.schedule.cost import QuadraticCost
+
+    pts = [p for recs in steps for r in recs for p in _microbatch_times(r)]
+    if len(pts) < 2:
+        raise ValueError("fit_from_traces needs at least two timed microbatches")
+    s22 = sum(x * x for x, _, _ in pts)
+    s21 = sum(x * y for x, y, _ in pts)
+    s11 = sum(y * y for _, y, _ in pts)
+    t2 = sum(x * t for x, _, t in pts)
+    t1 = sum(y * t for _, y, t in pts)
+    det = s22 * s11 - s21 * s21
+    a, b = ((t2 * s11 - t1 * s21) / det, (s22 * t1 - s21 * t2) / det) if det > 0 else (-1.0, 0.0)
+    if a < 0:
+        a, b = 0.0, t1 / s11
+    elif b < 0:
+        a, b = t2 / s22, 0.0
+    per_unit = dict.fromkeys(units, 0.0)
+    fwd = total = 0.0
+    for recs in steps:
+        for r in recs:
+            for kind, name, start, end, _ in r["events"]:
+                if kind in ("forward", "backward") and name in per_unit:
+                    per_unit[name] += end - start
+                    total += end - start
+                    fwd += (end - start) if kind == "forward" else 0.0
+    return QuadraticCost(a, b), tuple(per_unit[u] for u in units), fwd / total
+
+
 def compare(per_rank, w: Workload, policies: Sequence[str], *, primitives: dict | None = None,
             slowdown: Sequence[float] | None = None, calibration: tuple | None = None) -> dict:
+    """Simulated vs measured step time of every timed minibatch of every policy, two ways:
+
+    - ``in_situ`` (the headline): the cost model is fitted to the runtime's own forward/backward
+      events of all the *other* minibatches of the run (leave one minibatch out), so it sees
+      the machine's speed during the run but never the minibatch it predicts;
+    - ``offline``: the calibration measured before the run (``calibrate_cost``).
+    """
+    from dataclasses import replace
+
     cost, sim_w, calib = calibration or calibrate_cost(w)
     comms, comm_src = _comm_models(primitives, w.world_size)
-    rows, per_policy, sim_all, meas_all = [], {}, 0.0, 0.0
+    cap = w.max_tokens_per_microbatch
+    steps = {p: step_records(per_rank, p) for p in policies}
+    all_steps = sorted({recs[0]["step"] for v in steps.values() for recs in v})
+    fits = {}
+    for k in all_steps:
+        train = [recs for v in steps.values() for recs in v if recs[0]["step"] != k]
+        c, weights, fwd = fit_from_traces(train, sim_w.units)
+        fits[k] = (c, replace(sim_w, weights=weights, fwd_fraction=fwd))
+    rows, per_policy = [], {}
+    tot = {"in_situ": 0.0, "offline": 0.0, "measured": 0.0}
     for policy in policies:
-        sims, meas = [], []
-        for recs in step_records(per_rank, policy):
-            comm = comms[POLICIES[policy].comm]
-            sims.append(_simulate_step(recs, policy, cost, sim_w, comm, slowdown))
+        comm = comms[POLICIES[policy].comm]
+        ins, off, meas = [], [], []
+        for recs in steps[policy]:
+            c, sw = fits[recs[0]["step"]]
+            ins.append(_simulate_step(recs, policy, c, sw, comm, cap, slowdown))
+            off.append(_simulate_step(recs, policy, cost, sim_w, comm, cap, slowdown))
             meas.append(_trace_makespan(recs))
-        per_policy[policy] = {"simulated_s": sims, "measured_s": meas,
-                              "ratio": sum(sims) / sum(meas) if sum(meas) > 0 else None}
-        rows.append([policy, sum(sims) / len(sims), sum(meas) / len(meas),
-                     per_policy[policy]["ratio"]])
-        sim_all += sum(sims)
-        meas_all += sum(meas)
+        per_policy[policy] = {"simulated_s": ins, "simulated_offline_s": off, "measured_s": meas,
+                              "ratio": sum(ins) / sum(meas), "ratio_offline": sum(off) / sum(meas)}
+        rows.append([policy, sum(ins) / len(ins), sum(off) / len(off), sum(meas) / len(meas),
+                     sum(ins) / sum(meas), sum(off) / sum(meas)])
+        tot["in_situ"] += sum(ins)
+        tot["offline"] += sum(off)
+        tot["measured"] += sum(meas)
+    full_fit = fit_from_traces([r for v in steps.values() for r in v], sim_w.units)
     return {
         "calibration": calib,
+        "in_situ_fit": {"a": full_fit[0].a, "b": full_fit[0].b, "fwd_fraction": full_fit[2]},
         "comm_model": comm_src,
         "policies": per_policy,
-        "simulated_over_measured_step_time": sim_all / meas_all if meas_all > 0 else None,
-        "columns": ["policy", "simulated s/step", "measured s/step", "simulated/measured"],
+        "simulated_over_measured_step_time": tot["in_situ"] / tot["measured"],
+        "simulated_over_measured_step_time_offline": tot["offline"] / tot["measured"],
+        "columns": ["policy", "sim s/step (in situ)", "sim s/step (offline)", "measured s/step",
+                    "sim/measured", "offline/measured"],
         "rows": rows,
-        "extrapolation": extrapolate(w, cost, sim_w, comms),
+        "extrapolation": extrapolate(w, full_fit[0], replace(sim_w, weights=full_fit[1],
+                                                             fwd_fraction=full_fit[2]), comms),
     }
 
 
 def extrapolate(w: Workload, cost, sim_w, comms, devices=(2, 8, 16, 32), samples_per_rank=(4,),
                 minibatches: int = 8) -> list[dict]:
-    """Simulated samples/s of the benchmark workload at more devices, same per-device model."""
+    """Simulated samples/s of the benchmark workload at more devices, same per-device model
+    (the cost model fitted to the whole run's traces, the same communication model)."""
     from odcfn.schedule.balance import get_balancer
     from odcfn.schedule.plan import compile_plan
     from odcfn.schedule.simulate import simulate, simulate_work_stealing
@@ -144,8 +223,10 @@ def extrapolate(w: Workload, cost, sim_w, comms, devices=(2, 8, 16, 32), samples
                 for step in range(minibatches):
                     lengths = make_lengths(wd, 1000 + step)
                     if pol.balance == "work_stealing":
-                        res = simulate_work_stealing(lengths, D, workload=sim_w, cost=cost,
-                                                     comm=comms["odc"], record=False)
+                        res = simulate_work_stealing(
+                            lengths, D, workload=sim_w, cost=cost, comm=comms["odc"],
+                            items=_stealing_items(lengths, D, wd.max_tokens_per_microbatch),
+                            record=False)
                     else:
                         a = partial(get_balancer(pol.balance), cost=cost)(
                             lengths, D, wd.max_tokens_per_microbatch)

@@ -219,3 +219,28 @@ def test_compare_runs_script_reads_bench_json(tmp_path, capsys):
     assert "a_over_b" in out and "1.250 ok" in out and "nested" not in out
     with pytest.raises(ValueError, match="not an odcfn bench JSON"):
         mod.main([str(tmp_path / "bad.json")])
+
+
+def test_fit_from_traces_recovers_a_known_cost_model():
+    from odcfn.bench_sim import fit_from_traces
+
+    a, b = 2e-6, 3e-4
+
+    def rec(mbs, lengths):
+        events, t = [], 0.0
+        for k, ids in enumerate(mbs):
+            c = sum(a * lengths[i] ** 2 + b * lengths[i] for i in ids)
+            # unit "x" takes 1/4 of each microbatch's time, "y" 3/4; forward 1/3 of each
+            for unit, share in (("x", 0.25), ("y", 0.75)):
+                for kind, frac in (("forward", 1 / 3), ("backward", 2 / 3)):
+                    events.append((kind, unit, t, t + c * share * frac, k))
+                    t += c * share * frac
+            events.append(("gather", "x", t, t + 1.0, -1))  # communication is not compute
+        return {"events": events, "microbatches": mbs, "lengths": lengths}
+
+    lengths = [100, 400, 250, 900, 30]
+    steps = [[rec([[0, 2], [4]], lengths), rec([[1], [3]], lengths)]]
+    cost, weights, fwd = fit_from_traces(steps, ("x", "y"))
+    assert cost.a == pytest.approx(a, rel=1e-6) and cost.b == pytest.approx(b, rel=1e-6)
+    assert weights[1] / weights[0] == pytest.approx(3.0)
+    assert fwd == pytest.approx(1 / 3)
