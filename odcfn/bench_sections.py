@@ -166,6 +166,9 @@ def fill_ratios(report: dict) -> None:
         "balanced_odc_over_collective": paired(bal, "odc+lb-mini"),
         "straggler_odc_lb_mini_over_collective_lb_micro": paired(st, "odc+lb-mini"),
         "straggler_odc_work_stealing_over_collective_lb_micro": paired(st, "odc+work-stealing"),
+        "collective_over_torch_fsdp2": (
+            paired_median_speedup(f["odcfn_collective"], f["torch_fsdp2"])
+            if "torch_fsdp2" in f else None),
     }
     for comm in ("odc", "collective"):
         vals = [
