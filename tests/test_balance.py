@@ -262,3 +262,61 @@ def test_aime_wrong_answers_longer_and_truncation_spike():
         longalign(3, scale=2.0)
     with pytest.raises(ValueError, match="unknown dataset"):
         get_dataset("c4")
+
+
+# --- work stealing in the real runtime (in-process ranks) ------------------------------------
+
+
+def _ws_grad_steps(world, lengths, steps=2, **kw):
+    import torch
+
+    import odcfn
+    from odcfn.models import QwenConfig, init_params, qwen_model
+
+    cfg = QwenConfig(vocab_size=37, d_model=16, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=24)
+    model, full = qwen_model(cfg), init_params(cfg, seed=0)
+    batch = odcfn.random_batch(lengths, cfg.vocab_size, seed=1)
+
+    def fn(rank, tr):
+        torch.set_num_threads(1)
+        mesh = odcfn.Mesh(world, rank)
+        p = odcfn.shard(full, model, mesh)
+        out = []
+        for _ in range(steps):  # the claim counter is fresh every step
+            g, m = odcfn.grad_step(p, batch, model=model, mesh=mesh, transport=tr, **kw)
+            out.append(({k: v.clone() for k, v in g.items()}, m))
+        return out
+
+    return model, full, batch, odcfn.run_local(fn, world, timeout=30)
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_runtime_work_stealing_matches_the_reference_and_runs_each_sample_once(world):
+    import odcfn
+
+    lengths = [5, 9, 3, 7, 4, 11, 2]
+    model, full, batch, out = _ws_grad_steps(
+        world, lengths, balance="work_stealing", max_tokens_per_microbatch=12
+    )
+    loss_ref, g_ref = odcfn.reference_value_and_grad(model, full, batch)
+    mesh = odcfn.Mesh(world, 0)
+    for step in range(2):
+        plans = [out[r][step][1].plan for r in range(world)]
+        claimed = sorted(i for p in plans for mb in p.microbatches for i in mb)
+        assert claimed == list(range(len(lengths))), "every sample exactly once"
+        assert all(len(mb) == 1 for p in plans for mb in p.microbatches)
+        for r in range(world):
+            g, m = out[r][step]
+            assert m.counters.syncs == 1 and m.counters.collectives == 0
+            assert m.loss == pytest.approx(float(loss_ref), rel=1e-5)
+            assert m.plan.count(type(m.plan.steps[-1])) == 1  # one Sync, at the end
+            odcfn.tree_assert_allclose(g, odcfn.shard(g_ref, model, mesh.with_rank(r)), rtol=1e-5, atol=1e-7)
+            fwd = {e.mb for e in m.events if e.kind == "forward"}
+            assert fwd == set(range(len(m.plan.microbatches)))
+
+
+def test_runtime_work_stealing_rejects_collective_and_oversized_samples():
+    with pytest.raises(ValueError, match="work_stealing.*comm='odc'"):
+        _ws_grad_steps(2, [3, 4], steps=1, balance="work_stealing", comm="collective")
+    with pytest.raises(ValueError, match="sample 1 has 9 tokens"):
+        _ws_grad_steps(2, [3, 9], steps=1, balance="work_stealing", max_tokens_per_microbatch=8)
