@@ -1,0 +1,171 @@
+"""A session-wide pool of ready worker processes for the multi-process tests.
+
+Spawning a rank costs seconds (importing torch); a hypothesis test that spawned W ranks per
+example would take minutes. The pool spawns up to 4 workers once and reuses them: ``run(fn, W)``
+hands ``fn(*args)`` to workers 0..W-1 with a fresh torchrun environment (new MASTER_PORT, a new
+/dev/shm name prefix), so the same worker functions also run under ``odcfn.launch`` and torchrun.
+After each task a worker destroys the default process group it may have created; a worker that
+died or timed out is replaced.
+
+Use it through the session fixture: ``tests/conftest.py`` does ``from tests.mp_pool import
+mp_pool``. The pool itself is a process-wide singleton (``get_pool``), so importing the fixture in
+several places never starts a second pool.
+"""
+
+from __future__ import annotations
+
+import atexit
+import multiprocessing as mp
+import os
+import pickle
+import time
+import traceback
+import uuid
+from collections.abc import Callable, Sequence
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+import pytest
+
+from odcfn.launch import LaunchError, free_port, rank_env, sweep_shm
+
+__all__ = ["WorkerPool", "get_pool", "mp_pool"]
+
+
+def _serve(conn: Connection) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    while True:
+        try:
+            msg = conn.recv_bytes()
+        except (EOFError, OSError):
+            return
+        if not msg:
+            return
+        saved = dict(os.environ)
+        try:
+            fn, args, env = pickle.loads(msg)
+            os.environ.update(env)
+            reply = ("ok", fn(*args), "")
+        except BaseException as e:  # noqa: BLE001 - reported to the parent
+            reply = ("error", f"{type(e).__name__}: {e}", "".join(traceback.format_exception(e)))
+        finally:
+            if dist.is_initialized():
+                try:
+                    dist.destroy_process_group()
+                except Exception:  # noqa: BLE001 - a broken group: nothing left to release
+                    pass
+            os.environ.clear()
+            os.environ.update(saved)
+        try:
+            data = pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as e:  # noqa: BLE001 - an unpicklable result
+            data = pickle.dumps(("error", f"unpicklable result: {e}", ""))
+        conn.send_bytes(data)
+
+
+class WorkerPool:
+    def __init__(self, max_workers: int = 4) -> None:
+        self.max_workers = max_workers
+        self._ctx = mp.get_context("spawn")
+        self._procs: list[Any] = []
+        self._conns: list[Connection] = []
+
+    def _spawn(self, i: int) -> None:
+        parent, child = self._ctx.Pipe()
+        env = dict(os.environ)
+        os.environ["OMP_NUM_THREADS"] = "1"
+        try:
+            p = self._ctx.Process(target=_serve, args=(child,), name=f"odcfn-pool-{i}", daemon=True)
+            p.start()
+        finally:
+            os.environ.clear()
+            os.environ.update(env)
+        child.close()
+        if i < len(self._procs):
+            self._procs[i], self._conns[i] = p, parent
+        else:
+            self._procs.append(p)
+            self._conns.append(parent)
+
+    def _replace(self, i: int) -> None:
+        p = self._procs[i]
+        if p.is_alive():
+            p.kill()
+        p.join()
+        self._conns[i].close()
+        self._spawn(i)
+
+    def run(
+        self, fn: Callable[..., Any], world_size: int, *, args: Sequence[Any] = (), timeout: float = 120.0
+    ) -> list[Any]:
+        """``fn(*args)`` on ranks 0..world_size-1; results by rank, or ``LaunchError``."""
+        if not 1 <= world_size <= self.max_workers:
+            raise ValueError(f"world_size={world_size} outside the pool's 1..{self.max_workers}")
+        while len(self._procs) < self.max_workers:  # all at once: their imports overlap
+            self._spawn(len(self._procs))
+        port, prefix = free_port(), f"odcfn-pool-{uuid.uuid4().hex[:8]}"
+        for r in range(world_size):
+            msg = (fn, tuple(args), rank_env(r, world_size, port, prefix))
+            self._conns[r].send_bytes(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+        results: dict[int, Any] = {}
+        errors: dict[int, str] = {}
+        live = {self._conns[r]: r for r in range(world_size)}
+        deadline = time.monotonic() + timeout
+        try:
+            while live:
+                ready = wait(list(live), timeout=max(0.0, deadline - time.monotonic()))
+                if not ready:
+                    for r in sorted(live.values()):
+                        errors[r] = f"no answer within {timeout}s (worker replaced)"
+                        self._replace(r)
+                    break
+                for conn in ready:
+                    r = live.pop(conn)
+                    try:
+                        kind, payload, tb = pickle.loads(conn.recv_bytes())
+                    except (EOFError, OSError):
+                        errors[r] = f"worker died (exit code {self._procs[r].exitcode})"
+                        self._replace(r)
+                        continue
+                    if kind == "ok":
+                        results[r] = payload
+                    else:
+                        errors[r] = f"{payload}\n{tb}"
+        finally:
+            sweep_shm(prefix)
+        if errors:
+            first = min(errors)
+            raise LaunchError(f"rank {first} failed: {errors[first]}", errors, results)
+        return [results[r] for r in range(world_size)]
+
+    def close(self) -> None:
+        for conn in self._conns:
+            try:
+                conn.send_bytes(b"")
+            except OSError:
+                pass
+        for p in self._procs:
+            p.join(2.0)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        self._procs, self._conns = [], []
+
+
+_POOL: WorkerPool | None = None
+
+
+def get_pool() -> WorkerPool:
+    global _POOL
+    if _POOL is None:
+        _POOL = WorkerPool()
+        atexit.register(_POOL.close)
+    return _POOL
+
+
+@pytest.fixture(scope="session")
+def mp_pool() -> WorkerPool:
+    return get_pool()

@@ -1,0 +1,255 @@
+"""Multi-process ODC (ShmTransport) and the collective baseline (gloo) against the single-process
+reference: loss, gradient shards, AdamW-updated parameters; exactly one sync per ODC step on
+the wire; a killed rank and a stuck rank end in TransportError, never a hang."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import replace
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import odcfn
+from odcfn.kernels.base import TransportError
+from odcfn.kernels.shm import ShmTransport
+from odcfn.launch import LaunchError, launch
+from odcfn.models import QwenConfig, init_params, qwen_model
+from odcfn.tree import tree_named_leaves
+from tests.mp_pool import mp_pool  # noqa: F401 - the session fixture
+
+CFG = QwenConfig(vocab_size=37, d_model=16, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=24)
+LR = 1e-2
+
+
+def _setup(lengths, seed):
+    torch.set_num_threads(1)
+    model = qwen_model(CFG)
+    return model, init_params(CFG, seed=seed), odcfn.random_batch(lengths, CFG.vocab_size, seed=seed)
+
+
+def _copy(tree):
+    return {k: v.clone() for k, v in tree.items()}
+
+
+# --- worker functions (top level: the pool and launch pickle them by reference) --------------
+
+
+def grads_worker(lengths, cap, seed, comms):
+    """One grad_step per entry of ``comms`` on one ShmTransport; grads, loss, wire calls."""
+    model, full, batch = _setup(lengths, seed)
+    mesh = odcfn.Mesh.from_env()
+    params = odcfn.shard(full, model, mesh)
+    out = []
+    with ShmTransport(mesh, timeout=30) as tr:
+        for comm in comms:
+            calls = tr.dist.calls.copy()
+            g, m = odcfn.grad_step(
+                params, batch, model=model, mesh=mesh, transport=tr, comm=comm,
+                max_tokens_per_microbatch=cap,
+            )
+            out.append({
+                "comm": comm, "grads": _copy(g), "loss": m.loss, "syncs": m.counters.syncs,
+                "collectives": m.counters.collectives, "wire": dict(tr.dist.calls - calls),
+                "mbs": len(m.plan.microbatches),
+            })
+    return out
+
+
+def adamw_worker(lengths, cap, seed, comms):
+    """Several AdamW train_steps, the comm mode switching per step as ``comms`` says."""
+    model, full, batch = _setup(lengths, seed)
+    mesh = odcfn.Mesh.from_env()
+    opt = odcfn.adamw(LR)
+    params = odcfn.shard(full, model, mesh)
+    state = opt.init(params)
+    wire = []
+    with ShmTransport(mesh, timeout=30) as tr:
+        for comm in comms:
+            calls = tr.dist.calls.copy()
+            params, state, m = odcfn.train_step(
+                params, batch, opt_state=state, model=model, optimizer=opt, mesh=mesh,
+                transport=tr, comm=comm, max_tokens_per_microbatch=cap,
+            )
+            wire.append((comm, dict(tr.dist.calls - calls), m.counters.syncs))
+    return _copy(params), wire
+
+
+def _trap(model, rank_calls, action):
+    """``model`` whose layer units run ``action()`` from their ``rank_calls``-th forward on."""
+    calls = {"n": 0}
+
+    def wrap(fwd):
+        def fwd2(p, x, mb):
+            calls["n"] += 1
+            if calls["n"] == rank_calls:
+                action()
+            return fwd(p, x, mb)
+        return fwd2
+
+    units = tuple(replace(u, fwd=wrap(u.fwd)) if u.name.startswith("layers") else u for u in model.units)
+    return replace(model, units=units)
+
+
+def killed_worker(victim, timeout):
+    """``victim`` SIGKILLs itself in its first forward of the second minibatch; the survivors
+    report how they ended, how long it took and what of theirs is left in /dev/shm."""
+    model, full, batch = _setup([6, 5, 6, 4, 6, 5], 0)
+    mesh = odcfn.Mesh.from_env()
+    if mesh.rank == victim:  # step 1: 2 microbatches x 2 layers = 4 forwards; die in the 5th
+        model = _trap(model, 5, lambda: os.kill(os.getpid(), signal.SIGKILL))
+    params = odcfn.shard(full, model, mesh)
+    t0, step = time.monotonic(), -1
+    try:
+        with ShmTransport(mesh, timeout=timeout) as tr:
+            for i in range(3):
+                step, t0 = i, time.monotonic()
+                odcfn.grad_step(params, batch, model=model, mesh=mesh, transport=tr, comm="odc",
+                                max_tokens_per_microbatch=6)
+        outcome = "finished"
+    except TransportError as e:
+        outcome = f"TransportError: {e}"
+    prefix = os.environ["ODCFN_SHM_PREFIX"]
+    left = [f for f in os.listdir("/dev/shm") if f.startswith(prefix)]
+    return outcome, time.monotonic() - t0, step, left
+
+
+def stuck_worker(timeout, stall):
+    """Rank 1 stalls ``stall`` s inside its second minibatch; both report how they ended."""
+    model, full, batch = _setup([6, 5, 7, 4], 0)
+    mesh = odcfn.Mesh.from_env()
+    if mesh.rank == 1:  # 1 microbatch x 2 layers per step: the 3rd forward is in step 2
+        model = _trap(model, 3, lambda: time.sleep(stall))
+    params = odcfn.shard(full, model, mesh)
+    t0 = time.monotonic()
+    try:
+        with ShmTransport(mesh, timeout=timeout) as tr:
+            odcfn.grad_step(params, batch, model=model, mesh=mesh, transport=tr, comm="odc")
+            t0 = time.monotonic()
+            odcfn.grad_step(params, batch, model=model, mesh=mesh, transport=tr, comm="odc")
+        return "finished", time.monotonic() - t0
+    except TransportError as e:
+        return f"TransportError: {e}", time.monotonic() - t0
+
+
+# --- helpers in the test process ------------------------------------------------------------
+
+
+def _reference(lengths, seed, world):
+    model, full, batch = _setup(lengths, seed)
+    loss, g = odcfn.reference_value_and_grad(model, full, batch)
+    return model, full, float(loss), [odcfn.shard(g, model, odcfn.Mesh(world, r)) for r in range(world)]
+
+
+def _named(tree):
+    return {f"{u}.{n}": t for u, sub in tree.items() for n, t in tree_named_leaves(sub)}
+
+
+# --- tests ------------------------------------------------------------------------------------
+
+
+@settings(max_examples=6, deadline=None)
+@given(
+    world=st.sampled_from([2, 3, 4]),
+    lengths=st.lists(st.integers(2, 12), min_size=1, max_size=9),
+    cap=st.integers(12, 24),
+    seed=st.integers(0, 3),
+)
+def test_odc_shm_and_gloo_match_reference(mp_pool, world, lengths, cap, seed):  # noqa: F811
+    model, _, loss, ref = _reference(lengths, seed, world)
+    out = mp_pool.run(grads_worker, world, args=(lengths, cap, seed, ("odc", "collective")))
+    for r in range(world):
+        odc, coll = out[r]
+        assert odc["loss"] == pytest.approx(loss, rel=1e-5) and coll["loss"] == pytest.approx(loss, rel=1e-5)
+        odcfn.tree_assert_allclose(odc["grads"], ref[r], rtol=1e-5, atol=1e-7)
+        odcfn.tree_assert_allclose(coll["grads"], ref[r], rtol=1e-5, atol=1e-7)
+        odcfn.tree_assert_allclose(odc["grads"], coll["grads"], rtol=1e-5, atol=1e-7)
+        assert odc["collectives"] == 0 and coll["collectives"] > 0
+
+
+def test_unequal_microbatches_and_an_idle_rank(mp_pool):  # noqa: F811
+    # 5 samples on 4 ranks under round robin: rank 0 gets 2 (two microbatches at cap 9), ranks
+    # 1-3 one each; with 3 samples rank 3 gets none at all
+    for lengths in ([8, 5, 6, 4, 7], [8, 5, 6]):
+        _, _, loss, ref = _reference(lengths, 1, 4)
+        out = mp_pool.run(grads_worker, 4, args=(lengths, 9, 1, ("odc", "collective")))
+        mbs = [o[0]["mbs"] for o in out]
+        assert len(set(mbs)) > 1 and (mbs[3] == 0) == (len(lengths) == 3), mbs
+        for r in range(4):
+            for res in out[r]:
+                assert res["loss"] == pytest.approx(loss, rel=1e-5)
+                odcfn.tree_assert_allclose(res["grads"], ref[r], rtol=1e-5, atol=1e-7)
+
+
+def test_adamw_steps_match_reference_and_one_sync_on_the_wire(mp_pool):  # noqa: F811
+    lengths, cap, seed, world, steps = [9, 4, 7, 3, 5], 10, 2, 3, 3
+    model, full, batch = _setup(lengths, seed)
+    # independent reference: torch.optim.AdamW on the unsharded params with reference grads
+    named = {k: v.clone().requires_grad_() for k, v in _named(full).items()}
+    opt = torch.optim.AdamW(named.values(), lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+    for _ in range(steps):
+        current = {k: v.detach().clone() for k, v in named.items()}
+        _, g = odcfn.reference_value_and_grad(model, _unflat(full, current), batch)
+        for k, v in _named(g).items():
+            named[k].grad = v.clone()
+        opt.step()
+    want = {k: v.detach() for k, v in named.items()}
+    for comms in (("odc",) * steps, ("collective",) * steps, ("odc", "collective", "odc")):
+        out = mp_pool.run(adamw_worker, world, args=(lengths, cap, seed, comms))
+        mesh = odcfn.Mesh(world, 0)
+        got = _named(odcfn.unshard([o[0] for o in out], model, mesh))
+        assert got.keys() == want.keys()
+        for k in want:
+            torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-5, msg=k)
+        for _, wire in out:
+            for i, (comm, calls, syncs) in enumerate(wire):
+                assert syncs == 1
+                if comm == "odc" and i > 0:  # step 0 also maps the segments (two barriers)
+                    assert calls == {"all_reduce": 1}, calls
+
+
+def _unflat(full, named):
+    """Reference params tree whose leaves are the tensors in ``named`` (by dotted name)."""
+    out = {}
+    for unit, sub in full.items():
+        out[unit] = _fill(sub, f"{unit}.", named)
+    return out
+
+
+def _fill(sub, prefix, named):
+    return {k: (_fill(v, f"{prefix}{k}.", named) if isinstance(v, dict) else named[f"{prefix}{k}"])
+            for k, v in sub.items()}
+
+
+def test_killed_rank_ends_every_survivor_within_the_timeout():
+    timeout = 20.0
+    t0 = time.monotonic()
+    with pytest.raises(LaunchError) as info:
+        launch(killed_worker, 3, args=(1, timeout), timeout=timeout)
+    err = info.value
+    assert "killed by signal 9" in err.errors[1]
+    assert set(err.results) == {0, 2}
+    outcomes = []
+    for r in (0, 2):
+        outcome, waited, step, left = err.results[r]
+        assert outcome.startswith("TransportError"), outcome
+        assert step == 1 and waited < timeout, (step, waited)
+        assert left == [], left
+        outcomes.append(outcome)
+    # whoever notices first names the dead rank; the other may instead see its abort flag
+    assert any("rank 1" in o and "died" in o for o in outcomes), outcomes
+    assert all("rank 1" in o or "aborted" in o for o in outcomes), outcomes
+    assert time.monotonic() - t0 < 60
+
+
+def test_stuck_rank_times_out_and_the_other_gives_up(mp_pool):  # noqa: F811
+    timeout = 1.5
+    (o0, t0), (o1, t1) = mp_pool.run(stuck_worker, 2, args=(timeout, 4.0), timeout=60)
+    assert o0.startswith("TransportError") and "timed out" in o0, o0
+    assert timeout <= t0 < timeout + 10.0  # its own compute of the step comes on top (2 busy cores)
+    # the stalled rank wakes up later and finds rank 0's abort flag instead of waiting again
+    assert o1.startswith("TransportError") and "rank 0 aborted" in o1, o1
