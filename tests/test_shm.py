@@ -1,0 +1,246 @@
+"""ShmTransport mechanics across real processes (exact concurrent accumulation, version-gated
+gathers, claim), its primitives in one process, CollectiveTransport's refusals, and launch."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import odcfn
+from odcfn.kernels._shm_sync import RangeLock, Segment, pid_alive, shm_dir, wait_until
+from odcfn.kernels.base import TransportError
+from odcfn.kernels.collective import CollectiveTransport, DistOps
+from odcfn.kernels.shm import ShmTransport
+from odcfn.launch import LaunchError, launch
+from odcfn.model import Model, Unit
+from odcfn.sharding import make_layout
+from tests.mp_pool import mp_pool  # noqa: F401 - the session fixture
+
+UNITS, SHARD, ROUNDS, CHUNK = 8, 960, 8, 48
+
+
+def _flat_model(world: int) -> Model:
+    shape = {"w": torch.Size([SHARD * world])}
+    return Model(tuple(Unit(f"u{i}", lambda p, x, mb: x, shape) for i in range(UNITS)))
+
+
+def _pattern(n: int) -> torch.Tensor:
+    return torch.arange(n, dtype=torch.float32) % 7 + 1  # small integers: fp32 sums are exact
+
+
+# --- workers ----------------------------------------------------------------------------------
+
+
+def stress_worker():
+    """Every rank pushes every unit ROUNDS times into every owner, in CHUNK-element locked
+    pieces, all at once: 4 ranks x 8 units x 8 rounds x 4 owners x 20 chunks = 20480 locked adds."""
+    torch.set_num_threads(1)
+    mesh = odcfn.Mesh.from_env()
+    w, r = mesh.world_size, mesh.rank
+    layout = make_layout(_flat_model(w), mesh)
+    shards = {u.name: torch.zeros(u.shard_size) for u in layout.units}
+    grad = _pattern(SHARD * w) * (r + 1)
+    with ShmTransport(mesh, timeout=30, chunk_elems=CHUNK) as tr:
+        tr.begin_step(layout, shards, torch.float32)
+        tr.dist.barrier()  # start pushing together: maximal contention
+        t0 = time.perf_counter()
+        for _ in range(ROUNDS):
+            for u in layout.units:
+                tr.scatter_accumulate(u.name, grad)
+        tr.flush()
+        took = time.perf_counter() - t0
+        acc = {k: v.clone() for k, v in tr.grad_shards().items()}
+        claims = [tr.claim() for _ in range(5 + r)]  # unequal numbers of claims per rank
+        tr.sync(torch.zeros(1, dtype=torch.float64))
+    return acc, took, claims
+
+
+def versions_worker(steps):
+    """Each step every rank publishes step*100 + rank; every gather must see exactly that,
+    with only the one sync per step between steps (no other barrier)."""
+    torch.set_num_threads(1)
+    mesh = odcfn.Mesh.from_env()
+    w, r = mesh.world_size, mesh.rank
+    layout = make_layout(_flat_model(w), mesh)
+    seen, claims = [], []
+    with ShmTransport(mesh, timeout=30) as tr:
+        for step in range(1, steps + 1):
+            mine = {u.name: torch.full((u.shard_size,), 100.0 * step + r) for u in layout.units}
+            tr.begin_step(layout, mine, torch.float32)
+            out = torch.empty(layout.units[0].padded_numel)
+            for u in layout.units:
+                tr.gather(u.name, out)
+                seen.append(out.view(w, -1)[:, ::97].clone())
+            claims.append(tr.claim())
+            tr.flush()
+            tr.sync(torch.ones(1, dtype=torch.float64))
+        counters = tr.counters.as_dict()
+    return seen, claims, counters
+
+
+def collective_refuses_worker():
+    torch.set_num_threads(1)
+    mesh = odcfn.Mesh.from_env()
+    layout = make_layout(_flat_model(mesh.world_size), mesh)
+    out = {}
+    with CollectiveTransport(mesh, timeout=10) as tr:
+        tr.begin_step(layout, {u.name: torch.full((u.shard_size,), float(mesh.rank)) for u in layout.units},
+                      torch.float32)
+        buf = torch.empty(layout.units[0].padded_numel)
+        tr.all_gather("u0", buf)
+        out["gathered"] = buf.view(mesh.world_size, -1)[:, 0].tolist()
+        for name, call in [("gather", lambda: tr.gather("u0", buf)),
+                           ("scatter_accumulate", lambda: tr.scatter_accumulate("u0", buf)),
+                           ("claim", tr.claim)]:
+            try:
+                call()
+                out[name] = "no error"
+            except NotImplementedError as e:
+                out[name] = str(e)
+        out["sync"] = tr.sync(torch.tensor([1.0], dtype=torch.float64)).item()
+    return out
+
+
+def env_worker(fail_rank):
+    keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "EXTRA")
+    if int(os.environ["RANK"]) == fail_rank:
+        raise ValueError("bad sample 3")
+    return {k: os.environ.get(k) for k in keys}
+
+
+# --- multi-process ----------------------------------------------------------------------------
+
+
+def test_concurrent_scatter_accumulate_is_exact(mp_pool):  # noqa: F811
+    world = 4
+    out = mp_pool.run(stress_worker, world)
+    want = _pattern(SHARD * world).view(world, SHARD) * ROUNDS * sum(r + 1 for r in range(world))
+    for r, (acc, _, _) in enumerate(out):
+        assert set(acc) == {f"u{i}" for i in range(UNITS)}
+        for name, a in acc.items():
+            assert torch.equal(a, want[r]), (r, name, (a - want[r]).abs().max().item())
+    # claim: a fetch-and-add shared by all ranks: every number exactly once, none skipped
+    claims = sorted(c for o in out for c in o[2])
+    assert claims == list(range(len(claims)))
+
+
+def test_gathers_see_exactly_the_published_version(mp_pool):  # noqa: F811
+    world, steps = 3, 4
+    out = mp_pool.run(versions_worker, world, args=(steps,))
+    for r, (seen, _, counters) in enumerate(out):
+        for i, s in enumerate(seen):
+            step = i // UNITS + 1
+            want = (100.0 * step + torch.arange(world, dtype=torch.float32))[:, None].expand_as(s)
+            assert torch.equal(s, want), (r, step)
+        assert counters["syncs"] == steps and counters["collectives"] == 0
+        assert counters["gather_bytes"] == steps * UNITS * (world - 1) * SHARD * 4
+    # one claim per rank per step: each step's counter is fresh, so each step hands out 0..W-1
+    for step in range(steps):
+        assert sorted(o[1][step] for o in out) == list(range(world))
+
+
+def test_collective_transport_gathers_and_refuses_one_sided_ops(mp_pool):  # noqa: F811
+    out = mp_pool.run(collective_refuses_worker, 2)
+    for o in out:
+        assert o["gathered"] == [0.0, 1.0] and o["sync"] == 2.0
+        for op in ("gather", "scatter_accumulate", "claim"):
+            assert "CollectiveTransport" in o[op] and "ShmTransport" in o[op], o[op]
+
+
+def test_launch_sets_the_torchrun_env_and_reports_the_failing_rank():
+    with pytest.raises(LaunchError) as info:
+        launch(env_worker, 2, args=(1,), env={"EXTRA": "x"}, timeout=30)
+    err = info.value
+    assert "rank 1" in str(err) and "ValueError: bad sample 3" in str(err)
+    assert set(err.errors) == {1} and set(err.results) == {0}
+    env = err.results[0]
+    assert env["RANK"] == "0" and env["WORLD_SIZE"] == env["LOCAL_WORLD_SIZE"] == "2"
+    assert env["LOCAL_RANK"] == "0" and env["EXTRA"] == "x" and int(env["MASTER_PORT"]) > 0
+
+
+# --- one process ------------------------------------------------------------------------------
+
+
+def test_launch_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="world_size"):
+        launch(env_worker, 0)
+    with pytest.raises(TypeError, match="callable"):
+        launch("env_worker", 2)
+    with pytest.raises(ValueError, match="timeout"):
+        launch(env_worker, 2, timeout=0)
+    with pytest.raises(TypeError, match="env"):
+        launch(env_worker, 2, env={"A": 1})
+
+
+def test_transport_arguments_are_checked_before_any_communication(monkeypatch):
+    mesh = odcfn.Mesh(2, 0)
+    with pytest.raises(ValueError, match="chunk_elems"):
+        ShmTransport(mesh, chunk_elems=0)
+    with pytest.raises(ValueError, match="timeout"):
+        DistOps(mesh, 0)
+    with pytest.raises(TypeError, match="Mesh"):
+        DistOps("mesh", 1.0)
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    with pytest.raises(RuntimeError, match="MASTER_ADDR, MASTER_PORT not set"):
+        CollectiveTransport(mesh)
+
+
+def test_segment_is_unlinked_but_stays_mapped(tmp_path, monkeypatch):
+    monkeypatch.setenv("ODCFN_SHM_DIR", str(tmp_path))
+    path = os.path.join(shm_dir(), "seg")
+    own = Segment(path, 4096, create=True)
+    peer = Segment(path, 4096, create=False)
+    own.unlink()
+    assert not os.path.exists(path)
+    own.view(64, 4, torch.float32).copy_(torch.tensor([1.0, 2.0, 3.0, 4.0]))
+    assert peer.view(64, 4, torch.float32).tolist() == [1.0, 2.0, 3.0, 4.0]  # same memory
+    with pytest.raises(ValueError, match="aligned"):
+        own.view(2, 1, torch.float32)
+    other = Segment(os.path.join(shm_dir(), "x"), 8, create=True)
+    with pytest.raises(TransportError, match="layout"):
+        Segment(other.path, 16, create=False)
+    for seg in (own, peer, other):
+        seg.close()
+    assert os.listdir(tmp_path) == []
+
+
+def test_range_lock_excludes_a_second_holder_and_times_out(tmp_path):
+    path = str(tmp_path / "lockfile")
+    open(path, "wb").close()
+    fd1, fd2 = os.open(path, os.O_RDWR), os.open(path, os.O_RDWR)
+    try:
+        with RangeLock(fd1, 7, 1.0, "byte 7"):
+            # OFD locks exclude other open file descriptions even inside one process
+            t0 = time.monotonic()
+            with pytest.raises(TransportError, match="byte 7"):
+                with RangeLock(fd2, 7, 0.2, "byte 7"):
+                    pass
+            assert 0.2 <= time.monotonic() - t0 < 2.0
+            with RangeLock(fd2, 8, 0.2, "byte 8"):  # another byte: independent
+                pass
+        with RangeLock(fd2, 7, 0.2, "byte 7"):  # released
+            pass
+    finally:
+        os.close(fd1)
+        os.close(fd2)
+
+
+def test_wait_until_ends_on_timeout_abort_and_dead_peer():
+    with pytest.raises(TransportError, match="timed out after 0.1s"):
+        wait_until(lambda: False, timeout=0.1, what="nothing")
+    with pytest.raises(TransportError, match="peer gone"):
+        wait_until(lambda: False, timeout=5, what="x", check=lambda: "peer gone")
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    assert not pid_alive(dead.pid) and pid_alive(os.getpid())
+    t0 = time.monotonic()
+    with pytest.raises(TransportError, match=f"rank 3 \\(pid {dead.pid}\\) died"):
+        wait_until(lambda: False, timeout=5, what="x", peers=[(3, lambda: dead.pid)])
+    assert time.monotonic() - t0 < 1.0
+    wait_until(lambda: True, timeout=0.0, what="already true")
