@@ -33,7 +33,7 @@ def stats() -> dict[str, dict]:
     nv = pytest.importorskip("nvidia.nvshmem", reason="NVSHMEM bitcode needs the 'gpu' extra")
     del nv
     # the two NVSHMEM kernels dominate: one process each, the small kernels ride along
-    first = [_compile(["nvshmem_gather"]), _compile([*_others(), "nvshmem_put_signal"])]
+    first = [_compile(["nvshmem_gather", "nvshmem_signal"]), _compile([*_others(), "nvshmem_put_signal"])]
     out: dict[str, dict] = {}
     for p in first:
         so, se = p.communicate(timeout=600)
@@ -52,7 +52,7 @@ def _others() -> list[str]:
 
 
 def test_every_kernel_compiled(stats):
-    assert set(stats) == {*_others(), "nvshmem_gather", "nvshmem_put_signal"}
+    assert set(stats) == {*_others(), "nvshmem_gather", "nvshmem_put_signal", "nvshmem_signal"}
     for name, s in stats.items():
         assert s["cubin_bytes"] > 1000, name
 
@@ -69,7 +69,7 @@ def test_streaming_kernels_use_128bit_accesses_and_never_spill(stats, name):
         assert s["v4_stores"] >= 1, f"{name}: no 128-bit stores"
 
 
-@pytest.mark.parametrize("name", ["nvshmem_gather", "nvshmem_put_signal"])
+@pytest.mark.parametrize("name", ["nvshmem_gather", "nvshmem_put_signal", "nvshmem_signal"])
 def test_nvshmem_kernels_link_the_device_library(stats, name):
     s = stats[name]
     # the nvshmemx_* entry points were inlined from the bitcode: only NVSHMEM's internal

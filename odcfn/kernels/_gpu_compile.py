@@ -1,8 +1,8 @@
 """Compile every GPU kernel ahead of time for a CUDA target (default Hopper, sm_90) on any
 machine, GPU or not, and summarise its PTX: what CI checks.
 
-``python -m odcfn.kernels._gpu_compile [ARCH [NAME,NAME...]]`` prints one JSON line per kernel. Run it in a process
-where ``TRITON_INTERPRET`` is unset (interpreted kernels cannot be compiled).
+``python -m odcfn.kernels._gpu_compile [ARCH [NAME,NAME...]]`` prints one JSON line per
+kernel. Run it where ``TRITON_INTERPRET`` is unset (interpreted kernels cannot be compiled).
 """
 
 from __future__ import annotations

@@ -58,6 +58,7 @@ class Fabric(Protocol):
     def put_signal(self, rank: int, parts: list[tuple[int, torch.Tensor]], idx: int, value: int) -> None:
         """Write each (byte offset, tensor) into ``rank``'s arena, then set its signal word
         ``idx`` to ``value``; the word must become visible only after all the bytes."""
+
     def scatter_add(self, owners: tuple[int, ...], offset: int, grad: torch.Tensor) -> None: ...
     def accumulate(self, acc: torch.Tensor, x: torch.Tensor) -> None: ...
     def cast_copy(self, dst: torch.Tensor, src: torch.Tensor) -> None: ...
@@ -87,6 +88,7 @@ class ArenaTransport:
         timeout: float = 300.0,
         poll_s: float = 50e-6,
         prefix: str = "odcfn",
+        id_bits: int = 32,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -94,7 +96,7 @@ class ArenaTransport:
         self.mode, self.slots, self.slot_elems = mode, slots, slot_elems
         self.timeout, self.poll_s, self.prefix = timeout, poll_s, prefix
         self.counters = Counters()
-        self.ids = SeqIds()
+        self.ids = SeqIds(id_bits)  # 32 in production; tests shrink it to force wraps
         self.group = mesh.shard_group
         self.me = mesh.shard_index
         self.sig = SignalLayout(len(self.group), slots)
@@ -136,7 +138,9 @@ class ArenaTransport:
         self._seen = [0] * len(self.group)
 
     # --- per step ---------------------------------------------------------------------------
-    def begin_step(self, layout: Layout, shards: Mapping[str, torch.Tensor], compute_dtype: torch.dtype) -> None:
+    def begin_step(
+        self, layout: Layout, shards: Mapping[str, torch.Tensor], compute_dtype: torch.dtype
+    ) -> None:
         self._raise_if_failed()
         self._ensure_arena(layout, compute_dtype)
         self.layout = layout
@@ -151,7 +155,9 @@ class ArenaTransport:
             self.fabric.signal_write(peer, self.sig.version(self.me), self.step)
         if self.mode == "landing" and len(self.group) > 1 and self._drain is None:
             self._stop.clear()
-            self._drain = threading.Thread(target=self._drain_loop, name=f"odcfn-drain-{self.mesh.rank}", daemon=True)
+            self._drain = threading.Thread(
+                target=self._drain_loop, name=f"odcfn-drain-{self.mesh.rank}", daemon=True
+            )
             self._drain.start()
 
     def _wait(self, pred, what: str) -> None:
@@ -159,7 +165,9 @@ class ArenaTransport:
         while not pred():
             self._raise_if_failed()
             if time.monotonic() > deadline:
-                raise TransportError(f"rank {self.mesh.rank}: timed out after {self.timeout}s waiting for {what}")
+                raise TransportError(
+                    f"rank {self.mesh.rank}: timed out after {self.timeout}s waiting for {what}"
+                )
             time.sleep(self.poll_s)
 
     def _wait_version(self, i: int) -> None:
@@ -177,7 +185,11 @@ class ArenaTransport:
         size = self.layout[unit].shard_size
         for i in range(len(self.group)):
             self._wait_version(i)
-        dev = out if out.device == self.fabric.device else torch.empty(out.numel(), dtype=out.dtype, device=self.fabric.device)
+        dev = (
+            out
+            if out.device == self.fabric.device
+            else torch.empty(out.numel(), dtype=out.dtype, device=self.fabric.device)
+        )
         self.fabric.get(self.group, self.arena_layout.param_offsets[i_u], dev)
         if dev is not out:
             out.copy_(dev)
@@ -232,9 +244,13 @@ class ArenaTransport:
             hdr = self.fabric.arena[base : base + 32].view(torch.int64).tolist()
             unit, lo, n, hrid = hdr
             if hrid % self.ids.modulus != rid:
-                raise TransportError(f"rank {self.mesh.rank}: slot ({c},{slot}) header id {hrid} != signal id {rid}")
+                raise TransportError(
+                    f"rank {self.mesh.rank}: slot ({c},{slot}) header id {hrid} != signal id {rid}"
+                )
             name = self.layout.units[unit].name
-            x = self.fabric.arena[base + HEADER_BYTES : base + HEADER_BYTES + n * al.grad_itemsize].view(self.dtype)
+            x = self.fabric.arena[base + HEADER_BYTES : base + HEADER_BYTES + n * al.grad_itemsize].view(
+                self.dtype
+            )
             with self._acc_lock:
                 self.fabric.accumulate(self._views[name][1][lo : lo + n], x)
             rcv.consume()
@@ -255,7 +271,9 @@ class ArenaTransport:
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:
-            raise TransportError(f"rank {self.mesh.rank}: drain thread failed: {self._error!r}") from self._error
+            raise TransportError(
+                f"rank {self.mesh.rank}: drain thread failed: {self._error!r}"
+            ) from self._error
 
     def _stop_drain(self) -> None:
         if self._drain is not None:
@@ -266,20 +284,30 @@ class ArenaTransport:
     def flush(self) -> None:
         self.fabric.fence()
         for i, owner in enumerate(self.group):
-            self.fabric.signal_write(owner, self.sig.fin(self.me), pack_fin(self.step, self.senders[i].issued, self.ids))
+            self.fabric.signal_write(
+                owner, self.sig.fin(self.me), pack_fin(self.step, self.senders[i].issued, self.ids)
+            )
         step = self.step % (1 << STEP_BITS)
 
         def done(c: int) -> bool:
             st, last = unpack_fin(self.fabric.signal_read(self.sig.fin(c)), self.ids)
-            return st == step and (self.mode == "remote_add" or c == self.me or self.receivers[c].caught_up(last))
+            return st == step and (
+                self.mode == "remote_add" or c == self.me or self.receivers[c].caught_up(last)
+            )
 
         for c in range(len(self.group)):
-            self._wait(lambda c=c: done(c), f"rank {self.group[c]} to finish pushing into rank {self.mesh.rank}")
+            self._wait(
+                lambda c=c: done(c), f"rank {self.group[c]} to finish pushing into rank {self.mesh.rank}"
+            )
 
     # --- collectives ------------------------------------------------------------------------
     def all_gather(self, unit: str, out: torch.Tensor) -> None:
         pub, _ = self._views[unit]
-        dev = out if out.device == self.fabric.device else torch.empty(out.numel(), dtype=out.dtype, device=self.fabric.device)
+        dev = (
+            out
+            if out.device == self.fabric.device
+            else torch.empty(out.numel(), dtype=out.dtype, device=self.fabric.device)
+        )
         self.coll.all_gather(self.group, pub, dev)
         if dev is not out:
             out.copy_(dev)

@@ -28,6 +28,7 @@ __all__ = [
     "device_bitcode",
     "nvshmem_gather_kernel",
     "nvshmem_put_signal_kernel",
+    "nvshmem_signal_kernel",
 ]
 
 SIGNAL_SET = tl.constexpr(0)  # NVSHMEM_SIGNAL_SET
@@ -91,6 +92,18 @@ def putmem_signal_nbi_block(dest, source, nbytes, sig_addr, signal, sig_op, pe, 
 
 
 @core.extern
+def signal_op(sig_addr, signal, sig_op, pe, _semantic=None):
+    return core.extern_elementwise(
+        _LIB,
+        _path(),
+        [sig_addr, signal, sig_op, pe],
+        {(core.int64, core.uint64, core.int32, core.int32): ("nvshmemx_signal_op", core.int32)},
+        is_pure=False,
+        _semantic=_semantic,
+    )
+
+
+@core.extern
 def quiet(_semantic=None):
     return core.extern_elementwise(
         _LIB, _path(), [], {(): ("nvshmem_quiet", core.int32)}, is_pure=False, _semantic=_semantic
@@ -98,20 +111,22 @@ def quiet(_semantic=None):
 
 
 # --- kernels ----------------------------------------------------------------------------------
-@triton.jit
-def nvshmem_gather_kernel(out_ptr, src_addr, pes_ptr, shard_bytes, CHUNK_BYTES: tl.constexpr):
-    """Pull ``shard_bytes`` at symmetric address ``src_addr`` from PE ``pes[p]`` into
-    ``out + p * shard_bytes``; program (p, c) moves chunk c (one-sided: the owner does nothing)."""
+@triton.jit(do_not_specialize=["src_addr", "shard_bytes"])
+def nvshmem_gather_kernel(out_ptr, src_addr, pes_ptr, pos_ptr, shard_bytes, CHUNK_BYTES: tl.constexpr):
+    """Pull ``shard_bytes`` at symmetric address ``src_addr`` from PE ``pes[p]`` into output
+    block ``pos[p]`` (``out + pos[p] * shard_bytes``); program (p, c) moves chunk c. One-sided:
+    the owner's GPU runs nothing."""
     p = tl.program_id(0)
     c = tl.program_id(1).to(tl.int64)
     pe = tl.load(pes_ptr + p)
+    block = tl.load(pos_ptr + p).to(tl.int64)
     lo = c * CHUNK_BYTES
     nbytes = tl.minimum(shard_bytes - lo, CHUNK_BYTES)
-    dest = out_ptr.to(tl.int64, bitcast=True) + p.to(tl.int64) * shard_bytes + lo
+    dest = out_ptr.to(tl.int64, bitcast=True) + block * shard_bytes + lo
     getmem_block(dest, src_addr + lo, nbytes.to(tl.uint64), pe)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["shard_bytes", "nbytes", "dst_addr", "sig_addr", "chunk_lo"])
 def nvshmem_put_signal_kernel(
     src_ptr, shard_bytes, nbytes, dst_addr, sig_addr, sig_vals_ptr, pes_ptr, chunk_lo
 ):
@@ -127,6 +142,13 @@ def nvshmem_put_signal_kernel(
     quiet()
 
 
+@triton.jit(do_not_specialize=["sig_addr", "value", "pe"])
+def nvshmem_signal_kernel(sig_addr, value, pe):
+    """Set the signal word at symmetric ``sig_addr`` on ``pe`` to ``value`` (versions, FINs,
+    credits); callers fence their earlier puts first."""
+    signal_op(sig_addr, value.to(tl.uint64, bitcast=True), SIGNAL_SET, pe)
+
+
 # name -> (kernel, signature, constexprs, divisible args): what CI compiles for sm_90.
 KERNELS = {
     "nvshmem_gather": (
@@ -135,6 +157,7 @@ KERNELS = {
             "out_ptr": "*u8",
             "src_addr": "i64",
             "pes_ptr": "*i32",
+            "pos_ptr": "*i32",
             "shard_bytes": "i64",
             "CHUNK_BYTES": "constexpr",
         },
@@ -156,4 +179,5 @@ KERNELS = {
         {},
         ("src_ptr",),
     ),
+    "nvshmem_signal": (nvshmem_signal_kernel, {"sig_addr": "i64", "value": "i64", "pe": "i32"}, {}, ()),
 }

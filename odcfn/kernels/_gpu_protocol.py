@@ -116,7 +116,9 @@ class ArenaLayout:
             raise ValueError(f"ArenaLayout: slot_elems must be >= 1, got {slot_elems}")
         # a slot never needs to be larger than the largest shard
         slot_elems = min(slot_elems, max(shard_sizes))
-        return cls(tuple(int(s) for s in shard_sizes), param_itemsize, grad_itemsize, clients, slots, slot_elems)
+        return cls(
+            tuple(int(s) for s in shard_sizes), param_itemsize, grad_itemsize, clients, slots, slot_elems
+        )
 
     @property
     def param_offsets(self) -> tuple[int, ...]:
@@ -197,12 +199,20 @@ class SignalLayout:
         return 3 * self.clients + self.clients * self.slots
 
 
+def _check_window(slots: int, ids: SeqIds) -> None:
+    ids.slot(0, slots)  # power of two
+    # in-flight distances must stay in the positive half of the ring, or a full window of
+    # 2^(bits-1) reads as -2^(bits-1) (found by the ring property test with 3-bit ids)
+    if slots >= ids.modulus // 2:
+        raise ValueError(f"{slots} slots need ids of more than {ids.bits} bits (slots < 2^(bits-1))")
+
+
 class SlotSender:
     """Client side of one (client -> owner) landing ring: which id and slot the next push uses,
     and whether the window of ``slots`` un-drained pushes is full."""
 
     def __init__(self, slots: int, ids: SeqIds = SeqIds()) -> None:
-        ids.slot(0, slots)
+        _check_window(slots, ids)
         self.slots, self.ids = slots, ids
         self.issued = 0  # last id sent
         self.acked = 0  # last id the owner drained (from its CREDIT word)
@@ -231,7 +241,7 @@ class SlotReceiver:
     """Owner side of one ring: the exact id it expects next, and in which slot."""
 
     def __init__(self, slots: int, ids: SeqIds = SeqIds()) -> None:
-        ids.slot(0, slots)
+        _check_window(slots, ids)
         self.slots, self.ids = slots, ids
         self.drained = 0
 
@@ -248,4 +258,3 @@ class SlotReceiver:
 
     def caught_up(self, last_id: int) -> bool:
         return self.drained == last_id % self.ids.modulus
-

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import sys
 import time
 import uuid
 from typing import Any
@@ -32,17 +33,22 @@ from odcfn.sharding import Mesh
 __all__ = ["IpcFabric", "LocalCollectives", "TorchCollectives", "cuda_ipc_transport", "require_cuda"]
 
 
-def require_cuda(what: str = "the CUDA-IPC transport") -> None:
+def require_cuda(what: str = "the CUDA-IPC transport", hint: str = "") -> None:
     if not torch.cuda.is_available():
         raise RuntimeError(
-            f"{what} needs a CUDA GPU, but torch {torch.__version__} sees none "
-            f"(CPU build or no driver). On CPU use device='cpu' (shared memory + triton "
-            "interpreter/torch references) or odcfn.run_local."
+            f"{what} needs a CUDA GPU, but torch {torch.__version__} sees none (CPU build or no "
+            f"driver).{' ' + hint if hint else ''}"
         )
 
 
 def _triton_ops(device: torch.device):
     """The Triton kernels when they can run here (CUDA, or interpreter on CPU), else None."""
+    if (
+        device.type == "cpu"
+        and "odcfn.kernels.triton_ops" not in sys.modules
+        and not os.environ.get("TRITON_INTERPRET")
+    ):
+        return None  # importing triton (seconds) only to find it cannot run here
     try:
         from odcfn.kernels import triton_ops
     except ImportError:
@@ -63,7 +69,13 @@ class IpcFabric:
     """Arena + signals of one rank of an intra-node shard group (see module doc)."""
 
     def __init__(
-        self, mesh: Mesh, store: Any, device: torch.device | str, *, shm_dir: str = "/dev/shm", timeout: float = 300.0
+        self,
+        mesh: Mesh,
+        store: Any,
+        device: torch.device | str,
+        *,
+        shm_dir: str = "/dev/shm",
+        timeout: float = 300.0,
     ) -> None:
         self.device = torch.device(device)
         if self.device.type == "cuda":
@@ -109,7 +121,9 @@ class IpcFabric:
             info = pickle.loads(self.store.get(f"{key}/{peer}"))
             if info["nbytes"] != nbytes:
                 raise TransportError(f"rank {peer} laid out {info['nbytes']} arena bytes, rank {r} {nbytes}")
-            self.peer_sigs[peer] = self.sig if peer == r else _shm(info["sig"], words * 8, False).view(torch.int64)
+            self.peer_sigs[peer] = (
+                self.sig if peer == r else _shm(info["sig"], words * 8, False).view(torch.int64)
+            )
             if peer == r:
                 self.peers[peer] = self.arena
             elif info["arena"][0] == "file":
@@ -118,9 +132,10 @@ class IpcFabric:
                 fn, args = info["arena"][1]
                 self.peers[peer] = fn(*args)
         # everyone has mapped everyone: the files can go (mappings stay valid, a crash leaks nothing)
-        self.store.add(f"{key}/mapped", 1)
+        mapped = f"{key}/mapped/{self.group[0]}"  # one counter per shard group
+        self.store.add(mapped, 1)
         deadline = time.monotonic() + self.timeout
-        while int(self.store.add(f"{key}/mapped", 0)) < len(self.group):
+        while int(self.store.add(mapped, 0)) < len(self.group):
             if time.monotonic() > deadline:
                 raise TransportError(f"rank {r}: peers did not map the arenas within {self.timeout}s")
             time.sleep(1e-3)
@@ -250,22 +265,37 @@ def cuda_ipc_transport(
     collectives: Any,
     *,
     device: torch.device | str | None = None,
-    mode: str = "remote_add",
+    mode: str | None = None,
     slots: int = 4,
     slot_elems: int = 1 << 20,
     timeout: float = 300.0,
     prefix: str = "odcfn",
+    id_bits: int = 32,
 ) -> ArenaTransport:
     """The CUDA-IPC transport for ``mesh.rank``. ``store``: a torch.distributed Store shared by
     the ranks (rendezvous + ``claim``); ``collectives``: ``TorchCollectives`` (or
     ``LocalCollectives`` for threads). ``device`` defaults to ``cuda:{local_rank % count}``, so W
-    processes on a one-GPU machine share that GPU. ``mode``: "remote_add" or "landing"."""
+    processes on a one-GPU machine share that GPU. ``mode``: "remote_add" or "landing"; by
+    default "remote_add" where triton atomics run (CUDA, interpreter), else "landing"."""
     if device is None:
-        require_cuda()
+        require_cuda(
+            hint="For CPU tests pass device='cpu' (shared memory; triton interpreter or torch references)."
+        )
         device = torch.device("cuda", mesh.local_rank % torch.cuda.device_count())
     fabric = IpcFabric(mesh, store, device, timeout=timeout)
+    if mode is None:
+        mode = "landing" if fabric.ops is None else "remote_add"
     if mode == "remote_add" and fabric.ops is None:
         fabric.scatter_add((), 0, torch.empty(0))  # raises the clear error
     return ArenaTransport(
-        mesh, fabric, store, collectives, mode=mode, slots=slots, slot_elems=slot_elems, timeout=timeout, prefix=prefix
+        mesh,
+        fabric,
+        store,
+        collectives,
+        mode=mode,
+        slots=slots,
+        slot_elems=slot_elems,
+        timeout=timeout,
+        prefix=prefix,
+        id_bits=id_bits,
     )

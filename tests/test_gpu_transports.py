@@ -1,0 +1,427 @@
+"""GPU transports without a GPU: the protocol pieces (request ids, layouts, the slot ring) as
+pure functions, the whole ODC protocol through the CUDA-IPC fabric on CPU (threads and real
+processes sharing /dev/shm, the same code a GPU runs, minus CUDA), and the clear errors where
+CUDA / NVSHMEM is missing."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.distributed import HashStore
+
+import odcfn
+from odcfn.kernels._gpu_protocol import (
+    ALIGN,
+    HEADER_BYTES,
+    ArenaLayout,
+    SeqIds,
+    SignalLayout,
+    SlotReceiver,
+    SlotSender,
+    pack_fin,
+    unpack_fin,
+)
+from odcfn.kernels.base import TransportError
+from odcfn.kernels.cuda_ipc import LocalCollectives, cuda_ipc_transport
+from odcfn.kernels.local import LocalWorld
+from tests.util import tiny
+
+# --- request ids ------------------------------------------------------------------------------
+
+
+@settings(max_examples=50, deadline=None)
+@given(bits=st.integers(3, 64), a=st.integers(0, 2**64), n=st.integers(-(2**20), 2**20))
+def test_seq_ids_distance_inverts_add_across_the_wrap(bits, a, n):
+    ids = SeqIds(bits)
+    a %= ids.modulus
+    n = max(-(ids.modulus // 2), min(n, ids.modulus // 2 - 1))
+    b = ids.add(a, n)
+    assert 0 <= b < ids.modulus
+    assert ids.diff(b, a) == n  # exact within half the ring, wherever the wrap falls
+
+
+def test_slot_sequence_is_continuous_across_the_wrap_only_for_powers_of_two():
+    ids = SeqIds(4)  # ids 0..15
+    seq = [ids.add(14, k) for k in range(6)]  # 14 15 0 1 2 3
+    assert [ids.slot(r, 4) for r in seq] == [2, 3, 0, 1, 2, 3]  # round robin never skips
+    # with 3 slots the ring would jump (15 % 3 = 0, then 0 % 3 = 0: one slot used twice in a
+    # row while another is skipped): rejected up front
+    assert [r % 3 for r in seq][1:3] == [0, 0]
+    with pytest.raises(ValueError, match="power of two"):
+        ids.slot(0, 3)
+
+
+def test_fin_word_carries_step_and_id_and_never_matches_an_old_step():
+    ids = SeqIds()
+    w = pack_fin(7, 2**32 - 1, ids)
+    assert unpack_fin(w, ids) == (7, 2**32 - 1)
+    assert 0 <= w < 2**63  # fits a non-negative int64 signal word
+    assert unpack_fin(pack_fin(8, 0, ids), ids) != unpack_fin(pack_fin(7, 0, ids), ids)
+    assert unpack_fin(pack_fin(2**31 + 3, 5, ids), ids) == (3, 5)  # steps wrap by design too
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**16), slots=st.sampled_from([1, 2, 4]), bits=st.integers(1, 3))
+def test_slot_ring_delivers_every_request_once_in_order_through_many_wraps(seed, slots, bits):
+    """A random interleaving of sends, drains and *delayed* credit reads (the sender sees some
+    credit the owner wrote earlier, never one older than it already saw: single writer,
+    coherent memory): every request arrives exactly once, in order, no slot is overwritten
+    before it was drained, and the window never exceeds ``slots``."""
+    ids = SeqIds(bits + slots.bit_length())  # the smallest rings that keep slots < 2^(bits-1)
+    snd, rcv = SlotSender(slots, ids), SlotReceiver(slots, ids)
+    rng = random.Random(seed)
+    ring: dict[int, tuple[int, int]] = {}  # slot -> (signal word, payload)
+    credits, seen, sent, got = [0], 0, 0, []  # every value the credit word took, in order
+    total = 5 * ids.modulus  # wraps five times
+    while len(got) < total:
+        if sent < total and rng.random() < 0.6:
+            seen = rng.randint(seen, len(credits) - 1)  # a possibly delayed, monotone read
+            snd.on_credit(credits[seen])
+            if snd.can_send():
+                rid, slot = snd.next()
+                assert slot not in ring, "overwrote an undrained slot"
+                assert 0 < snd.in_flight() <= slots
+                ring[slot] = (rid, sent)
+                sent += 1
+        else:
+            rid, slot = rcv.expected()
+            if slot in ring and rcv.ready(ring[slot][0]):
+                got.append(ring.pop(slot)[1])
+                credits.append(rcv.consume())
+    assert got == list(range(total))
+    assert rcv.caught_up(snd.issued)
+
+
+def test_window_must_stay_below_half_the_id_ring():
+    SlotSender(2, SeqIds(3))
+    with pytest.raises(ValueError, match="4 slots need ids of more than 3 bits"):
+        SlotSender(4, SeqIds(3))
+    with pytest.raises(ValueError, match="power of two"):
+        SlotReceiver(3, SeqIds(8))
+
+
+def test_sender_rejects_a_credit_for_ids_never_sent():
+    snd = SlotSender(4)
+    snd.next()
+    with pytest.raises(ValueError, match="only 1 were sent"):
+        snd.on_credit(3)
+
+
+# --- layouts ----------------------------------------------------------------------------------
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    sizes=st.lists(st.integers(1, 5000), min_size=1, max_size=5),
+    isz=st.sampled_from([2, 4]),
+    clients=st.integers(1, 8),
+    slots=st.sampled_from([1, 2, 4, 8]),
+    slot_elems=st.integers(1, 3000),
+)
+def test_arena_regions_are_aligned_disjoint_and_inside_the_arena(sizes, isz, clients, slots, slot_elems):
+    al = ArenaLayout.build(sizes, isz, isz, clients, slots, slot_elems)
+    regions = sorted(al.regions(), key=lambda r: r[1])
+    assert len(regions) == 2 * len(sizes) + clients * slots
+    for (_, _, hi), (_, lo2, _) in zip(regions, regions[1:]):
+        assert hi <= lo2  # disjoint
+    for name, lo, hi in regions:
+        assert lo % ALIGN == 0, name
+        assert 0 <= lo < hi <= al.nbytes, name
+    for c in range(clients):
+        for k in range(slots):
+            assert (al.landing_offset(c, k) + HEADER_BYTES) % 16 == 0  # data is vector aligned
+    for s in sizes:  # chunks tile every shard exactly and each fits a slot
+        ch = al.chunks(s)
+        assert sum(n for _, n in ch) == s and all(n <= al.slot_elems for _, n in ch)
+        assert [lo for lo, _ in ch] == [sum(n for _, n in ch[:i]) for i in range(len(ch))]
+
+
+def test_signal_words_are_distinct_and_in_range():
+    sl = SignalLayout(clients=3, slots=4)
+    idx = [sl.version(i) for i in range(3)] + [sl.fin(i) for i in range(3)] + [sl.credit(i) for i in range(3)]
+    idx += [sl.slot(c, k) for c in range(3) for k in range(4)]
+    assert sorted(idx) == list(range(sl.words))
+
+
+def test_layout_errors_name_the_culprit():
+    with pytest.raises(ValueError, match="shard sizes must be positive"):
+        ArenaLayout.build([3, 0], 4, 4, 2)
+    with pytest.raises(ValueError, match="power of two"):
+        ArenaLayout.build([3], 4, 4, 2, slots=6)
+    with pytest.raises(IndexError, match="landing slot"):
+        ArenaLayout.build([3], 4, 4, 2, slots=2).landing_offset(2, 0)
+
+
+# --- the protocol on CPU: CUDA-IPC fabric, threads --------------------------------------------
+
+CFG, MODEL, FULL = tiny()
+BATCH = odcfn.random_batch([5, 9, 3, 7, 4, 6], CFG.vocab_size, seed=0)
+LOSS_REF, G_REF = odcfn.reference_value_and_grad(MODEL, FULL, BATCH)
+
+
+def _run_threads(world_size, comm, steps=2, ranks_per_node=None, sharding="full", **kw):
+    world = LocalWorld(world_size, ranks_per_node=ranks_per_node, sharding=sharding, timeout=30)
+    store = HashStore()
+    store.set_timeout(timedelta(seconds=30))
+    out: list = [None] * world_size
+    errors: list = []
+
+    def body(rank):
+        try:
+            mesh = odcfn.Mesh(world_size, rank, ranks_per_node, sharding)
+            tr = cuda_ipc_transport(
+                mesh, store, LocalCollectives(world, rank), device="cpu", timeout=30, **kw
+            )
+            p = odcfn.shard(FULL, MODEL, mesh)
+            per_step = []
+            for _ in range(steps):
+                g, m = odcfn.grad_step(
+                    p, BATCH, model=MODEL, mesh=mesh, transport=tr, comm=comm, max_tokens_per_microbatch=12
+                )
+                per_step.append(({k: v.clone() for k, v in g.items()}, m))
+            out[rank] = per_step
+            tr.close()
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+            world.abort(repr(e))
+
+    threads = [threading.Thread(target=body, args=(r,)) for r in range(world_size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return out
+
+
+def _assert_grads(out, world_size, ranks_per_node=None, sharding="full"):
+    mesh = odcfn.Mesh(world_size, 0, ranks_per_node, sharding)
+    for r in range(world_size):
+        ref = odcfn.shard(G_REF, MODEL, mesh.with_rank(r))
+        for g, m in out[r]:  # every step: accumulators were zeroed, versions moved on
+            odcfn.tree_assert_allclose(g, ref, rtol=1e-5, atol=1e-7)
+            assert m.loss == pytest.approx(float(LOSS_REF), rel=1e-6)
+
+
+@pytest.mark.parametrize("comm", ["odc", "collective"])
+def test_ipc_fabric_on_cpu_threads_matches_the_reference(comm):
+    out = _run_threads(3, comm, mode="landing", slot_elems=64, slots=2)
+    _assert_grads(out, 3)
+    for r in range(3):
+        for _, m in out[r]:
+            assert m.counters.syncs == 1
+            if comm == "odc":
+                assert m.counters.collectives == 0 and m.counters.gathers > 0
+
+
+def test_request_ids_wrap_many_times_inside_real_steps():
+    """4-bit request ids, 2 slots, 32-element slots: each step pushes more than 16 chunks per
+    (client, owner) pair, so the ids wrap within every step; gradients stay exact."""
+    out = _run_threads(2, "odc", steps=2, mode="landing", slot_elems=32, slots=2, id_bits=4)
+    _assert_grads(out, 2)
+
+
+def test_hybrid_mesh_over_the_ipc_fabric():
+    out = _run_threads(4, "odc", ranks_per_node=2, sharding="hybrid", mode="landing", slot_elems=128)
+    _assert_grads(out, 4, 2, "hybrid")
+
+
+def test_claim_is_a_shared_counter_fresh_each_step():
+    world = LocalWorld(2)
+    store = HashStore()
+    from odcfn.sharding import make_layout
+
+    got: list = [[], []]
+
+    def body(rank):
+        mesh = odcfn.Mesh(2, rank)
+        tr = cuda_ipc_transport(mesh, store, LocalCollectives(world, rank), device="cpu", mode="landing")
+        layout = make_layout(MODEL, mesh)
+        for _ in range(2):
+            tr.begin_step(layout, odcfn.shard(FULL, MODEL, mesh), torch.float32)
+            got[rank].append([tr.claim() for _ in range(5)])
+            tr.flush()
+            tr.sync(torch.zeros(2, dtype=torch.float64))
+        tr.close()
+
+    ts = [threading.Thread(target=body, args=(r,)) for r in range(2)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    for step in range(2):
+        assert sorted(got[0][step] + got[1][step]) == list(range(10))
+
+
+def test_a_peer_that_never_publishes_times_out_instead_of_hanging():
+    world, store = LocalWorld(2), HashStore()
+    from odcfn.sharding import make_layout
+
+    def body(rank, box):
+        mesh = odcfn.Mesh(2, rank)
+        tr = cuda_ipc_transport(mesh, store, LocalCollectives(world, rank), device="cpu", timeout=0.5)
+        layout = make_layout(MODEL, mesh)
+        tr.begin_step(layout, odcfn.shard(FULL, MODEL, mesh), torch.float32)
+        if rank == 1:
+            tr.step = 5  # rank 1 now waits for a version rank 0 never publishes
+            t0 = time.monotonic()
+            try:
+                tr.gather(layout.units[0].name, torch.empty(layout.units[0].padded_numel))
+            except TransportError as e:
+                box.append((str(e), time.monotonic() - t0))
+
+    box: list = []
+    ts = [threading.Thread(target=body, args=(r, box)) for r in range(2)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    ((msg, waited),) = box
+    assert "rank 0 to publish step 5" in msg and waited < 5
+
+
+# --- errors where the hardware is missing -----------------------------------------------------
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
+def test_transports_fail_clearly_without_cuda():
+    from odcfn.kernels.nvshmem import nvshmem_transport
+
+    mesh = odcfn.Mesh(2, 0)
+    with pytest.raises(RuntimeError, match="CUDA-IPC transport needs a CUDA GPU"):
+        cuda_ipc_transport(mesh, HashStore(), None)
+    pytest.importorskip("nvshmem.core")
+    with pytest.raises(RuntimeError, match="NVSHMEM transport needs a CUDA GPU"):
+        nvshmem_transport(mesh, HashStore(), None)
+
+
+def test_remote_add_without_triton_atomics_and_cross_node_ipc_are_refused(monkeypatch):
+    from odcfn.kernels import cuda_ipc
+
+    monkeypatch.setattr(cuda_ipc, "_triton_ops", lambda device: None)  # CPU, no interpreter
+    with pytest.raises(RuntimeError, match="remote_add.*needs triton atomics"):
+        cuda_ipc_transport(odcfn.Mesh(2, 0), HashStore(), None, device="cpu", mode="remote_add")
+    with pytest.raises(ValueError, match="spans 2 nodes"):
+        cuda_ipc_transport(odcfn.Mesh(4, 0, 2, "full"), HashStore(), None, device="cpu", mode="landing")
+
+
+# --- real processes and the triton kernels (interpreter) --------------------------------------
+
+_SCRIPT = r"""
+import os, sys, torch
+from datetime import timedelta
+torch.set_num_threads(1)
+import odcfn
+from odcfn.kernels.cuda_ipc import cuda_ipc_transport, TorchCollectives
+sys.path.insert(0, os.getcwd())
+from tests.util import tiny
+cfg, model, full = tiny()
+batch = odcfn.random_batch([5, 9, 3, 7], cfg.vocab_size, seed=1)
+_, g_ref = odcfn.reference_value_and_grad(model, full, batch)
+
+def step(mesh, tr, comm="odc"):
+    p = odcfn.shard(full, model, mesh)
+    g, m = odcfn.grad_step(p, batch, model=model, mesh=mesh, transport=tr, comm=comm,
+                           max_tokens_per_microbatch=12)
+    odcfn.tree_assert_allclose(g, odcfn.shard(g_ref, model, mesh), rtol=1e-5, atol=1e-7)
+    assert m.counters.syncs == 1
+
+if True:  # one rank of a 2-process gloo job; arenas in /dev/shm mapped across processes
+    rank, port = int(sys.argv[2]), int(sys.argv[3])
+    store = torch.distributed.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=timedelta(seconds=60))
+    torch.distributed.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    mesh = odcfn.Mesh(2, rank)
+    tr = cuda_ipc_transport(mesh, store, TorchCollectives(mesh, "cpu"), device="cpu", mode="landing",
+                            slot_elems=64, slots=2, timeout=60)
+    for comm in ("odc", "collective"):
+        step(mesh, tr, comm)
+    tr.close()
+    torch.distributed.destroy_process_group()
+    print(f"PROC-OK {rank}")
+"""
+
+
+def _env(**extra):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(extra)
+    env["PYTHONPATH"] = os.getcwd() + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def test_two_processes_share_arenas_through_dev_shm():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _SCRIPT, "proc", str(r), str(port)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=_env(),
+        )
+        for r in range(2)
+    ]
+    for r, p in enumerate(procs):
+        so, se = p.communicate(timeout=180)
+        assert p.returncode == 0 and f"PROC-OK {r}" in so, se[-3000:]
+
+
+def _interpreted_triton_ops():
+    """``odcfn.kernels.triton_ops`` with its kernels decorated under the interpreter (see
+    test_triton_ops: the choice is made at decoration time; the variable is restored)."""
+    import importlib
+
+    pytest.importorskip("triton")
+    saved = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        import odcfn.kernels.triton_ops as T
+
+        return T if T.interpreting() else importlib.reload(T)
+    finally:
+        if saved is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = saved
+
+
+@pytest.mark.parametrize("mode", ["remote_add", "landing"])
+def test_ipc_transport_through_the_triton_kernels_under_the_interpreter(mode):
+    """Every data move (publish cast, one-launch gather, atomic scatter or landing
+    accumulate) goes through the Triton kernels, run by the interpreter on CPU tensors."""
+    T = _interpreted_triton_ops()
+    calls = {"gather": 0, "scatter_add": 0, "accumulate": 0}
+    wrapped = {k: getattr(T, k) for k in calls}
+
+    def counting(name):
+        def f(*a, **k):
+            calls[name] += 1
+            return wrapped[name](*a, **k)
+
+        return f
+
+    try:
+        for k in calls:
+            setattr(T, k, counting(k))
+        out = _run_threads(2, "odc", steps=1, mode=mode, slot_elems=256)
+    finally:
+        for k, f in wrapped.items():
+            setattr(T, k, f)
+    _assert_grads(out, 2)
+    assert calls["gather"] > 0
+    assert (calls["scatter_add"] > 0) == (mode == "remote_add")
+    assert calls["accumulate"] > 0 or mode == "remote_add"
