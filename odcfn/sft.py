@@ -383,7 +383,9 @@ def train_rank(cfg: SFTConfig, rank: int, transport) -> dict[str, Any]:
         "resumed_from": resumed,
     }
     if cfg.checkpoint.export_hf:
-        out["shards"] = {k: v.clone() for k, v in params.items()}
+        # numpy: torch would send tensors to the launcher as shared-memory handles that die
+        # with this rank's process
+        out["shards"] = {k: v.detach().numpy().copy() for k, v in params.items()}
     return out
 
 
@@ -416,10 +418,13 @@ def run(cfg: SFTConfig) -> list[dict[str, Any]]:
     else:
         results = odcfn.run_local(lambda rank, tr: train_rank(cfg, rank, tr), W, timeout=cfg.train.timeout)
     if cfg.checkpoint.export_hf and len(results) == W:
+        import torch
+
         from odcfn.models.hf import to_hf
 
         qcfg, model, _ = _build_model(cfg)
-        full = odcfn.unshard([r.pop("shards") for r in results], model, odcfn.Mesh(W))
+        shards = [{k: torch.from_numpy(v) for k, v in r.pop("shards").items()} for r in results]
+        full = odcfn.unshard(shards, model, odcfn.Mesh(W))
         to_hf(cfg.checkpoint.export_hf, full, qcfg)
     return results
 

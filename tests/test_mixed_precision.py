@@ -161,3 +161,44 @@ def test_bf16_training_tracks_fp32_and_keeps_fp32_masters():
         for k in p:
             assert (p[k] - ref[r][0][k]).abs().max() <= 10 * lr, k
     assert got[0][2][-1] < got[0][2][0]  # and it trains
+
+
+def _shm_bytes_worker(cfg_seed: int) -> dict:
+    """One rank of a 2-process job: an fp32 and a bf16 step on the shared-memory transport."""
+    from odcfn.kernels.shm import ShmTransport
+
+    torch.set_num_threads(1)
+    mesh = odcfn.Mesh.from_env()
+    out = {}
+    with ShmTransport(mesh, timeout=60) as tr:
+        p = odcfn.shard(FULL, MODEL, mesh)
+        for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+            g, m = odcfn.grad_step(
+                p,
+                BATCH,
+                model=MODEL,
+                mesh=mesh,
+                transport=tr,
+                max_tokens_per_microbatch=24,
+                compute_dtype=dtype,
+            )
+            # numpy, not tensors: torch pickles tensors between processes as shared-memory
+            # handles that die with this process
+            out[name] = (m.counters.as_dict(), m.loss, {k: v.numpy().copy() for k, v in g.items()})
+    return out
+
+
+def test_bf16_halves_gather_bytes_across_processes(reference):
+    """The same on 2 real processes over /dev/shm (odcfn.launch + ShmTransport)."""
+    launch = pytest.importorskip("odcfn.launch").launch
+    pytest.importorskip("odcfn.kernels.shm")
+    loss_ref, g_ref = reference
+    res = launch(_shm_bytes_worker, 2, args=(0,), timeout=120)
+    for r in range(2):
+        c32, c16 = res[r]["fp32"][0], res[r]["bf16"][0]
+        assert c32["gather_bytes"] > 0 and 2 * c16["gather_bytes"] == c32["gather_bytes"]
+        assert c16["syncs"] == 1
+    shards = [{k: torch.from_numpy(v) for k, v in res[r]["bf16"][2].items()} for r in range(2)]
+    g16 = odcfn.unshard(shards, MODEL, odcfn.Mesh(2))
+    assert float((_flat(g16) - _flat(g_ref)).norm() / _flat(g_ref).norm()) <= GRAD_RTOL
+    assert abs(res[0]["bf16"][1] - loss_ref) <= LOSS_RTOL * abs(loss_ref)

@@ -175,10 +175,19 @@ def test_processes_backend(tmp_path):
     """Same job on 2 spawned processes with the shared-memory transport (odcfn.launch)."""
     pytest.importorskip("odcfn.launch")
     pytest.importorskip("odcfn.kernels.shm")
-    cfg = _setup(tmp_path, steps=2, every=2)
+    cfg = _setup(tmp_path, steps=2, every=2, extra='export_hf = "hf-out"\n')
     cfg.write_text(cfg.read_text().replace("[train]\n", '[train]\nbackend = "processes"\n'))
     assert cli.main(["train", "--config", str(cfg), "--quiet"]) == 0
     assert [r["step"] for r in _metrics(tmp_path)] == [1, 2]
+    # the final weights came back from both processes and were exported
+    from odcfn.models.qwen import from_hf
+
+    model = qwen_model(QCFG)
+    ck = tmp_path / "out" / "checkpoints" / "step-00000002"
+    want = odcfn.unshard(
+        [load(ck, model=model, mesh=odcfn.Mesh(2, r))[0] for r in range(2)], model, odcfn.Mesh(2)
+    )
+    odcfn.tree_assert_allclose(from_hf(tmp_path / "hf-out")[1], want, rtol=0, atol=0)
     # and it matches the in-process run of the same config step for step
     ref = tmp_path / "ref"
     ref.mkdir()
