@@ -28,7 +28,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--n-layers", type=int, default=4, help="decoder layers")
     p.add_argument("--backend", choices=("auto", "process", "thread"), default="auto",
                    help="process: odcfn.launch + shared memory; thread: in-process reference")
-    p.add_argument("--out-dir", type=Path, default=Path("odcfn-demo"),
+    p.add_argument("--out-dir", type=Path, default=Path("odcfn-out/demo"),
                    help="where the Chrome trace and timeline PNG go")
     p.add_argument("--cost", choices=("calibrated", "default"), default="calibrated",
                    help="balancers' cost model: fitted to this machine's measured unit times "
