@@ -20,7 +20,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from functools import partial
+from functools import lru_cache, partial
 
 from odcfn.schedule.cost import DEFAULT_COST, CostModel
 from odcfn.schedule.plan import Assignment, Backward, Forward, ScheduleOptions, Step, compile_plan
@@ -384,7 +384,15 @@ def stealing_fragment(
     """The steps a work-stealing rank runs for one claimed item: a one-microbatch plan (its
     gathers prefetched inside it) without the Sync, renumbered as microbatch ``mb``. Used by the
     runtime and the simulator alike."""
-    steps = compile_plan(units, ((tuple(sample_ids),),), 0, "odc", options).steps[:-1]
+    if not sample_ids:
+        raise ValueError("a work item needs at least one sample")
+    return _fragment(tuple(units), mb, options)
+
+
+@lru_cache(maxsize=256)
+def _fragment(units: tuple[str, ...], mb: int, options: ScheduleOptions | None) -> tuple[Step, ...]:
+    # the steps name units and microbatch indices only, never sample ids: one per (units, mb)
+    steps = compile_plan(units, (((0,),),), 0, "odc", options).steps[:-1]
     if mb == 0:
         return steps
     return tuple(replace(s, mb=mb) if isinstance(s, (Forward, Backward)) else s for s in steps)

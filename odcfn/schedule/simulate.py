@@ -29,7 +29,7 @@ import heapq
 import math
 from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from odcfn.schedule.balance import stealing_fragment, work_stealing_items
 from odcfn.schedule.cost import DEFAULT_COST, CostModel
@@ -266,7 +266,9 @@ class _Engine:
             self._codes[key] = hit
         return hit
 
-    def run(self, r: int, st: _Rank, codes: list, pc: int, mb_cost: Sequence[float], mb_base: int = 0) -> int:
+    def run(
+        self, r: int, st: _Rank, codes: list, pc: int, mb_cost: Sequence[float], mb_shift: int = 0
+    ) -> int:
         """Advance rank ``r`` from step ``pc`` until it must wait for others (a collective or
         the sync; returns that step's index) or the steps run out (returns ``len(codes)``)."""
         ev = st.events
@@ -276,7 +278,7 @@ class _Engine:
             code, u, mb, remat = codes[pc]
             if code == _FWD or code == _BWD:
                 start = st.t if st.t >= st.ready[u] else st.ready[u]
-                c = mb_cost[mb - mb_base]
+                c = mb_cost[mb]
                 if code == _FWD:
                     dur = c * self.fwd_share[u]
                     st.remat[u] = remat
@@ -286,9 +288,9 @@ class _Engine:
                 st.busy += dur
                 st.t = end + (slow - 1.0) * dur
                 if ev is not None:
-                    ev.append(Event(r, _KIND[code], self.work.units[u], start, end, mb))
+                    ev.append(Event(r, _KIND[code], self.work.units[u], start, end, mb + mb_shift))
                     if slow > 1.0:
-                        ev.append(Event(r, "straggle", self.work.units[u], end, st.t, mb))
+                        ev.append(Event(r, "straggle", self.work.units[u], end, st.t, mb + mb_shift))
             elif code == _GATHER:
                 start = st.t if st.t >= st.pull else st.pull
                 st.pull = st.ready[u] = end = start + self.gather_time[u]
@@ -473,10 +475,8 @@ def simulate_work_stealing(
         st = ranks[r]
         k = len(claims[r])
         claims[r].append(item)
-        n0 = len(st.events) if st.events is not None else 0
-        eng.run(r, st, codes, 0, (sum(cost(lengths[i]) for i in item),))
-        if st.events is not None and k:  # the fragment says mb 0: it is this rank's k-th claim
-            st.events[n0:] = [replace(e, mb=k) if e.mb == 0 else e for e in st.events[n0:]]
+        # the fragment's steps say mb 0; its events say mb k: this rank's k-th claim
+        eng.run(r, st, codes, 0, (sum(cost(lengths[i]) for i in item),), mb_shift=k)
         heapq.heappush(free, (st.t, r))
     arrivals = [eng.arrive(st, _SYNC) for st in ranks]
     start = max(arrivals)

@@ -72,6 +72,7 @@ def run_cell(
     comm: CommModel = A100_COMM,
     cost: QuadraticCost | None = None,
     max_tokens: int | None = None,
+    split_tail: float = 1.0,
     seed: int = 0,
 ) -> list[Row]:
     """One cell: the three policies on the same ``minibatches`` sampled minibatches. Bubble
@@ -114,6 +115,8 @@ def run_cell(
             "odc+work-stealing": simulate_work_stealing(
                 lengths,
                 devices,
+                max_tokens=cap,
+                split_tail=split_tail,
                 workload=work,
                 cost=cost,
                 comm=comm,
@@ -209,6 +212,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--units", type=int, default=8, help="FSDP units the 7B model is cut into")
     p.add_argument("--comm", choices=sorted(COMMS), default="a100", help="communication model")
     p.add_argument("--max-tokens", type=int, default=None, help="microbatch cap (default: dataset max)")
+    p.add_argument(
+        "--ws-split-tail",
+        type=float,
+        default=1.0,
+        help="work stealing claims single samples in this last share of each rank's planned time "
+        "and LB-Mini's packed microbatches before it (1.0: always single samples)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON list of rows instead")
 
@@ -221,23 +231,29 @@ def main(args: argparse.Namespace) -> int:
         print("odcfn simulate: --minibatches and --units must be >= 1", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
-    rows = sweep(
-        args.datasets,
-        args.devices,
-        args.samples_per_device,
-        straggler=args.straggler,
-        minibatches=args.minibatches,
-        units=args.units,
-        comm=COMMS[args.comm],
-        max_tokens=args.max_tokens,
-        seed=args.seed,
-    )
+    try:
+        rows = sweep(
+            args.datasets,
+            args.devices,
+            args.samples_per_device,
+            straggler=args.straggler,
+            minibatches=args.minibatches,
+            units=args.units,
+            comm=COMMS[args.comm],
+            max_tokens=args.max_tokens,
+            split_tail=args.ws_split_tail,
+            seed=args.seed,
+        )
+    except ValueError as e:  # e.g. a --max-tokens below the longest sample
+        print(f"odcfn simulate: {e}", file=sys.stderr)
+        return 2
     if args.json:
         print(json.dumps([asdict(r) for r in rows]))
     else:
         print(format_table(rows))
         print(
             f"({len(rows) // len(POLICIES)} cells in {time.perf_counter() - t0:.1f} s; "
-            f"straggler x{args.straggler:g}, comm={args.comm}, {args.units} units)"
+            f"straggler x{args.straggler:g}, comm={args.comm}, {args.units} units, "
+            f"{args.minibatches} minibatches per cell, ws split tail {args.ws_split_tail:g})"
         )
     return 0
