@@ -65,6 +65,7 @@ def test_streaming_kernels_use_128bit_accesses_and_never_spill(stats, name):
     assert s["v4_loads"] >= 1, f"{name}: no 128-bit loads"
     if name.startswith("scatter_add"):
         assert s["v4_reds"] >= 1, f"{name}: the remote add is not a vector atomic reduction"
+        assert s["sys_reds"] == s["v4_reds"], f"{name}: atomics must be system scope (peer GPUs write too)"
     else:
         assert s["v4_stores"] >= 1, f"{name}: no 128-bit stores"
 

@@ -306,6 +306,26 @@ def test_transports_fail_clearly_without_cuda():
         nvshmem_transport(mesh, HashStore(), None)
 
 
+def test_nvshmem_bitcode_choice_and_location():
+    from odcfn.kernels.nvshmem import _bitcode_arch
+
+    assert [_bitcode_arch(c) for c in [(7, 0), (8, 0), (8, 6), (8, 9), (9, 0), (10, 0), (12, 0)]] == [
+        70,
+        80,
+        80,
+        89,
+        90,
+        100,
+        100,
+    ]
+    pytest.importorskip("nvidia.nvshmem")
+    pytest.importorskip("triton")
+    from odcfn.kernels._gpu_nvshmem_device import device_bitcode
+
+    path = device_bitcode(90)
+    assert path.endswith("libnvshmem_device_sm_90.bc") and os.path.getsize(path) > 1 << 20
+
+
 def test_remote_add_without_triton_atomics_and_cross_node_ipc_are_refused(monkeypatch):
     from odcfn.kernels import cuda_ipc
 

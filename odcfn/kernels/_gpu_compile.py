@@ -22,6 +22,7 @@ class PtxStats:
     v4_loads: int  # 128-bit global loads
     v4_stores: int
     v4_reds: int  # 128-bit atomic reductions (red.global...v4)
+    sys_reds: int  # reductions at system scope (atomic w.r.t. other GPUs writing the same owner)
     local_ops: int  # ld/st.local: register spills or stack arrays
     calls: tuple[str, ...]  # NVSHMEM (or other) functions still called after linking
     externs_unresolved: tuple[str, ...]  # .extern .func declarations left in the PTX
@@ -40,6 +41,7 @@ def ptx_stats(name: str, ptx: str, cubin: bytes) -> PtxStats:
         v4_loads=len(re.findall(r"\bld\.global[\w.]*\.v4\.", ptx)),
         v4_stores=len(re.findall(r"\bst\.global[\w.]*\.v4\.", ptx)),
         v4_reds=len(re.findall(r"\bred\.global[\w.]*\.v4\.", ptx)),
+        sys_reds=len(re.findall(r"\bred\.global\.sys\.", ptx)),
         local_ops=len(re.findall(r"\b(?:ld|st)\.local\b", ptx)),
         calls=tuple(calls),
         externs_unresolved=tuple(sorted(set(re.findall(r"\.extern\s+\.func\s*(?:\([^)]*\)\s*)?(\w+)", ptx)))),

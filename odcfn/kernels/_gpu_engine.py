@@ -89,12 +89,17 @@ class ArenaTransport:
         poll_s: float = 50e-6,
         prefix: str = "odcfn",
         id_bits: int = 32,
+        host_grads: bool = False,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         self.mesh, self.fabric, self.store, self.coll = mesh, fabric, store, collectives
         self.mode, self.slots, self.slot_elems = mode, slots, slot_elems
         self.timeout, self.poll_s, self.prefix = timeout, poll_s, prefix
+        # host_grads: grad_shards() are CPU copies taken at flush (for a CPU-side optimizer /
+        # the current CPU runtime); else the device accumulators themselves
+        self.host_grads = host_grads
+        self._host: dict[str, torch.Tensor] = {}
         self.counters = Counters()
         self.ids = SeqIds(id_bits)  # 32 in production; tests shrink it to force wraps
         self.group = mesh.shard_group
@@ -209,8 +214,7 @@ class ArenaTransport:
             for i, owner in enumerate(self.group):
                 piece = grad[i * size : (i + 1) * size]
                 if i == self.me:
-                    with self._acc_lock:
-                        self.fabric.accumulate(self._views[unit][1], piece)
+                    self._accumulate(self._views[unit][1], piece)
                     continue
                 for lo, n in self.arena_layout.chunks(size):
                     self._push(i, owner, i_u, lo, piece[lo : lo + n])
@@ -230,6 +234,14 @@ class ArenaTransport:
         off = self.arena_layout.landing_offset(self.me, slot)
         parts = [(off, header), (off + HEADER_BYTES, data)]
         self.fabric.put_signal(owner, parts, self.sig.slot(self.me, slot), rid)
+
+    def _accumulate(self, acc: torch.Tensor, x: torch.Tensor) -> None:
+        # Self-pushes (main stream) and the drain thread (side stream) add into the same
+        # accumulators: each add completes before the lock is released, so the two streams
+        # never read-modify-write one region at once, and "drained" implies "landed".
+        with self._acc_lock:
+            self.fabric.accumulate(acc, x)
+            self.fabric.fence()
 
     def _drain_once(self) -> bool:
         al, progressed = self.arena_layout, False
@@ -251,8 +263,7 @@ class ArenaTransport:
             x = self.fabric.arena[base + HEADER_BYTES : base + HEADER_BYTES + n * al.grad_itemsize].view(
                 self.dtype
             )
-            with self._acc_lock:
-                self.fabric.accumulate(self._views[name][1][lo : lo + n], x)
+            self._accumulate(self._views[name][1][lo : lo + n], x)
             rcv.consume()
             self.fabric.signal_write(client, self.sig.credit(self.me), rid)
             progressed = True
@@ -341,6 +352,8 @@ class ArenaTransport:
         return out
 
     def grad_shards(self) -> dict[str, torch.Tensor]:
+        if self.host_grads:
+            return self._host
         return {name: acc for name, (_, acc) in self._views.items()}
 
     def claim(self) -> int:

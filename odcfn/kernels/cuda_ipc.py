@@ -229,11 +229,19 @@ class TorchCollectives:
                 if g not in self.groups:
                     self.groups[g] = dist.new_group(list(g))
 
+    # Tensors are staged through ``self.device`` (gloo wants CPU, nccl CUDA), so one transport
+    # works with either backend whatever device its arena lives on.
     def all_gather(self, group: tuple[int, ...], mine: torch.Tensor, out: torch.Tensor) -> None:
-        self.dist.all_gather_into_tensor(out, mine.contiguous(), group=self.groups[group])
+        o = out if out.device == self.device else torch.empty(out.shape, dtype=out.dtype, device=self.device)
+        self.dist.all_gather_into_tensor(o, mine.to(self.device).contiguous(), group=self.groups[group])
+        if o is not out:
+            out.copy_(o)
 
     def reduce_scatter(self, group: tuple[int, ...], grad: torch.Tensor, out: torch.Tensor) -> None:
-        self.dist.reduce_scatter_tensor(out, grad, group=self.groups[group])
+        o = out if out.device == self.device else torch.empty(out.shape, dtype=out.dtype, device=self.device)
+        self.dist.reduce_scatter_tensor(o, grad.to(self.device).contiguous(), group=self.groups[group])
+        if o is not out:
+            out.copy_(o)
 
     def all_reduce(self, group: tuple[int, ...], x: torch.Tensor) -> torch.Tensor:
         y = x.to(self.device, copy=True)
@@ -271,6 +279,7 @@ def cuda_ipc_transport(
     timeout: float = 300.0,
     prefix: str = "odcfn",
     id_bits: int = 32,
+    host_grads: bool = False,
 ) -> ArenaTransport:
     """The CUDA-IPC transport for ``mesh.rank``. ``store``: a torch.distributed Store shared by
     the ranks (rendezvous + ``claim``); ``collectives``: ``TorchCollectives`` (or
@@ -298,4 +307,5 @@ def cuda_ipc_transport(
         timeout=timeout,
         prefix=prefix,
         id_bits=id_bits,
+        host_grads=host_grads,
     )

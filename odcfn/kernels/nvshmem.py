@@ -85,7 +85,8 @@ def _launch(kernel: Any, grid: tuple[int, ...], *args: Any, **consts: Any) -> No
 
     from odcfn.kernels._gpu_nvshmem_device import device_bitcode
 
-    libs = {"libnvshmem_device": device_bitcode(_bitcode_arch(torch.cuda.get_device_capability()))}
+    # a tuple of pairs (hashable: it becomes part of triton's kernel cache key)
+    libs = (("libnvshmem_device", device_bitcode(_bitcode_arch(torch.cuda.get_device_capability()))),)
     key = (kernel.fn.__name__, torch.cuda.current_device())
     if key not in _STATE["modules"]:
         compiled = kernel.warmup(*args, grid=grid, extern_libs=libs, **consts)

@@ -96,7 +96,8 @@ def scatter_add_kernel(table_ptr, grad_ptr, shard_size, BLOCK: tl.constexpr):
     dst = tl.load(table_ptr + peer).to(tl.pointer_type(tl.float32))
     dst = tl.multiple_of(dst, 16)
     g = tl.load(grad_ptr + peer.to(tl.int64) * shard_size + offs, mask=mask).to(tl.float32)
-    tl.atomic_add(dst + offs, g, mask=mask, sem="relaxed")
+    # system scope: writers may be other GPUs of the node (peer memory over NVLink)
+    tl.atomic_add(dst + offs, g, mask=mask, sem="relaxed", scope="sys")
 
 
 @triton.jit
