@@ -32,6 +32,7 @@ from odcfn.schedule.cost import (
     microbatch_cost,
 )
 from odcfn.schedule.lengths import DATASETS, aime_rl, get_dataset, longalign
+from tests.mp_pool import mp_pool  # noqa: F401 - the session fixture (multi-process test)
 
 COSTS = [DEFAULT_COST, TokenCost(), QuadraticCost(1.0, 0.0)]
 
@@ -320,3 +321,55 @@ def test_runtime_work_stealing_rejects_collective_and_oversized_samples():
         _ws_grad_steps(2, [3, 4], steps=1, balance="work_stealing", comm="collective")
     with pytest.raises(ValueError, match="sample 1 has 9 tokens"):
         _ws_grad_steps(2, [3, 9], steps=1, balance="work_stealing", max_tokens_per_microbatch=8)
+
+
+def shm_stealing_worker(lengths, cap, slow_rank):
+    """Two work-stealing grad_steps on a ShmTransport (multi-process, shared claim counter)."""
+    import odcfn
+    from odcfn.kernels.shm import ShmTransport
+    from odcfn.models import QwenConfig, init_params, qwen_model
+
+    cfg = QwenConfig(vocab_size=37, d_model=16, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=24)
+    model, full = qwen_model(cfg), init_params(cfg, seed=0)
+    batch = odcfn.random_batch(lengths, cfg.vocab_size, seed=1)
+    mesh = odcfn.Mesh.from_env()
+    out = []
+    with ShmTransport(mesh, timeout=30) as tr:
+        for _ in range(2):
+            g, m = odcfn.grad_step(
+                odcfn.shard(full, model, mesh),
+                batch,
+                model=model,
+                mesh=mesh,
+                transport=tr,
+                balance="work_stealing",
+                max_tokens_per_microbatch=cap,
+                slowdown=2.0 if mesh.rank == slow_rank else 1.0,
+            )
+            grads = {k: v.detach().clone().numpy() for k, v in g.items()}
+            out.append((grads, m.loss, m.plan.microbatches, m.counters.syncs))
+    return out
+
+
+def test_shm_work_stealing_across_processes(mp_pool):  # noqa: F811
+    import torch
+
+    import odcfn
+    from odcfn.models import QwenConfig, init_params, qwen_model
+
+    lengths, world = [5, 9, 3, 7, 4, 11, 2, 6], 2
+    out = mp_pool.run(shm_stealing_worker, world, args=(lengths, 12, 1))
+    cfg = QwenConfig(vocab_size=37, d_model=16, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=24)
+    model, full = qwen_model(cfg), init_params(cfg, seed=0)
+    loss, g_ref = odcfn.reference_value_and_grad(model, full, odcfn.random_batch(lengths, 37, seed=1))
+    mesh = odcfn.Mesh(world, 0)
+    for step in range(2):
+        claimed = sorted(i for r in range(world) for mb in out[r][step][2] for i in mb)
+        assert claimed == list(range(len(lengths)))
+        for r in range(world):
+            grads, got_loss, _, syncs = out[r][step]
+            assert syncs == 1 and got_loss == pytest.approx(float(loss), rel=1e-5)
+            want = odcfn.shard(g_ref, model, mesh.with_rank(r))
+            odcfn.tree_assert_allclose(
+                {k: torch.from_numpy(v) for k, v in grads.items()}, want, rtol=1e-5, atol=1e-7
+            )
