@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 __all__ = [
@@ -144,6 +144,9 @@ def fit_quadratic(lengths: Sequence[int], seconds: Sequence[float]) -> Quadratic
     return QuadraticCost(a, b)
 
 
+_MB_TENSORS = ("input_ids_T", "labels_T", "loss_mask_T", "positions_T")
+
+
 def measure_unit_times(
     model: Any,
     params: Any,
@@ -156,7 +159,8 @@ def measure_unit_times(
     """Time forward and backward of every unit of ``model`` on one sample of each length.
 
     Returns ``{length: {unit: (forward_s, backward_s)}}``, the minimum over ``repeats`` runs
-    (the least disturbed one, on a machine shared with other jobs).
+    (the least disturbed one, on a machine shared with other jobs). Runs where ``params`` live;
+    on a GPU it synchronises before every clock read (not yet run on GPU hardware).
     """
     import torch
 
@@ -165,9 +169,13 @@ def measure_unit_times(
 
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
+    device = next(iter(tree_leaves(params))).device
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     out: dict[int, dict[str, tuple[float, float]]] = {}
     for n in lengths:
         mb = pack(random_batch([n], vocab_size, seed=seed), [0])
+        if device.type != "cpu":
+            mb = replace(mb, **{f: getattr(mb, f).to(device) for f in _MB_TENSORS})
         best: dict[str, tuple[float, float]] = {}
         for _ in range(repeats):
             x = None
@@ -178,13 +186,16 @@ def measure_unit_times(
                     if isinstance(x, torch.Tensor) and x.is_floating_point()
                     else x
                 )
+                sync()
                 t0 = time.perf_counter()
                 y = unit.fwd(p, xin, mb)
+                sync()
                 t1 = time.perf_counter()
                 inputs = list(tree_leaves(p))
                 if isinstance(xin, torch.Tensor) and xin.requires_grad:
                     inputs.append(xin)
                 torch.autograd.grad(y, inputs, torch.ones_like(y))
+                sync()
                 t2 = time.perf_counter()
                 f, b = best.get(unit.name, (math.inf, math.inf))
                 best[unit.name] = (min(f, t1 - t0), min(b, t2 - t1))
