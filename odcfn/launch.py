@@ -144,10 +144,9 @@ def launch(
     if errors:
         first = min(errors, key=lambda r: (errors[r][0], r))
         detail = "\n".join(f"  rank {r}: {errors[r][1]}" for r in sorted(errors))
-        tb = errors[first][2]
+        tbs = "".join(f"\n--- rank {r} traceback ---\n{errors[r][2]}" for r in sorted(errors) if errors[r][2])
         raise LaunchError(
-            f"rank {first} failed: {errors[first][1]}\nall failures:\n{detail}"
-            + (f"\n--- rank {first} traceback ---\n{tb}" if tb else ""),
+            f"rank {first} failed: {errors[first][1]}\nall failures:\n{detail}{tbs}",
             {r: e[1] for r, e in errors.items()}, results,
         )
     return [results[r] for r in range(world_size)]

@@ -37,6 +37,7 @@ def _serve(conn: Connection) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    conn.send_bytes(b"ready")  # imports done: tasks now start within milliseconds of each other
     while True:
         try:
             msg = conn.recv_bytes()
@@ -72,6 +73,7 @@ class WorkerPool:
         self._ctx = mp.get_context("spawn")
         self._procs: list[Any] = []
         self._conns: list[Connection] = []
+        self._ready: list[bool] = []
 
     def _spawn(self, i: int) -> None:
         parent, child = self._ctx.Pipe()
@@ -85,10 +87,25 @@ class WorkerPool:
             os.environ.update(env)
         child.close()
         if i < len(self._procs):
-            self._procs[i], self._conns[i] = p, parent
+            self._procs[i], self._conns[i], self._ready[i] = p, parent, False
         else:
             self._procs.append(p)
             self._conns.append(parent)
+            self._ready.append(False)
+
+    def _wait_ready(self, i: int, timeout: float) -> None:
+        """A task must not start on one rank while another is still importing torch: the
+        first would spend its (maybe short) communication timeout waiting for the second."""
+        if self._ready[i]:
+            return
+        try:
+            ok = self._conns[i].poll(timeout) and self._conns[i].recv_bytes() == b"ready"
+        except (EOFError, OSError):
+            ok = False
+        if not ok:
+            self._replace(i)
+            raise RuntimeError(f"pool worker {i} did not start within {timeout}s")
+        self._ready[i] = True
 
     def _replace(self, i: int) -> None:
         p = self._procs[i]
@@ -106,6 +123,8 @@ class WorkerPool:
             raise ValueError(f"world_size={world_size} outside the pool's 1..{self.max_workers}")
         while len(self._procs) < self.max_workers:  # all at once: their imports overlap
             self._spawn(len(self._procs))
+        for r in range(world_size):
+            self._wait_ready(r, timeout)
         port, prefix = free_port(), f"odcfn-pool-{uuid.uuid4().hex[:8]}"
         for r in range(world_size):
             msg = (fn, tuple(args), rank_env(r, world_size, port, prefix))

@@ -4,6 +4,7 @@ gathers, claim), its primitives in one process, CollectiveTransport's refusals, 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -106,10 +107,13 @@ def collective_refuses_worker():
     return out
 
 
-def env_worker(fail_rank):
+def env_worker(fail_rank, kill_rank):
     keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "EXTRA")
-    if int(os.environ["RANK"]) == fail_rank:
+    rank = int(os.environ["RANK"])
+    if rank == fail_rank:
         raise ValueError("bad sample 3")
+    if rank == kill_rank:
+        os.kill(os.getpid(), signal.SIGKILL)
     return {k: os.environ.get(k) for k in keys}
 
 
@@ -152,14 +156,16 @@ def test_collective_transport_gathers_and_refuses_one_sided_ops(mp_pool):  # noq
             assert "CollectiveTransport" in o[op] and "ShmTransport" in o[op], o[op]
 
 
-def test_launch_sets_the_torchrun_env_and_reports_the_failing_rank():
+def test_launch_sets_the_torchrun_env_and_reports_failing_and_killed_ranks():
     with pytest.raises(LaunchError) as info:
-        launch(env_worker, 2, args=(1,), env={"EXTRA": "x"}, timeout=30)
+        launch(env_worker, 3, args=(1, 2), env={"EXTRA": "x"}, timeout=30)
     err = info.value
     assert "rank 1" in str(err) and "ValueError: bad sample 3" in str(err)
-    assert set(err.errors) == {1} and set(err.results) == {0}
+    assert "raise ValueError" in str(err)  # the failing rank's traceback comes along
+    assert set(err.errors) == {1, 2} and set(err.results) == {0}
+    assert "killed by signal 9" in err.errors[2]
     env = err.results[0]
-    assert env["RANK"] == "0" and env["WORLD_SIZE"] == env["LOCAL_WORLD_SIZE"] == "2"
+    assert env["RANK"] == "0" and env["WORLD_SIZE"] == env["LOCAL_WORLD_SIZE"] == "3"
     assert env["LOCAL_RANK"] == "0" and env["EXTRA"] == "x" and int(env["MASTER_PORT"]) > 0
 
 

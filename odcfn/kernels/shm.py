@@ -233,6 +233,8 @@ class ShmTransport:
             self.counters.collective_bytes += moved
 
     def sync(self, stats: torch.Tensor) -> torch.Tensor:
+        if self._ctrl and (why := self._aborted()) is not None:  # it left: do not wait for it
+            raise TransportError(f"rank {self.mesh.rank}: cannot sync at step {self.step}: {why}")
         out = self.dist.all_reduce(stats)
         self.counters.syncs += 1
         return out
