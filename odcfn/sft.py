@@ -5,7 +5,8 @@ Each rank reads the same token file, computes the same minibatch for every step
 line of metrics per step (``<out_dir>/metrics.jsonl``; TensorBoard too when installed and
 asked for). Checkpoints go to ``<out_dir>/checkpoints/step-XXXXXXXX`` every ``every`` steps;
 a rerun resumes from the newest committed one, and because minibatches are a pure function of
-the step, the resumed run continues exactly where the interrupted one would have.
+the step, the resumed run continues exactly where the interrupted one would have (metrics lines
+past the resumed step are dropped and rewritten, so the log reads like one uninterrupted run).
 
 Config (TOML or JSON), every key optional except ``data.path`` and ``train.steps``::
 
@@ -237,11 +238,23 @@ class _Logger:
     """Rank 0's metrics sink: JSONL every step (appended across resumes), optional TensorBoard,
     a progress line on stdout every ``log.every`` steps."""
 
-    def __init__(self, cfg: SFTConfig) -> None:
+    def __init__(self, cfg: SFTConfig, start: int) -> None:
         self.cfg = cfg
         self.t0, self.n = time.perf_counter(), 0
-        cfg.metrics_path.parent.mkdir(parents=True, exist_ok=True)
-        self.file = open(cfg.metrics_path, "a")
+        path = cfg.metrics_path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # keep the history up to the step we resume from: lines logged after the last
+        # checkpoint by an interrupted run (or by a run we do not resume) are rerun, not repeated
+        kept = []
+        if path.exists():
+            for line in path.read_text().splitlines():
+                try:
+                    if json.loads(line)["step"] <= start:
+                        kept.append(line + "\n")
+                except (ValueError, KeyError, TypeError):
+                    continue
+        path.write_text("".join(kept))
+        self.file = open(path, "a")
         self.tb = None
         if cfg.log.tensorboard:
             try:
@@ -314,7 +327,7 @@ def train_rank(cfg: SFTConfig, rank: int, transport) -> dict[str, Any]:
         opt_state = optimizer.init(params)
     del full
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[t.compute_dtype]
-    logger = _Logger(cfg) if rank == 0 else None
+    logger = _Logger(cfg, start) if rank == 0 else None
     last = None
     try:
         for step in range(start, t.steps):

@@ -89,6 +89,20 @@ def test_resume_continues_bit_identically(tmp_path, comm):
     odcfn.tree_assert_allclose(_final_params(a), _final_params(b), rtol=0, atol=0)
 
 
+def test_crash_after_last_checkpoint_reruns_without_duplicate_log_lines(tmp_path):
+    cfg = _setup(tmp_path, steps=6, every=4)
+    cli.main(["train", "--config", str(cfg), "--quiet"])
+    losses = [r["loss"] for r in _metrics(tmp_path)]
+    # as if the job died after logging step 6 but before committing its checkpoint
+    (tmp_path / "out" / "checkpoints" / "step-00000006" / "manifest.json").unlink()
+    cli.main(["train", "--config", str(cfg), "--quiet"])  # resumes from step 4
+    recs = _metrics(tmp_path)
+    assert [r["step"] for r in recs] == [1, 2, 3, 4, 5, 6]
+    assert [r["loss"] for r in recs] == losses
+    cli.main(["train", "--config", str(cfg), "--quiet", "--no-resume", "--steps", "2"])
+    assert [r["step"] for r in _metrics(tmp_path)] == [1, 2]  # a fresh run starts a fresh log
+
+
 def test_export_hf_and_json_config(tmp_path):
     pytest.importorskip("safetensors")
     toml_cfg = _setup(tmp_path, steps=2, every=2, extra='export_hf = "hf-out"\n', world=1)
