@@ -225,6 +225,19 @@ def test_ipc_fabric_on_cpu_threads_matches_the_reference(comm):
                 assert m.counters.collectives == 0 and m.counters.gathers > 0
 
 
+def test_host_grads_are_cpu_copies_taken_at_flush():
+    out = _run_threads(2, "odc", steps=2, mode="landing", host_grads=True)
+    _assert_grads(out, 2)
+
+
+def test_gpu_check_script_skips_cleanly_without_a_gpu():
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: the script would run for real")
+    p = subprocess.run(["bash", "bench/gpu_check.sh"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert "skipped" in p.stdout
+
+
 def test_request_ids_wrap_many_times_inside_real_steps():
     """4-bit request ids, 2 slots, 32-element slots: each step pushes more than 16 chunks per
     (client, owner) pair, so the ids wrap within every step; gradients stay exact."""

@@ -167,13 +167,15 @@ class ArenaTransport:
 
     def _wait(self, pred, what: str) -> None:
         deadline = time.monotonic() + self.timeout
+        nap = self.poll_s
         while not pred():
             self._raise_if_failed()
             if time.monotonic() > deadline:
                 raise TransportError(
                     f"rank {self.mesh.rank}: timed out after {self.timeout}s waiting for {what}"
                 )
-            time.sleep(self.poll_s)
+            time.sleep(nap)  # sleeping, not spinning: a polling thread holding the GIL stalls compute
+            nap = min(2 * nap, 1e-3)
 
     def _wait_version(self, i: int) -> None:
         if self._seen[i] >= self.step:
@@ -274,9 +276,13 @@ class ArenaTransport:
         ctx = torch.cuda.stream(side) if side is not None else contextlib.nullcontext()
         try:
             with ctx:
+                nap = self.poll_s
                 while not self._stop.is_set():
-                    if not self._drain_once():
-                        time.sleep(self.poll_s)
+                    if self._drain_once():
+                        nap = self.poll_s
+                    else:  # back off while idle (between steps), stay quick while pushes flow
+                        time.sleep(nap)
+                        nap = min(2 * nap, 2e-3)
         except BaseException as e:  # noqa: BLE001 - surfaced by the next wait on the main thread
             self._error = e
 
@@ -310,6 +316,8 @@ class ArenaTransport:
             self._wait(
                 lambda c=c: done(c), f"rank {self.group[c]} to finish pushing into rank {self.mesh.rank}"
             )
+        if self.host_grads:
+            self._host = {name: acc.cpu() for name, (_, acc) in self._views.items()}
 
     # --- collectives ------------------------------------------------------------------------
     def all_gather(self, unit: str, out: torch.Tensor) -> None:

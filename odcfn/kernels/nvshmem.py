@@ -253,6 +253,7 @@ def nvshmem_transport(
     slot_elems: int = 1 << 20,
     timeout: float = 300.0,
     prefix: str = "odcfn",
+    host_grads: bool = False,
 ) -> ArenaTransport:
     """The NVSHMEM transport for ``mesh.rank`` (after ``torch.distributed.init_process_group``).
     ``store``: the torch.distributed store (``claim``); ``collectives``: ``TorchCollectives``."""
@@ -267,4 +268,5 @@ def nvshmem_transport(
         slot_elems=slot_elems,
         timeout=timeout,
         prefix=prefix,
+        host_grads=host_grads,
     )
