@@ -25,7 +25,7 @@ DEFAULT_GBPS = {"odc": 5.0, "collective": 0.8}
 LATENCY_S = {"odc": 100e-6, "collective": 200e-6}
 
 
-def calibrate_cost(w: Workload, lengths: Sequence[int] | None = None, repeats: int = 2):
+def calibrate_cost(w: Workload, lengths: Sequence[int] | None = None, repeats: int = 3):
     """(QuadraticCost in seconds, simulator Workload with unit shares and bytes, calibration
     record). Default lengths: 1/8, 1/4 and 1/2 of the cap (the workload's typical range)."""
     import torch
