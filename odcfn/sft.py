@@ -205,27 +205,33 @@ def _lr_fn(t: TrainSection):
     return lr
 
 
-def _build_model(cfg: SFTConfig):
+def _build_model(cfg: SFTConfig, mesh=None):
+    """``(QwenConfig, Model, this rank's initial shards or None)``: shards only when ``mesh`` is
+    given. An HF checkpoint is read shard-wise: no rank ever holds the full weights."""
     from odcfn.models import QwenConfig, init_params, qwen_model
+    from odcfn.sharding import shard
 
     m = cfg.model
     if m.hf_path:
-        from odcfn.models.hf import from_hf
+        from odcfn.models.hf import config_from_hf, shard_from_hf
 
-        qcfg, full = from_hf(m.hf_path)
-    else:
-        qcfg = QwenConfig(
-            vocab_size=m.vocab_size,
-            d_model=m.d_model,
-            n_layers=m.n_layers,
-            n_heads=m.n_heads,
-            n_kv_heads=m.n_kv_heads,
-            d_ff=m.d_ff,
-            rope_theta=m.rope_theta,
-            qkv_bias=m.qkv_bias,
-        )
-        full = init_params(qcfg, seed=m.seed)
-    return qcfg, qwen_model(qcfg), full
+        if mesh is None:
+            qcfg = config_from_hf(json.loads((Path(m.hf_path) / "config.json").read_text()))
+            return qcfg, qwen_model(qcfg), None
+        qcfg, shards = shard_from_hf(m.hf_path, mesh)
+        return qcfg, qwen_model(qcfg), shards
+    qcfg = QwenConfig(
+        vocab_size=m.vocab_size,
+        d_model=m.d_model,
+        n_layers=m.n_layers,
+        n_heads=m.n_heads,
+        n_kv_heads=m.n_kv_heads,
+        d_ff=m.d_ff,
+        rope_theta=m.rope_theta,
+        qkv_bias=m.qkv_bias,
+    )
+    model = qwen_model(qcfg)
+    return qcfg, model, None if mesh is None else shard(init_params(qcfg, seed=m.seed), model, mesh)
 
 
 def _busy(events) -> float:
@@ -308,7 +314,8 @@ def train_rank(cfg: SFTConfig, rank: int, transport) -> dict[str, Any]:
     mesh = transport.mesh  # the transport's view of the job (ranks_per_node, sharding) wins
     if mesh.world_size != t.world_size or mesh.rank != rank:
         raise ValueError(f"transport serves {mesh}, but the config asks for rank {rank} of {t.world_size}")
-    qcfg, model, full = _build_model(cfg)
+    ck = latest(cfg.checkpoint_dir) if cfg.checkpoint.resume else None
+    qcfg, model, initial = _build_model(cfg, None if ck is not None else mesh)
     data = read_dataset(cfg.data.path, vocab_size=qcfg.vocab_size, max_length=cfg.data.max_length)
     per_epoch = steps_per_epoch(data, cfg.data.batch_size)
     lr = _lr_fn(t)
@@ -318,14 +325,12 @@ def train_rank(cfg: SFTConfig, rank: int, transport) -> dict[str, Any]:
         else odcfn.sgd(lr, weight_decay=t.weight_decay)
     )
     start, resumed = 0, None
-    ck = latest(cfg.checkpoint_dir) if cfg.checkpoint.resume else None
     if ck is not None:
         params, opt_state, start = load(ck, model=model, mesh=mesh)
         resumed = str(ck)
     else:
-        params = odcfn.shard(full, model, mesh)
+        params = initial
         opt_state = optimizer.init(params)
-    del full
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[t.compute_dtype]
     logger = _Logger(cfg, start) if rank == 0 else None
     last = None

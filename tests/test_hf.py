@@ -10,7 +10,7 @@ from safetensors.torch import save_file
 
 import odcfn
 from odcfn.models import QwenConfig, init_params, qwen_model
-from odcfn.models.hf import config_from_hf, hf_name
+from odcfn.models.hf import config_from_hf, hf_name, shard_from_hf
 from odcfn.models.qwen import from_hf, to_hf
 
 CFG = QwenConfig(vocab_size=53, d_model=16, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=24, rope_theta=5000.0)
@@ -55,6 +55,20 @@ def test_sharded_index_round_trip_and_bf16(tmp_path):
     want = odcfn.tree_map(lambda t: t.to(torch.bfloat16).float(), params)
     odcfn.tree_assert_allclose(got, want, rtol=0, atol=0)
     assert all(t.dtype == torch.float32 for t in odcfn.tree.tree_leaves(got))
+
+
+@pytest.mark.parametrize("W", [1, 2, 3, 5])
+def test_shard_from_hf_equals_sharding_the_full_load(tmp_path, W):
+    """Row-range reads across several files give exactly each rank's shard, padding zero."""
+    params = _random_params(CFG, seed=2)
+    to_hf(tmp_path / "m", params, CFG, max_shard_bytes=3000)
+    model = qwen_model(CFG)
+    _, full = from_hf(tmp_path / "m")
+    for r in range(W):
+        mesh = odcfn.Mesh(W, r)
+        cfg, shards = shard_from_hf(tmp_path / "m", mesh)
+        assert cfg == CFG
+        odcfn.tree_assert_allclose(shards, odcfn.shard(full, model, mesh), rtol=0, atol=0)
 
 
 def test_names_follow_hf_layout_written_by_hand(tmp_path):

@@ -222,3 +222,24 @@ def test_init_writes_a_runnable_example(tmp_path, capsys):
     assert all(0 < r["busy_fraction"] <= 1 for r in recs)
     assert "eta" in capsys.readouterr().out
     assert cli.main(["train"]) == 2  # neither --config nor --init
+
+
+def test_finetune_from_a_local_hf_checkpoint(tmp_path):
+    """model.hf_path: each rank reads its shards of the HF weights; step 1's loss is the
+    single-process loss of those weights on step 0's minibatch."""
+    from odcfn.data import batch_at, read_jsonl
+    from odcfn.models import init_params
+    from odcfn.models.qwen import from_hf, to_hf
+
+    params = odcfn.tree_map(lambda t: t + 0.01 * torch.randn(t.shape), init_params(QCFG, seed=5))
+    to_hf(tmp_path / "base", params, QCFG, max_shard_bytes=5000)
+    cfg = _setup(tmp_path, steps=2, every=0)
+    text = cfg.read_text()
+    cfg.write_text(
+        text[: text.index("[model]")] + '[model]\nhf_path = "base"\n' + text[text.index("[data]") :]
+    )
+    assert cli.main(["train", "--config", str(cfg), "--quiet"]) == 0
+    first = _metrics(tmp_path)[0]["loss"]
+    batch = batch_at(read_jsonl(tmp_path / "train.jsonl"), 0, 4)
+    want = float(odcfn.reference_loss(qwen_model(QCFG), from_hf(tmp_path / "base")[1], batch))
+    assert first == pytest.approx(want, rel=1e-5)

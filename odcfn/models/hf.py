@@ -14,6 +14,7 @@ as a copy of the embedding and the two train separately; ``to_hf`` therefore wri
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -22,10 +23,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from odcfn.models.qwen import QwenConfig, unit_shapes
+from odcfn.models.qwen import QwenConfig, qwen_model, unit_shapes
+from odcfn.sharding import Mesh, make_layout
 from odcfn.tree import tree_flatten_with_path, tree_unflatten
 
-__all__ = ["config_from_hf", "config_to_hf", "from_hf", "hf_name", "to_hf"]
+__all__ = ["config_from_hf", "config_to_hf", "from_hf", "hf_name", "shard_from_hf", "to_hf"]
 
 _ARCH = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
 
@@ -135,8 +137,9 @@ def _read_tensors(root: Path) -> dict[str, Any]:
     return where
 
 
-def from_hf(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32) -> tuple[QwenConfig, dict]:
-    """Load a local HF Qwen2/Llama checkpoint: ``(config, params)`` for ``qwen_model(config)``."""
+def _resolve(path: str | os.PathLike) -> tuple[QwenConfig, dict[str, Any], dict[str, list]]:
+    """Config, tensor locations, and per unit ``[(path, hf name, shape)]`` in flat-layout order,
+    all checked (missing, misshapen or unused tensors) before any weight is read."""
     root = Path(path)
     cfg_file = root / "config.json"
     if not cfg_file.exists():
@@ -145,30 +148,65 @@ def from_hf(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32) -> t
     cfg = config_from_hf(hf_cfg)
     where = _read_tensors(root)
     tied = bool(hf_cfg.get("tie_word_embeddings", False))
-    params, used = {}, set()
+    names: dict[str, list] = {}
+    used = set()
     for unit, shapes in unit_shapes(cfg).items():
-        paths, leaves, treedef = tree_flatten_with_path(shapes)
-        out = []
+        paths, leaves, _ = tree_flatten_with_path(shapes)
+        names[unit] = []
         for p, shape in zip(paths, leaves):
             name = hf_name(unit, p)
             if name == "lm_head.weight" and name not in where and tied:
                 name = "model.embed_tokens.weight"
             if name not in where:
                 raise ValueError(f"{root}: tensor {name!r} (for {unit}.{p}) is missing")
-            t = where[name].get_tensor(name)
-            if tuple(t.shape) != tuple(shape):
+            got = tuple(where[name].get_slice(name).get_shape())
+            if got != tuple(shape):
                 raise ValueError(
-                    f"{root}: tensor {name!r} has shape {tuple(t.shape)}, config.json implies {tuple(shape)}"
+                    f"{root}: tensor {name!r} has shape {got}, config.json implies {tuple(shape)}"
                 )
-            out.append(t.to(dtype).clone())
+            names[unit].append((p, name, tuple(shape)))
             used.add(name)
-        params[unit] = tree_unflatten(treedef, out)
     unused = sorted(k for k in where if k not in used and not k.endswith("rotary_emb.inv_freq"))
     if unused:
         raise ValueError(
             f"{root}: tensors the model does not use: {unused[:5]}{'...' if len(unused) > 5 else ''}"
         )
+    return cfg, where, names
+
+
+def from_hf(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32) -> tuple[QwenConfig, dict]:
+    """Load a local HF Qwen2/Llama checkpoint: ``(config, params)`` for ``qwen_model(config)``."""
+    cfg, where, names = _resolve(path)
+    params = {}
+    for unit, shapes in unit_shapes(cfg).items():
+        treedef = tree_flatten_with_path(shapes)[2]
+        leaves = [where[n].get_tensor(n).to(dtype).clone() for _, n, _ in names[unit]]
+        params[unit] = tree_unflatten(treedef, leaves)
     return cfg, params
+
+
+def shard_from_hf(
+    path: str | os.PathLike, mesh: Mesh, *, dtype: torch.dtype = torch.float32
+) -> tuple[QwenConfig, dict[str, torch.Tensor]]:
+    """This rank's flat shards, equal to ``shard(from_hf(path)[1], qwen_model(cfg), mesh)``, read
+    without materialising the full model: only the rows that overlap the rank's range."""
+    cfg, where, names = _resolve(path)
+    layout = make_layout(qwen_model(cfg), mesh)
+    shards = {}
+    for u in layout.units:
+        lo, hi = u.shard_range(mesh.shard_index)
+        shard = torch.zeros(u.shard_size, dtype=dtype)  # the padding stays zero
+        off = 0
+        for (_, name, shape), n in zip(names[u.name], u.numels):
+            a, b = max(lo, off) - off, min(hi, off + n) - off  # overlap, in leaf-flat coordinates
+            if a < b:
+                row = math.prod(shape[1:])  # 1 for a vector
+                r0, r1 = a // row, (b - 1) // row + 1
+                rows = where[name].get_slice(name)[r0:r1].reshape(-1)
+                shard[off + a - lo : off + b - lo] = rows[a - r0 * row : b - r0 * row].to(dtype)
+            off += n
+        shards[u.name] = shard
+    return cfg, shards
 
 
 def to_hf(
