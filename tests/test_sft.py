@@ -243,3 +243,32 @@ def test_finetune_from_a_local_hf_checkpoint(tmp_path):
     batch = batch_at(read_jsonl(tmp_path / "train.jsonl"), 0, 4)
     want = float(odcfn.reference_loss(qwen_model(QCFG), from_hf(tmp_path / "base")[1], batch))
     assert first == pytest.approx(want, rel=1e-5)
+
+
+def test_tensorboard_scalars_when_asked(tmp_path, monkeypatch, capsys):
+    """log.tensorboard = true writes every numeric metric per step (a stand-in SummaryWriter
+    records the calls, so the test runs whether or not tensorboard is installed)."""
+    import types
+
+    calls = []
+
+    class Writer:
+        def __init__(self, logdir):
+            calls.append(("init", logdir))
+
+        def add_scalar(self, tag, value, step):
+            calls.append((tag, value, step))
+
+        def close(self):
+            calls.append(("close",))
+
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", types.SimpleNamespace(SummaryWriter=Writer))
+    cfg = _setup(tmp_path, steps=2, every=0, world=1, extra="[log]\ntensorboard = true\n")
+    assert cli.main(["train", "--config", str(cfg), "--quiet"]) == 0
+    assert calls[0] == ("init", str(tmp_path / "out" / "tensorboard")) and calls[-1] == ("close",)
+    losses = [(step, v) for tag, v, step in (c for c in calls if len(c) == 3) if tag == "loss"]
+    assert losses == [(r["step"], r["loss"]) for r in _metrics(tmp_path)]
+
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # not installed
+    assert cli.main(["train", "--config", str(cfg), "--quiet", "--no-resume"]) == 0
+    assert "tensorboard is not installed" in capsys.readouterr().err
