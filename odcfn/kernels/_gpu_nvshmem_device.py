@@ -123,7 +123,7 @@ def nvshmem_gather_kernel(out_ptr, src_addr, pes_ptr, pos_ptr, shard_bytes, CHUN
     lo = c * CHUNK_BYTES
     nbytes = tl.minimum(shard_bytes - lo, CHUNK_BYTES)
     dest = out_ptr.to(tl.int64, bitcast=True) + block * shard_bytes + lo
-    getmem_block(dest, src_addr + lo, nbytes.to(tl.uint64), pe)
+    getmem_block(dest, src_addr.to(tl.int64) + lo, nbytes.to(tl.uint64), pe)
 
 
 @triton.jit(do_not_specialize=["shard_bytes", "nbytes", "dst_addr", "sig_addr", "chunk_lo"])
@@ -138,7 +138,10 @@ def nvshmem_put_signal_kernel(
     pe = tl.load(pes_ptr + p)
     val = tl.load(sig_vals_ptr + p).to(tl.uint64, bitcast=True)
     src = src_ptr.to(tl.int64, bitcast=True) + p.to(tl.int64) * shard_bytes + chunk_lo
-    putmem_signal_nbi_block(dst_addr, src, nbytes.to(tl.uint64), sig_addr, val, SIGNAL_SET, pe)
+    # scalars arrive as i32 or i64 depending on their value: widen before the typed externs
+    putmem_signal_nbi_block(
+        dst_addr.to(tl.int64), src, nbytes.to(tl.uint64), sig_addr.to(tl.int64), val, SIGNAL_SET, pe
+    )
     quiet()
 
 
@@ -146,7 +149,10 @@ def nvshmem_put_signal_kernel(
 def nvshmem_signal_kernel(sig_addr, value, pe):
     """Set the signal word at symmetric ``sig_addr`` on ``pe`` to ``value`` (versions, FINs,
     credits); callers fence their earlier puts first."""
-    signal_op(sig_addr, value.to(tl.uint64, bitcast=True), SIGNAL_SET, pe)
+    # small Python ints arrive as i32: widen first, or the 64-bit bitcast is ill-formed
+    signal_op(
+        sig_addr.to(tl.int64), value.to(tl.int64).to(tl.uint64, bitcast=True), SIGNAL_SET, pe.to(tl.int32)
+    )
 
 
 # name -> (kernel, signature, constexprs, divisible args): what CI compiles for sm_90.
@@ -179,5 +185,6 @@ KERNELS = {
         {},
         ("src_ptr",),
     ),
-    "nvshmem_signal": (nvshmem_signal_kernel, {"sig_addr": "i64", "value": "i64", "pe": "i32"}, {}, ()),
+    # value as i32: the narrow case a small step number takes at launch
+    "nvshmem_signal": (nvshmem_signal_kernel, {"sig_addr": "i64", "value": "i32", "pe": "i32"}, {}, ()),
 }
