@@ -268,7 +268,7 @@ def test_aime_wrong_answers_longer_and_truncation_spike():
 # --- work stealing in the real runtime (in-process ranks) ------------------------------------
 
 
-def _ws_grad_steps(world, lengths, steps=2, **kw):
+def _ws_grad_steps(world, lengths, steps=2, ranks_per_node=None, sharding="full", **kw):
     import torch
 
     import odcfn
@@ -280,7 +280,7 @@ def _ws_grad_steps(world, lengths, steps=2, **kw):
 
     def fn(rank, tr):
         torch.set_num_threads(1)
-        mesh = odcfn.Mesh(world, rank)
+        mesh = odcfn.Mesh(world, rank, ranks_per_node, sharding)
         p = odcfn.shard(full, model, mesh)
         out = []
         for _ in range(steps):  # the claim counter is fresh every step
@@ -288,19 +288,31 @@ def _ws_grad_steps(world, lengths, steps=2, **kw):
             out.append(({k: v.clone() for k, v in g.items()}, m))
         return out
 
-    return model, full, batch, odcfn.run_local(fn, world, timeout=30)
+    run = odcfn.run_local(fn, world, ranks_per_node=ranks_per_node, sharding=sharding, timeout=30)
+    return model, full, batch, run
 
 
-@pytest.mark.parametrize("world", [1, 3])
-def test_runtime_work_stealing_matches_the_reference_and_runs_each_sample_once(world):
+@pytest.mark.parametrize(
+    "world, lengths, rpn, sharding",
+    [
+        (1, [5, 9, 3, 7, 4, 11, 2], None, "full"),
+        (3, [5, 9, 3, 7, 4, 11, 2], None, "full"),
+        (4, [6, 10], 2, "hybrid"),  # two ranks never get a sample: they still meet at the sync
+    ],
+)
+def test_runtime_work_stealing_matches_the_reference_and_runs_each_sample_once(world, lengths, rpn, sharding):
     import odcfn
 
-    lengths = [5, 9, 3, 7, 4, 11, 2]
     model, full, batch, out = _ws_grad_steps(
-        world, lengths, balance="work_stealing", max_tokens_per_microbatch=12
+        world,
+        lengths,
+        ranks_per_node=rpn,
+        sharding=sharding,
+        balance="work_stealing",
+        max_tokens_per_microbatch=12,
     )
     loss_ref, g_ref = odcfn.reference_value_and_grad(model, full, batch)
-    mesh = odcfn.Mesh(world, 0)
+    mesh = odcfn.Mesh(world, 0, rpn, sharding)
     for step in range(2):
         plans = [out[r][step][1].plan for r in range(world)]
         claimed = sorted(i for p in plans for mb in p.microbatches for i in mb)
@@ -308,7 +320,8 @@ def test_runtime_work_stealing_matches_the_reference_and_runs_each_sample_once(w
         assert all(len(mb) == 1 for p in plans for mb in p.microbatches)
         for r in range(world):
             g, m = out[r][step]
-            assert m.counters.syncs == 1 and m.counters.collectives == 0
+            # nothing collective but the replica all-reduce of hybrid sharding, inside the sync
+            assert m.counters.syncs == 1 and m.counters.collectives == (sharding == "hybrid")
             assert m.loss == pytest.approx(float(loss_ref), rel=1e-5)
             assert m.plan.count(type(m.plan.steps[-1])) == 1  # one Sync, at the end
             odcfn.tree_assert_allclose(g, odcfn.shard(g_ref, model, mesh.with_rank(r)), rtol=1e-5, atol=1e-7)
