@@ -11,8 +11,9 @@ rank, never by hash order or randomness.
   a collective (FSDP) schedule can use: every rank must run the same number of microbatches.
 - ``lb_mini``: free partition (unequal counts allowed; the equal-count partition is a candidate
   too, so it is never worse), then each rank packs its own microbatches. Needs ODC.
-- work stealing is dynamic (``work_stealing_order`` gives the shared queue's order); it runs in
-  ``odcfn.train.grad_step(balance="work_stealing")`` and ``odcfn.schedule.simulate``.
+- work stealing is dynamic: ``work_stealing_items`` is the shared queue (seeded by LB-Mini), and
+  ranks claim from it with ``transport.claim()`` in ``odcfn.train.grad_step(balance=
+  "work_stealing")`` and in ``odcfn.schedule.simulate.simulate_work_stealing``.
 """
 
 from __future__ import annotations

@@ -20,7 +20,8 @@ all-gathers and reduce-scatters on separate streams):
   has issued it (max of arrivals); it then occupies every member's stream for the same time.
 - ``Sync``: every rank's pushes must have landed; ends ``2 log2(W)`` latencies after the last
   arrival. Step time = the sync's end.
-Not modelled: link contention between concurrent point-to-point transfers, kernel launch costs.
+Not modelled: link contention between concurrent point-to-point transfers, kernel launch costs,
+hybrid sharding's replica all-reduce inside the sync (groups follow the mesh, bytes do not).
 """
 
 from __future__ import annotations
