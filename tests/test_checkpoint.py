@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import tempfile
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import odcfn
 from odcfn.checkpoint import latest, load, read_manifest, save
@@ -206,14 +209,10 @@ def test_stale_rank_file_from_an_older_step_does_not_commit(tmp_path):
 def test_load_rejects_a_different_model(tmp_path):
     p = odcfn.shard(FULL, MODEL, odcfn.Mesh(1))
     save(tmp_path / "ck", p, {}, 0, model=MODEL, mesh=odcfn.Mesh(1))
-    other = qwen_model(
-        QwenConfig(vocab_size=37, d_model=16, n_layers=3, n_heads=4, n_kv_heads=2, d_ff=24)
-    )
+    other = qwen_model(QwenConfig(vocab_size=37, d_model=16, n_layers=3, n_heads=4, n_kv_heads=2, d_ff=24))
     with pytest.raises(ValueError, match="units"):
         load(tmp_path / "ck", model=other, mesh=odcfn.Mesh(1))
-    wider = qwen_model(
-        QwenConfig(vocab_size=38, d_model=16, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=24)
-    )
+    wider = qwen_model(QwenConfig(vocab_size=38, d_model=16, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=24))
     with pytest.raises(ValueError, match="unit 'embed'"):
         load(tmp_path / "ck", model=wider, mesh=odcfn.Mesh(1))
     doc = json.loads((tmp_path / "ck" / "manifest.json").read_text())
@@ -245,12 +244,40 @@ def test_replicated_tensors_and_nested_state_round_trip(tmp_path):
     }
     save(tmp_path / "ck", p, state, 5, model=MODEL, mesh=odcfn.Mesh(1))
     _, o, step = load(tmp_path / "ck", model=MODEL, mesh=odcfn.Mesh(2, 1))
-    assert (
-        step == 5 and o["count"] == 7 and o["lr"] == 0.5 and o["name"] == "x" and o["flag"] is None
-    )
+    assert step == 5 and o["count"] == 7 and o["lr"] == 0.5 and o["name"] == "x" and o["flag"] is None
     assert torch.equal(o["scale"], state["scale"])
     assert isinstance(o["inner"], tuple) and o["inner"][1] == [1, 2]
-    want = odcfn.shard(
-        odcfn.unshard([state["inner"][0]["m"]], MODEL, odcfn.Mesh(1)), MODEL, odcfn.Mesh(2, 1)
-    )
+    want = odcfn.shard(odcfn.unshard([state["inner"][0]["m"]], MODEL, odcfn.Mesh(1)), MODEL, odcfn.Mesh(2, 1))
     odcfn.tree_assert_allclose(o["inner"][0]["m"], want, rtol=0, atol=0)
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    w_old=st.integers(1, 5),
+    w_new=st.integers(1, 5),
+    vocab=st.integers(3, 41),
+    layers=st.integers(1, 2),
+    seed=st.integers(0, 2**16),
+)
+def test_reshard_property(w_old, w_new, vocab, layers, seed):
+    """Any model size, any old and new world size: the loaded shards are exactly the new
+    mesh's shards of what was saved (params and a per-unit optimizer moment)."""
+    cfg = QwenConfig(vocab_size=vocab, d_model=8, n_layers=layers, n_heads=2, n_kv_heads=1, d_ff=12)
+    model = qwen_model(cfg)
+    g = torch.Generator().manual_seed(seed)
+    full = odcfn.tree_map(lambda t: torch.randn(t.shape, generator=g), init_params(cfg))
+    moment = odcfn.tree_map(lambda t: torch.rand(t.shape, generator=g), full)
+    with tempfile.TemporaryDirectory() as d:
+
+        def fn(rank, tr):
+            mesh = odcfn.Mesh(w_old, rank)
+            p, m = odcfn.shard(full, model, mesh), odcfn.shard(moment, model, mesh)
+            save(d, p, {"count": 3, "m": m}, 3, model=model, mesh=mesh)
+
+        odcfn.run_local(fn, w_old)
+        for r in range(w_new):
+            mesh = odcfn.Mesh(w_new, r)
+            p, o, step = load(d, model=model, mesh=mesh)
+            assert step == 3 and o["count"] == 3
+            odcfn.tree_assert_allclose(p, odcfn.shard(full, model, mesh), rtol=0, atol=0)
+            odcfn.tree_assert_allclose(o["m"], odcfn.shard(moment, model, mesh), rtol=0, atol=0)
