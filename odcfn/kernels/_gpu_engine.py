@@ -118,13 +118,14 @@ class ArenaTransport:
         self._error: BaseException | None = None
         self._unit_index: dict[str, int] = {}
         self._views: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.dtype: torch.dtype | None = None
 
     # --- setup ------------------------------------------------------------------------------
     def _ensure_arena(self, layout: Layout, dtype: torch.dtype) -> None:
         sizes = tuple(u.shard_size for u in layout.units)
         isz = torch.empty((), dtype=dtype).element_size()
         al = self.arena_layout
-        if al is not None and al.shard_sizes == sizes and al.param_itemsize == isz:
+        if al is not None and al.shard_sizes == sizes and self.dtype == dtype:
             return
         self._stop_drain()
         self.generation += 1
