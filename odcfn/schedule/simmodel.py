@@ -96,7 +96,8 @@ class Workload:
         total = sum(w)
         return [x / total for x in w]
 
-    def _bytes(self, v: float | Mapping[str, float]) -> list[float]:
+    def per_unit(self, v: float | Mapping[str, float]) -> list[float]:
+        """A bytes field as one float per unit, in unit order."""
         if isinstance(v, Mapping):
             missing = [u for u in self.units if u not in v]
             if missing:

@@ -114,8 +114,8 @@ class _Engine:
         self.bwd_share = [s * (1.0 - work.fwd_fraction) for s in shares]
         group = mesh.shard_count
         spans = group > mesh.node_size
-        pbytes = work._bytes(work.param_bytes)
-        gbytes = work._bytes(work.param_bytes if work.grad_bytes is None else work.grad_bytes)
+        pbytes = work.per_unit(work.param_bytes)
+        gbytes = work.per_unit(work.param_bytes if work.grad_bytes is None else work.grad_bytes)
         self.gather_time = [comm.transfer(b, group, spans) for b in pbytes]
         self.scatter_time = [comm.transfer(b, group, spans) for b in gbytes]
         self.sync_time = comm.sync_time(mesh.world_size, mesh.num_nodes > 1)
