@@ -435,7 +435,14 @@ def run(cfg: SFTConfig) -> list[dict[str, Any]]:
         results = launch(_process_worker, W, args=(cfg,), timeout=cfg.train.timeout)
     else:
         results = odcfn.run_local(lambda rank, tr: train_rank(cfg, rank, tr), W, timeout=cfg.train.timeout)
-    if cfg.checkpoint.export_hf and len(results) == W:
+    if cfg.checkpoint.export_hf and len(results) != W:  # one rank of torchrun: no launcher
+        if results[0]["rank"] == 0:
+            print(
+                "odcfn train: export_hf is written by the launcher (backend threads/processes); "
+                "under torchrun, export from the last checkpoint",
+                file=sys.stderr,
+            )
+    elif cfg.checkpoint.export_hf:
         import torch
 
         from odcfn.models.hf import to_hf
@@ -542,6 +549,8 @@ def main(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     results = run(cfg)
     head = results[0]
+    if head["rank"] != 0:  # under torchrun every rank runs main: one summary is enough
+        return 0
     where = f", resumed from {head['resumed_from']}" if head["resumed_from"] else ""
     print(
         f"odcfn train: steps {head['start_step']}..{head['steps']} on {cfg.train.world_size} rank(s) "
