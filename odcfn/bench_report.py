@@ -12,6 +12,7 @@ from odcfn.bench_workload import POLICIES
 from odcfn.trace import Event
 
 __all__ = [
+    "shared_cores_warning",
     "losses_match",
     "paired_median_speedup",
     "policy_summary",
@@ -49,6 +50,8 @@ def policy_summary(per_rank: Sequence[Sequence[dict]], policy: str) -> dict:
     tokens = sum(recs[0]["tokens"] for recs in steps)
     bubbles = [step_bubble_rate(recs) for recs in steps if recs[0]["events"]]
     mbs = [[len(r["microbatches"]) for r in recs] for recs in steps]
+    busy = sum(e[3] - e[2] for recs in steps for r in recs for e in r["events"]
+               if e[0] in ("forward", "backward"))
     return {
         "policy": policy,
         "comm": POLICIES[policy].comm,
@@ -69,7 +72,31 @@ def policy_summary(per_rank: Sequence[Sequence[dict]], policy: str) -> dict:
             [r["counters"]["collectives"] for recs in steps for r in recs]
         ),
         "gathers_per_minibatch": _mean([r["counters"]["gathers"] for recs in steps for r in recs]),
+        # CPU seconds the ranks got per second of (trace) compute: ~1 when each rank has a
+        # core to itself, well below 1 when other processes share the cores
+        "core_share": _core_share(steps, busy),
     }
+
+
+def _core_share(steps, busy: float) -> float | None:
+    cpus = [r.get("cpu") for recs in steps for r in recs]
+    if busy <= 0 or any(c is None for c in cpus):
+        return None
+    return sum(cpus) / busy
+
+
+SHARED_CORES_WARNING = (
+    "warning: the ranks got {share:.2f} CPU-seconds per second of compute (about 1 when each "
+    "rank has a core to itself): other processes share these cores, they absorb the ranks' idle "
+    "time, and the speedups of removing it are understated (docs/benchmarks.md, noise section)"
+)
+
+
+def shared_cores_warning(summaries, threshold: float = 0.8) -> str | None:
+    shares = [s["core_share"] for s in summaries if s.get("core_share") is not None]
+    if shares and min(shares) < threshold:
+        return SHARED_CORES_WARNING.format(share=min(shares))
+    return None
 
 
 def _mean(xs: Sequence[float]) -> float:

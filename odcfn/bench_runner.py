@@ -109,7 +109,7 @@ def _rank_loop(spec: RunSpec, mesh: Mesh, transport, barrier: Callable[[], None]
             balancer = balancers[name]
             params, opt_state = state[name]
             barrier()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             try:
                 params, opt_state, m = train_step(
                     params, batch, opt_state=opt_state, model=model, optimizer=opt, mesh=mesh,
@@ -124,13 +124,13 @@ def _rank_loop(spec: RunSpec, mesh: Mesh, transport, barrier: Callable[[], None]
                 resolved[name] = balance, _ = ("round_robin", False)
                 balancers[name] = "round_robin"
                 barrier()
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 params, opt_state, m = train_step(
                     params, batch, opt_state=opt_state, model=model, optimizer=opt, mesh=mesh,
                     transport=transport, comm=pol.comm, balance=balance,
                     max_tokens_per_microbatch=w.max_tokens_per_microbatch, slowdown=slow,
                 )
-            wall = time.perf_counter() - t0
+            wall, cpu = time.perf_counter() - t0, time.process_time() - c0
             state[name] = (params, opt_state)
             records.append({
                 "policy": name,
@@ -140,6 +140,7 @@ def _rank_loop(spec: RunSpec, mesh: Mesh, transport, barrier: Callable[[], None]
                 "warmup": step < spec.warmup,
                 "rank": mesh.rank,
                 "wall": wall,
+                "cpu": cpu,  # this process's CPU seconds (all its threads) during the step
                 "loss": m.loss,
                 "grad_norm": m.grad_norm,
                 "samples": m.num_samples,
@@ -217,11 +218,15 @@ def run(spec: RunSpec, backend: str = "auto") -> list[list[dict]]:
     prev = torch.get_num_threads()
     torch.set_num_threads(spec.threads_per_rank)
     try:
-        return run_local(
+        out = run_local(
             lambda rank, tr: _rank_loop(spec, Mesh(W, rank), tr, lambda: b.wait(spec.timeout)), W
         )
     finally:
         torch.set_num_threads(prev)
+    for recs in out:  # process CPU time covers every rank's thread here: not per rank
+        for r in recs:
+            r["cpu"] = None
+    return out
 
 
 def step_records(per_rank: Sequence[Sequence[dict]], policy: str) -> list[list[dict]]:

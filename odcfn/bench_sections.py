@@ -6,7 +6,14 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from odcfn.bench_report import losses_match, paired_median_speedup, policy_summary, ratio, table
+from odcfn.bench_report import (
+    losses_match,
+    paired_median_speedup,
+    policy_summary,
+    ratio,
+    shared_cores_warning,
+    table,
+)
 from odcfn.bench_runner import RunSpec, run
 from odcfn.bench_workload import Workload
 
@@ -181,6 +188,13 @@ def fill_ratios(report: dict) -> None:
              if isinstance(sec, dict) and "losses_match" in sec]
     report["losses_match"] = all(flags) if flags else None
     report["targets"] = _targets(r)
+    sums = [pol for sec in [*e2e.values(), bal, st] if isinstance(sec, dict) and "policies" in sec
+            for pol in sec["policies"].values()]
+    shares = [p["core_share"] for p in sums if p.get("core_share") is not None]
+    report["core_share_min"] = min(shares) if shares else None
+    warn = shared_cores_warning(sums)
+    if warn:
+        report["notes"].append(warn)
 
 
 # (ratio key, target, higher is better)
@@ -276,6 +290,7 @@ def render(report: dict) -> str:
     out += [f"  {k}: measured {_f(t['measured'])} vs target {t['target']}: "
             f"{'met' if t['met'] else 'MISSED' if t['met'] is False else 'not measured'}"
             for k, t in report["targets"].items()]
+    out += [""] + [f"note: {n}" for n in report["notes"]]
     out += ["", f"syncs per minibatch: {report['syncs_per_minibatch']}; "
                 f"losses match: {report['losses_match']}; elapsed {report['elapsed_s']:.0f}s"]
     return "\n".join(out)

@@ -41,6 +41,7 @@ def main(args: argparse.Namespace) -> int:
         losses_match,
         policy_summary,
         ratio,
+        shared_cores_warning,
         table,
         write_chrome_trace,
         write_timeline_png,
@@ -86,6 +87,9 @@ def main(args: argparse.Namespace) -> int:
                        "microbatches/rank", "syncs/mb"]))
     if any(s["balancer_is_fallback"] for s in sums):
         print("  * balancer not available in this build: ran with round_robin instead")
+    warn = shared_cores_warning(sums)
+    if warn:
+        print("  " + warn)
     ok, worst = losses_match(sums)
     print(f"\nlosses match across the three runs: {'yes' if ok else 'NO'} "
           f"(max relative difference {worst:.1e}); losses: "

@@ -244,3 +244,15 @@ def test_fit_from_traces_recovers_a_known_cost_model():
     assert cost.a == pytest.approx(a, rel=1e-6) and cost.b == pytest.approx(b, rel=1e-6)
     assert weights[1] / weights[0] == pytest.approx(3.0)
     assert fwd == pytest.approx(1 / 3)
+
+
+def test_core_share_and_the_shared_cores_warning():
+    from odcfn.bench_report import shared_cores_warning
+
+    ev = [("forward", "u", 0.0, 1.0, 0), ("backward", "u", 1.0, 3.0, 0)]
+    recs = [[_rec("odc+lb-mini", 1, r, 3.0, events=ev) | {"cpu": cpu}] for r, cpu in ((0, 3.0), (1, 0.6))]
+    s = policy_summary(recs, "odc+lb-mini")
+    assert s["core_share"] == pytest.approx(3.6 / 6.0)  # CPU seconds per second of compute
+    assert "0.60 CPU-seconds" in shared_cores_warning([s])
+    assert shared_cores_warning([s | {"core_share": 0.95}]) is None
+    assert shared_cores_warning([s | {"core_share": None}]) is None
