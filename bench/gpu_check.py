@@ -23,6 +23,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 ROWS: list[tuple[str, str, str]] = []  # (check, result, detail)
+TRANSPORT_BW: list[tuple[str, float, float]] = []  # (what, gather GB/s, scatter GB/s), slowest rank
 
 
 def row(check: str, ok: bool | None, detail: str = "") -> None:
@@ -168,10 +169,55 @@ def _rank_main(rank: int, world: int, port: int, dev_kind: str, backend: str, q)
                 worst = max(worst, err)
                 results[f"{mode}/{comm}"] = (err, m.counters.syncs, dt)
             tr.close()
+        results.update(_transport_bandwidth(mesh, store, coll, device))
         torch.distributed.destroy_process_group()
         q.put((rank, None, worst, results))
     except BaseException:  # noqa: BLE001 - reported by the parent
         q.put((rank, traceback.format_exc(), None, None))
+
+
+def _transport_bandwidth(mesh, store, coll, device) -> dict:
+    """The measurement that picks the scatter mode: one step of a bf16 model, device buffers,
+    every unit gathered once and scattered once, per mode; GB/s of peer bytes per rank."""
+    from odcfn.kernels.cuda_ipc import cuda_ipc_transport
+    from odcfn.models import QwenConfig, qwen_model
+    from odcfn.sharding import make_layout
+
+    big = device.type == "cuda"
+    cfg = QwenConfig(
+        vocab_size=32000 if big else 64,
+        d_model=1024 if big else 32,
+        n_layers=2,
+        n_heads=8 if big else 4,
+        n_kv_heads=8 if big else 2,
+        d_ff=4096 if big else 48,
+    )
+    layout = make_layout(qwen_model(cfg), mesh)
+    shards = {u.name: torch.randn(u.shard_size) for u in layout.units}
+    bufs = {u.name: torch.empty(u.padded_numel, dtype=torch.bfloat16, device=device) for u in layout.units}
+    grads = {u.name: torch.randn(u.padded_numel, device=device).bfloat16() for u in layout.units}
+    peer_bytes = sum(u.shard_size * 2 * (mesh.shard_count - 1) for u in layout.units)
+    sync = torch.cuda.synchronize if big else (lambda: None)
+    out = {}
+    for mode in ("remote_add", "landing"):
+        tr = cuda_ipc_transport(mesh, store, coll, device=device, mode=mode, timeout=120, prefix=f"bw-{mode}")
+        for _rep in range(2):  # the first round pays for compilation and mapping
+            tr.begin_step(layout, shards, torch.bfloat16)
+            tr.sync(torch.zeros(2, dtype=torch.float64))  # everyone published: time transfers only
+            sync()
+            t0 = time.perf_counter()
+            for u in layout.units:
+                tr.gather(u.name, bufs[u.name])
+            sync()
+            t1 = time.perf_counter()
+            for u in layout.units:
+                tr.scatter_accumulate(u.name, grads[u.name])
+            tr.flush()
+            t2 = time.perf_counter()
+            tr.sync(torch.zeros(2, dtype=torch.float64))
+        out[f"bw/{mode}"] = (peer_bytes / (t1 - t0) / 1e9, peer_bytes / (t2 - t1) / 1e9)
+        tr.close()
+    return out
 
 
 def check_ipc(dev: torch.device, world: int) -> None:
@@ -207,9 +253,12 @@ def check_ipc(dev: torch.device, world: int) -> None:
         row(f"CUDA-IPC W={world}", False, f"{where}: rank {errs[0][0]} failed:\n{errs[0][1][-2000:]}")
         return
     worst = max(g[2] for g in got)
-    res = got[0][3]
+    res = {k: v for k, v in got[0][3].items() if not k.startswith("bw/")}
     detail = ", ".join(f"{k}: err {v[0]:.1e} syncs {v[1]} {v[2] * 1e3:.0f} ms" for k, v in res.items())
     row(f"CUDA-IPC W={world} grads == reference", worst < 1e-4, f"{where}; rank0 {detail}")
+    for mode in ("remote_add", "landing"):
+        g_bw, s_bw = min(g[3][f"bw/{mode}"][0] for g in got), min(g[3][f"bw/{mode}"][1] for g in got)
+        TRANSPORT_BW.append((f"IPC W={world} {mode}: gather / scatter+flush", g_bw, s_bw))
 
 
 # --- 4. NVSHMEM ------------------------------------------------------------------------------
@@ -383,7 +432,11 @@ def main() -> int:
     if bw:
         print(f"\n{'kernel':45} {'GB/s':>9} {'x copy_':>8}")
         for k, gbs, rel in bw:
-            print(f"{k:45} {gbs:9.1f} {rel:8.2f}")
+            print(f"{k:45} {gbs:9.3g} {rel:8.3g}")
+    if TRANSPORT_BW:
+        print(f"\n{'transport (peer bytes per rank, bf16)':45} {'gather':>9} {'scatter':>8}  GB/s")
+        for k, g_bw, s_bw in TRANSPORT_BW:
+            print(f"{k:45} {g_bw:9.3g} {s_bw:8.3g}")
     return 1 if any(r == "FAIL" for _, r, _ in ROWS) else 0
 
 
