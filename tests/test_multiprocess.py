@@ -60,6 +60,21 @@ def grads_worker(lengths, cap, seed, comms):
     return out
 
 
+def hybrid_worker(lengths, cap, seed):
+    """Hybrid sharding on 4 ranks: shards inside 2 "nodes" of 2, replicated across them."""
+    model, full, batch = _setup(lengths, seed)
+    env = odcfn.Mesh.from_env()
+    mesh = odcfn.Mesh(env.world_size, env.rank, 2, "hybrid")
+    params = odcfn.shard(full, model, mesh)
+    out = []
+    with ShmTransport(mesh, timeout=30) as tr:
+        for comm in ("odc", "collective"):
+            g, m = odcfn.grad_step(params, batch, model=model, mesh=mesh, transport=tr, comm=comm,
+                                   max_tokens_per_microbatch=cap)
+            out.append((_copy(g), m.loss))
+    return out
+
+
 def adamw_worker(lengths, cap, seed, comms):
     """Several AdamW train_steps, the comm mode switching per step as ``comms`` says."""
     model, full, batch = _setup(lengths, seed)
@@ -183,6 +198,19 @@ def test_unequal_microbatches_and_an_idle_rank(mp_pool):  # noqa: F811
             for res in out[r]:
                 assert res["loss"] == pytest.approx(loss, rel=1e-5)
                 odcfn.tree_assert_allclose(res["grads"], ref[r], rtol=1e-5, atol=1e-7)
+
+
+def test_hybrid_sharding_over_shm_matches_reference(mp_pool):  # noqa: F811
+    lengths, cap, seed = [7, 3, 9, 5, 4], 12, 0
+    model, full, batch = _setup(lengths, seed)
+    loss, g = odcfn.reference_value_and_grad(model, full, batch)
+    mesh = odcfn.Mesh(4, 0, 2, "hybrid")
+    out = mp_pool.run(hybrid_worker, 4, args=(lengths, cap, seed))
+    for r in range(4):
+        ref = odcfn.shard(g, model, mesh.with_rank(r))  # ranks r and r+2 hold the same shard
+        for grads, got_loss in out[r]:
+            assert got_loss == pytest.approx(float(loss), rel=1e-5)
+            odcfn.tree_assert_allclose(grads, ref, rtol=1e-5, atol=1e-7)
 
 
 def test_adamw_steps_match_reference_and_one_sync_on_the_wire(mp_pool):  # noqa: F811
