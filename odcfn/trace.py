@@ -161,7 +161,7 @@ def plot_timeline(
     t_end = _step_time(events_per_rank, step_time)
     fig = None
     if ax is None:
-        fig, ax = plt.subplots(figsize=(10, 0.45 * len(events_per_rank) + 1.2))
+        fig, ax = plt.subplots(figsize=(10, min(0.45 * len(events_per_rank) + 1.2, 40.0)))
     for r, evs in enumerate(events_per_rank):
         ax.broken_barh([(0, t_end)], (r - 0.4, 0.8), facecolors=COLORS["idle"], edgecolors="#DDDDDD")
         lanes: dict[str, list[tuple[float, float]]] = {}
