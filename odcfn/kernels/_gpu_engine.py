@@ -95,7 +95,11 @@ class ArenaTransport:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         self.mesh, self.fabric, self.store, self.coll = mesh, fabric, store, collectives
         self.mode, self.slots, self.slot_elems = mode, slots, slot_elems
-        self.timeout, self.poll_s, self.prefix = timeout, poll_s, prefix
+        self.timeout, self.poll_s = timeout, poll_s
+        # Store keys of this transport: ranks create their transports in the same order, so the
+        # per-rank instance count agrees across ranks and two transports never share keys.
+        instance = int(store.add(f"{prefix}/instances/{mesh.rank}", 1))
+        self.prefix = f"{prefix}/{instance}"
         # host_grads: grad_shards() are CPU copies taken at flush (for a CPU-side optimizer /
         # the current CPU runtime); else the device accumulators themselves
         self.host_grads = host_grads
