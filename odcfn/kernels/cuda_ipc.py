@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import platform
 import sys
 import time
 import uuid
@@ -82,6 +83,10 @@ class IpcFabric:
             require_cuda()
         elif self.device.type != "cpu":
             raise ValueError(f"IpcFabric: device must be cuda or cpu, got {self.device}")
+        elif platform.machine() not in ("x86_64", "AMD64"):
+            raise RuntimeError(
+                f"IpcFabric: a CPU arena relies on x86-64 store order; this is {platform.machine()}"
+            )
         if mesh.sharding == "full" and mesh.num_nodes > 1:
             raise ValueError(
                 f"IpcFabric: a full-shard group spans {mesh.num_nodes} nodes; CUDA IPC reaches one node "
@@ -154,7 +159,10 @@ class IpcFabric:
         return int(self.sig[idx])
 
     def signal_write(self, rank: int, idx: int, value: int) -> None:
-        self.fence()  # every byte this thread wrote to the peer lands before the word
+        # every byte this thread wrote to the peer lands before the word: on CUDA the stream
+        # synchronize completes the device writes; on the CPU arena, x86-64's store order does
+        # (a CPU arena on aarch64 would need a fence that Python cannot issue: not supported)
+        self.fence()
         self.peer_sigs[rank][idx] = value
 
     # --- data ---------------------------------------------------------------------------------
