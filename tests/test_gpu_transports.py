@@ -378,6 +378,21 @@ def test_nvshmem_bitcode_choice_and_location():
     assert path.endswith("libnvshmem_device_sm_90.bc") and os.path.getsize(path) > 1 << 20
 
 
+def test_nvshmem_unique_id_survives_the_byte_broadcast():
+    pytest.importorskip("nvshmem.core")
+    import nvshmem.core as nv
+
+    from odcfn.kernels.nvshmem import uid_from_bytes, uid_to_bytes
+
+    uid = nv.get_unique_id()  # works without a GPU: it only names the bootstrap endpoint
+    data = uid_to_bytes(uid)
+    assert len(data) == 128 and any(data)
+    assert uid_from_bytes(data) == uid
+    assert uid_from_bytes(bytes(128)) != uid
+    with pytest.raises(ValueError, match="must be 128 bytes"):
+        uid_from_bytes(data[:-1])
+
+
 def test_remote_add_without_triton_atomics_and_cross_node_ipc_are_refused(monkeypatch):
     from odcfn.kernels import cuda_ipc
 

@@ -31,13 +31,21 @@ from odcfn.kernels._gpu_engine import ArenaTransport
 from odcfn.kernels.cuda_ipc import require_cuda
 from odcfn.sharding import Mesh
 
-__all__ = ["NvshmemFabric", "init_nvshmem", "nvshmem_transport", "require_nvshmem"]
+__all__ = [
+    "NvshmemFabric",
+    "init_nvshmem",
+    "nvshmem_transport",
+    "require_nvshmem",
+    "require_nvshmem_module",
+    "uid_from_bytes",
+    "uid_to_bytes",
+]
 
 _STATE: dict[str, Any] = {"initialised": False, "modules": set()}
 
 
-def require_nvshmem() -> Any:
-    """Import ``nvshmem.core`` or fail with what to install; also needs a CUDA device."""
+def require_nvshmem_module() -> Any:
+    """Import ``nvshmem.core`` or fail with what to install."""
     try:
         import nvshmem.core as nv  # type: ignore[import-not-found]
         import nvshmem.core.interop.torch  # noqa: F401  # type: ignore[import-not-found]
@@ -45,15 +53,40 @@ def require_nvshmem() -> Any:
         raise RuntimeError(
             f"the NVSHMEM transport needs nvshmem4py ({e}); install the 'gpu' extra: pip install 'odcfn[gpu]'"
         ) from e
+    return nv
+
+
+def require_nvshmem() -> Any:
+    """``nvshmem.core``, or a clear error if nvshmem4py or a CUDA device is missing."""
+    nv = require_nvshmem_module()
     require_cuda("the NVSHMEM transport", "Multi-process CPU runs use the CUDA-IPC fabric with device='cpu'.")
     return nv
+
+
+def uid_to_bytes(uid: Any) -> bytes:
+    """An NVSHMEM unique id as bytes (what rank 0 broadcasts; nvshmem4py's own MPI path sends
+    the same int8 view of ``uid._data``)."""
+    import numpy as np
+
+    return uid._data.view(np.int8).tobytes()
+
+
+def uid_from_bytes(data: bytes) -> Any:
+    import numpy as np
+
+    nv = require_nvshmem_module()
+    uid = nv.get_unique_id(empty=True)
+    view = uid._data.view(np.int8)
+    if len(data) != view.nbytes:
+        raise ValueError(f"NVSHMEM unique id must be {view.nbytes} bytes, got {len(data)}")
+    view[:] = np.frombuffer(data, dtype=np.int8)
+    return uid
 
 
 def init_nvshmem(mesh: Mesh, device: torch.device) -> None:
     """Initialise NVSHMEM once per process over an initialised torch.distributed group."""
     if _STATE["initialised"]:
         return
-    import numpy as np
     import torch.distributed as dist
     from cuda.core import Device  # type: ignore[import-not-found]
 
@@ -64,11 +97,9 @@ def init_nvshmem(mesh: Mesh, device: torch.device) -> None:
         )
     dev = Device(device.index)
     dev.set_current()
-    uid = nv.get_unique_id(empty=mesh.rank != 0)
-    box = [uid._data.view(np.int8).tobytes() if mesh.rank == 0 else None]
+    box = [uid_to_bytes(nv.get_unique_id()) if mesh.rank == 0 else None]
     dist.broadcast_object_list(box, src=0)
-    if mesh.rank != 0:
-        uid._data.view(np.int8)[:] = np.frombuffer(box[0], dtype=np.int8)
+    uid = uid_from_bytes(box[0])
     nv.init(device=dev, uid=uid, rank=mesh.rank, nranks=mesh.world_size, initializer_method="uid")
     _STATE["initialised"] = True
 
