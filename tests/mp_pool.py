@@ -146,6 +146,7 @@ class WorkerPool:
                     try:
                         kind, payload, tb = pickle.loads(conn.recv_bytes())
                     except (EOFError, OSError):
+                        self._procs[r].join(5.0)
                         errors[r] = f"worker died (exit code {self._procs[r].exitcode})"
                         self._replace(r)
                         continue
