@@ -23,6 +23,7 @@ import platform
 import sys
 import time
 import uuid
+import weakref
 from typing import Any
 
 import torch
@@ -57,6 +58,14 @@ def _triton_ops(device: torch.device):
             raise RuntimeError("the CUDA-IPC transport needs triton: pip install 'odcfn[gpu]'") from None
         return None
     return triton_ops if device.type == "cuda" or triton_ops.interpreting() else None
+
+
+def _unlink_all(paths: list[str]) -> None:
+    for p in paths:
+        try:
+            os.unlink(p)
+        except FileNotFoundError:
+            pass
 
 
 def _shm(path: str, nbytes: int, create: bool) -> torch.Tensor:
@@ -110,10 +119,13 @@ class IpcFabric:
         tag = f"odcfn-{uuid.uuid4().hex[:12]}-{r}"
         sig_path = os.path.join(self.shm_dir, f"{tag}.sig")
         self._own_files = [sig_path]
+        if self.device.type == "cpu":
+            self._own_files.append(os.path.join(self.shm_dir, f"{tag}.arena"))
+        # if this process dies before the rendezvous unlinks them, exit still removes the files
+        weakref.finalize(self, _unlink_all, list(self._own_files))
         self.sig = _shm(sig_path, words * 8, create=True).view(torch.int64)
         if self.device.type == "cpu":
-            arena_path = os.path.join(self.shm_dir, f"{tag}.arena")
-            self._own_files.append(arena_path)
+            arena_path = self._own_files[1]
             self.arena = _shm(arena_path, nbytes, create=True)
             blob = ("file", arena_path)
         else:
@@ -147,11 +159,7 @@ class IpcFabric:
         self._unlink()
 
     def _unlink(self) -> None:
-        for p in self._own_files:
-            try:
-                os.unlink(p)
-            except FileNotFoundError:
-                pass
+        _unlink_all(self._own_files)
         self._own_files = []
 
     # --- signals ------------------------------------------------------------------------------
