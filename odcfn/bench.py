@@ -31,7 +31,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=None,
                    help="timed minibatches per policy (default 6; --quick: 2)")
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--length-scale", type=int, default=32)
+    p.add_argument("--length-scale", type=int, default=None,
+                   help="divide LongAlign lengths by this (default 32; --quick: 64)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--d-model", type=int, default=128, help="model width (4 heads, 2 KV heads)")
     p.add_argument("--n-layers", type=int, default=4, help="decoder layers")
@@ -75,7 +76,7 @@ def main(args: argparse.Namespace) -> int:
     sizes = tuple(args.sizes_mib or ((1, 16) if args.quick else (1, 4, 16, 64)))
     w = Workload(model=model_config(args.d_model, args.n_layers), world_size=args.world_size,
                  samples_per_rank=4 if 4 in spr else spr[0],
-                 length_scale=args.length_scale, seed=args.seed)
+                 length_scale=args.length_scale or (64 if args.quick else 32), seed=args.seed)
     ctx = S.Context(workload=w, backend=backend, steps=steps, warmup=args.warmup,
                     progress=not args.json or sys.stderr.isatty(), log=_log)
     if args.cost == "calibrated" and ({"end_to_end", "balanced", "fsdp2", "straggler",
