@@ -324,3 +324,21 @@ def test_plan_cli_prints_every_rank(capsys):
     out = capsys.readouterr().out
     assert all(f"rank   {r}:" in out for r in range(3)) and "Plan(rank=2" in out
     assert show.main(p.parse_args(["--balance", "work_stealing", "--comm", "collective"])) == 2
+
+
+def test_workload_of_a_real_model_simulates_its_plans():
+    from odcfn.models import QwenConfig, qwen_model
+
+    cfg = QwenConfig(vocab_size=37, d_model=16, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=24)
+    model = qwen_model(cfg)
+    work = Workload.of_model(model, param_bytes=4.0, grad_bytes=2.0)
+    assert work.units == model.unit_names
+    assert sum(work.param_bytes.values()) == 4.0 * cfg.num_params
+    assert sum(work.grad_bytes.values()) == 2.0 * cfg.num_params
+    assert work.shares()[1] == pytest.approx(work.shares()[2]) and sum(work.shares()) == pytest.approx(1.0)
+    lengths = [5, 9, 3, 7]
+    plans = compile_plans(model.unit_names, lb_mini(lengths, 2, 12, cost=TOK), "odc")
+    res = simulate(plans, lengths, workload=work, cost=TOK, comm=CommModel(1e4, 1e4, 1e-3, 1e-3))
+    assert res.makespan >= lower_bound_makespan(lengths, 2, TOK)
+    gathers = [e for e in res.events[0] if e.kind == "gather" and e.name == "layers.0"]
+    assert gathers[0].duration == pytest.approx(1e-3 + work.param_bytes["layers.0"] / 2 / 1e4)

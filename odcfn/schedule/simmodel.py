@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from odcfn.schedule.cost import DEFAULT_COST, CostModel
 from odcfn.schedule.plan import Plan
@@ -90,6 +91,25 @@ class Workload:
         if not isinstance(num_units, int) or num_units < 1:
             raise ValueError(f"num_units must be a positive int, got {num_units!r}")
         return cls(tuple(f"u{i}" for i in range(num_units)), param_bytes=model_bytes / num_units, **kw)
+
+    @classmethod
+    def of_model(
+        cls, model: Any, *, param_bytes: float = 2.0, grad_bytes: float | None = None, **kw: object
+    ) -> Workload:
+        """An ``odcfn.Model``'s units, each moving ``param_bytes`` per parameter when gathered
+        (``grad_bytes`` when scattered) and, unless ``weights`` says otherwise, taking compute in
+        proportion to its parameter count (embedding lookups cost no matmul: pass measured
+        ``weights``, e.g. from ``cost.measure_unit_times``, for real shares)."""
+        from odcfn.tree import tree_leaves
+
+        numel = {u.name: float(sum(math.prod(s) for s in tree_leaves(u.shapes))) for u in model.units}
+        kw.setdefault("weights", tuple(max(n, 1.0) for n in numel.values()))
+        return cls(
+            tuple(numel),
+            param_bytes={u: n * param_bytes for u, n in numel.items()},
+            grad_bytes=None if grad_bytes is None else {u: n * grad_bytes for u, n in numel.items()},
+            **kw,
+        )
 
     def shares(self) -> list[float]:
         w = self.weights or (1.0,) * len(self.units)
