@@ -183,6 +183,18 @@ def test_no_schedule_beats_the_lower_bound(setup):
         assert res.bubble_rate == pytest.approx(bubble_rate(res.events, res.makespan), abs=1e-12)
 
 
+@settings(max_examples=25, deadline=None)
+@given(setups())
+def test_realised_plans_replay_with_comm_and_stragglers(setup):
+    world, lengths, units, comm, slow = setup
+    work = Workload.uniform(units, model_bytes=100.0)
+    kw = dict(workload=work, cost=TOK, comm=comm, slowdown=slow)
+    dyn = simulate_work_stealing(lengths, world, **kw)
+    replay = simulate(dyn.plans, lengths, **kw)
+    assert replay.makespan == pytest.approx(dyn.makespan, rel=1e-12)
+    assert [len(e) for e in replay.events] == [len(e) for e in dyn.events]
+
+
 @settings(max_examples=40, deadline=None)
 @given(st.integers(1, 6), st.lists(st.integers(1, 64), min_size=1, max_size=24))
 def test_zero_comm_orderings(world, lengths):
