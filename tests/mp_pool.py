@@ -8,8 +8,9 @@ After each task a worker destroys the default process group it may have created;
 died or timed out is replaced.
 
 Use it through the session fixture: ``tests/conftest.py`` does ``from tests.mp_pool import
-mp_pool``. The pool itself is a process-wide singleton (``get_pool``), so importing the fixture in
-several places never starts a second pool.
+mp_pool`` (and may call ``warm_for(items)`` from ``pytest_collection_modifyitems`` to start the
+workers while earlier tests run). The pool itself is a process-wide singleton (``get_pool``),
+so importing the fixture in several places never starts a second pool.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import pytest
 
 from odcfn.launch import LaunchError, free_port, rank_env, sweep_shm
 
-__all__ = ["WorkerPool", "get_pool", "mp_pool"]
+__all__ = ["WorkerPool", "get_pool", "mp_pool", "warm_for"]
 
 
 def _serve(conn: Connection) -> None:
@@ -93,6 +94,11 @@ class WorkerPool:
             self._conns.append(parent)
             self._ready.append(False)
 
+    def start(self) -> None:
+        """Spawn every worker now without waiting for them (their imports run meanwhile)."""
+        while len(self._procs) < self.max_workers:  # all at once: their imports overlap
+            self._spawn(len(self._procs))
+
     def _wait_ready(self, i: int, timeout: float) -> None:
         """A task must not start on one rank while another is still importing torch: the
         first would spend its (maybe short) communication timeout waiting for the second."""
@@ -121,8 +127,7 @@ class WorkerPool:
         """``fn(*args)`` on ranks 0..world_size-1; results by rank, or ``LaunchError``."""
         if not 1 <= world_size <= self.max_workers:
             raise ValueError(f"world_size={world_size} outside the pool's 1..{self.max_workers}")
-        while len(self._procs) < self.max_workers:  # all at once: their imports overlap
-            self._spawn(len(self._procs))
+        self.start()
         for r in range(world_size):
             self._wait_ready(r, timeout)
         port, prefix = free_port(), f"odcfn-pool-{uuid.uuid4().hex[:8]}"
@@ -184,6 +189,13 @@ def get_pool() -> WorkerPool:
         _POOL = WorkerPool()
         atexit.register(_POOL.close)
     return _POOL
+
+
+def warm_for(items: Sequence[Any]) -> None:
+    """Start the pool early if any collected test uses it, so the workers import torch while
+    the earlier tests run: call from ``pytest_collection_modifyitems(session, config, items)``."""
+    if any("mp_pool" in getattr(item, "fixturenames", ()) for item in items):
+        get_pool().start()
 
 
 @pytest.fixture(scope="session")
