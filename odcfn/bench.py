@@ -84,7 +84,10 @@ def main(args: argparse.Namespace) -> int:
         from odcfn.bench_sim import calibrate_cost
 
         _log("== calibrating the cost model (forward+backward time of each unit vs length)")
-        ctx.calibration = calibrate_cost(w)
+        try:
+            ctx.calibration = calibrate_cost(w)
+        except Exception as e:  # the balancers fall back to the schedule layer's default
+            _log(f"   calibration failed ({type(e).__name__}: {e}); using the default cost model")
     report: dict = {
         "schema": SCHEMA,
         "machine": machine(),
@@ -132,7 +135,8 @@ def main(args: argparse.Namespace) -> int:
         print(text)
     else:
         print(S.render(report))
-    return 0
+    # a section that crashed (not one skipped for want of processes) fails the command
+    return 1 if any(isinstance(report.get(n), dict) and "error" in report[n] for n in sections) else 0
 
 
 def _jsonable(x):

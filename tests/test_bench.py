@@ -256,3 +256,18 @@ def test_core_share_and_the_shared_cores_warning():
     assert "0.60 CPU-seconds" in shared_cores_warning([s])
     assert shared_cores_warning([s | {"core_share": 0.95}]) is None
     assert shared_cores_warning([s | {"core_share": None}]) is None
+
+
+def test_bench_fails_when_a_section_crashes(capsys, monkeypatch):
+    import odcfn.bench_sections as S
+
+    def boom(ctx):
+        raise RuntimeError("kaputt")
+
+    monkeypatch.setattr(S, "balanced", boom)
+    p = argparse.ArgumentParser()
+    bench.add_arguments(p)
+    assert bench.main(p.parse_args(["--json", *TINY, "--cost", "default", "--only", "balanced"])) == 1
+    r = json.loads(capsys.readouterr().out)
+    assert r["balanced"] == {"error": "RuntimeError: kaputt"}
+    assert r["ratios"]["balanced_odc_over_collective"] is None

@@ -58,3 +58,24 @@ def test_demo_on_real_processes(tmp_path, capsys):
     assert _run([*TINY, "--backend", "process", "--out-dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "process backend" in out and "losses match across the three runs: yes" in out
+
+
+def test_cli_dispatches_to_demo_and_bench(capsys):
+    from odcfn.cli import main
+
+    for cmd in ("demo", "bench"):
+        with pytest.raises(SystemExit) as e:
+            main([cmd, "--help"])
+        assert e.value.code == 0
+        assert "--samples-per-rank" in capsys.readouterr().out
+
+
+def test_demo_survives_a_failing_calibration(tmp_path, capsys, monkeypatch):
+    import odcfn.bench_sim
+
+    def broken(*a, **k):
+        raise RuntimeError("no timer today")
+
+    monkeypatch.setattr(odcfn.bench_sim, "calibrate_cost", broken)
+    assert _run([*TINY, "--backend", "thread", "--out-dir", str(tmp_path)]) == 0
+    assert "calibration failed (RuntimeError: no timer today)" in capsys.readouterr().out
