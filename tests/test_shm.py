@@ -69,6 +69,7 @@ def versions_worker(steps):
     w, r = mesh.world_size, mesh.rank
     layout = make_layout(_flat_model(w), mesh)
     seen, claims = [], []
+    prefix = os.environ["ODCFN_SHM_PREFIX"]
     with ShmTransport(mesh, timeout=30) as tr:
         for step in range(1, steps + 1):
             mine = {u.name: torch.full((u.shard_size,), 100.0 * step + r) for u in layout.units}
@@ -80,8 +81,11 @@ def versions_worker(steps):
             claims.append(tr.claim())
             tr.flush()
             tr.sync(torch.ones(1, dtype=torch.float64))
+            if step == 1:  # every rank is past setup: all mapped, all unlinked; a crash leaves nothing
+                visible = [f for f in os.listdir(shm_dir()) if f.startswith(prefix)]
+                mapped = len(tr._segs)
         counters = tr.counters.as_dict()
-    return seen, claims, counters
+    return seen, claims, counters, (visible, mapped)
 
 
 def collective_refuses_worker():
@@ -136,7 +140,8 @@ def test_concurrent_scatter_accumulate_is_exact(mp_pool):  # noqa: F811
 def test_gathers_see_exactly_the_published_version(mp_pool):  # noqa: F811
     world, steps = 3, 4
     out = mp_pool.run(versions_worker, world, args=(steps,))
-    for r, (seen, _, counters) in enumerate(out):
+    for r, (seen, _, counters, (visible, mapped)) in enumerate(out):
+        assert visible == [] and mapped == world
         for i, s in enumerate(seen):
             step = i // UNITS + 1
             want = (100.0 * step + torch.arange(world, dtype=torch.float32))[:, None].expand_as(s)
