@@ -121,8 +121,8 @@ def _rank_loop(spec: RunSpec, mesh: Mesh, transport, barrier: Callable[[], None]
                 # rejected before any communication, on every rank alike, so fall back
                 if "dynamic" not in str(e) or balance == "round_robin":
                     raise
-                resolved[name] = balance, _ = ("round_robin", False)
-                balancers[name] = "round_robin"
+                balance = balancers[name] = "round_robin"
+                resolved[name] = (balance, False)
                 barrier()
                 t0, c0 = time.perf_counter(), time.process_time()
                 params, opt_state, m = train_step(
