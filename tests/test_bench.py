@@ -271,3 +271,23 @@ def test_bench_fails_when_a_section_crashes(capsys, monkeypatch):
     r = json.loads(capsys.readouterr().out)
     assert r["balanced"] == {"error": "RuntimeError: kaputt"}
     assert r["ratios"]["balanced_odc_over_collective"] is None
+
+
+def test_a_balancer_train_step_cannot_run_falls_back_to_round_robin(monkeypatch):
+    import odcfn.train
+
+    real = odcfn.train.train_step
+
+    def older_train_step(*a, balance="round_robin", **kw):
+        if balance == "work_stealing":  # what a train_step without work stealing says
+            raise ValueError("balance='work_stealing' is dynamic: it has no static assignment")
+        return real(*a, balance=balance, **kw)
+
+    monkeypatch.setattr(odcfn.train, "train_step", older_train_step)
+    w = Workload(model=model_config(16, 1), length_scale=1024, samples_per_rank=2)
+    pols = ("odc+lb-mini", "odc+work-stealing")
+    per_rank = run(RunSpec(w, pols, steps=1, warmup=1), "thread")
+    s = policy_summary(per_rank, "odc+work-stealing")
+    assert s["balancer"] == "round_robin" and s["balancer_is_fallback"]
+    assert not policy_summary(per_rank, "odc+lb-mini")["balancer_is_fallback"]
+    assert losses_match([policy_summary(per_rank, p) for p in pols])[0]
