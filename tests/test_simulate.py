@@ -64,22 +64,32 @@ def test_odc_two_units_by_hand():
 
 
 def test_collective_waits_at_every_collective_odc_does_not():
-    # one unit, two microbatches with opposite imbalance: r0 = [8, 4], r1 = [4, 8] tokens
-    work = Workload(("u",), fwd_fraction=0.25)
+    # two units, two microbatches with opposite imbalance: r0 = [8, 4], r1 = [4, 8] tokens
+    work = Workload(("a", "b"), fwd_fraction=0.25)
     lengths = [8, 4, 4, 8]
     assignment = (((0,), (1,)), ((2,), (3,)))
     odc = simulate(compile_plans(work.units, assignment, "odc"), lengths, workload=work, cost=TOK)
     coll = simulate(compile_plans(work.units, assignment, "collective"), lengths, workload=work, cost=TOK)
     assert odc.makespan == 12.0 and odc.bubble_rate == 0.0
-    # mb0: r1 idles until r0's reduce-scatter at 8; mb1: r0 idles from 12 to r1's 16
+    # r1 finishes mb0 at 4 and runs mb1's forward of unit a (kept gathered across the boundary),
+    # then waits for the all-gather of b until r0 joins it at 8; it ends at 15, r0 idles 12..15.
     assert _compute(coll, 1) == [
-        ("forward", "u", 0, 0.0, 1.0),
-        ("backward", "u", 0, 1.0, 4.0),
-        ("forward", "u", 1, 8.0, 10.0),
-        ("backward", "u", 1, 10.0, 16.0),
+        ("forward", "a", 0, 0.0, 0.5),
+        ("forward", "b", 0, 0.5, 1.0),
+        ("backward", "b", 0, 1.0, 2.5),
+        ("backward", "a", 0, 2.5, 4.0),
+        ("forward", "a", 1, 4.0, 5.0),
+        ("forward", "b", 1, 8.0, 9.0),
+        ("backward", "b", 1, 9.0, 12.0),
+        ("backward", "a", 1, 12.0, 15.0),
     ]
-    assert _compute(coll, 0)[2:] == [("forward", "u", 1, 8.0, 9.0), ("backward", "u", 1, 9.0, 12.0)]
-    assert coll.makespan == 16.0 and coll.bubble_rate == 0.25
+    assert _compute(coll, 0)[4:] == [
+        ("forward", "a", 1, 8.0, 8.5),
+        ("forward", "b", 1, 8.5, 9.0),
+        ("backward", "b", 1, 9.0, 10.5),
+        ("backward", "a", 1, 10.5, 12.0),
+    ]
+    assert coll.makespan == 15.0 and abs(coll.bubble_rate - 0.2) < 1e-12
 
 
 def test_comm_costs_by_hand():

@@ -140,9 +140,7 @@ class Plan:
         return "\n".join(lines)
 
 
-def microbatch_steps(
-    units: Sequence[str], mb: int, comm: Comm, options: ScheduleOptions
-) -> list[Step]:
+def microbatch_steps(units: Sequence[str], mb: int, comm: Comm, options: ScheduleOptions) -> list[Step]:
     """Forward then backward of one microbatch, each gather right before its first use."""
     gather = Gather if comm == "odc" else AllGather
     push = ScatterAccumulate if comm == "odc" else ReduceScatter
@@ -159,6 +157,23 @@ def microbatch_steps(
             steps.append(gather(u))
         steps += [Backward(u, mb), push(u), Release(u)]
     return steps
+
+
+def _keep_across_microbatches(steps: list[Step]) -> list[Step]:
+    """Drop ``Release(u), Gather(u)`` back to back (the first unit at a microbatch boundary):
+    parameters cannot change inside a minibatch, so re-fetching them is pure waste."""
+    out: list[Step] = []
+    for s in steps:
+        if (
+            isinstance(s, (Gather, AllGather))
+            and out
+            and isinstance(out[-1], Release)
+            and out[-1].unit == s.unit
+        ):
+            out.pop()
+            continue
+        out.append(s)
+    return out
 
 
 def _hoist_gathers(steps: list[Step], depth: int) -> list[Step]:
@@ -207,6 +222,6 @@ def compile_plan(
     steps: list[Step] = []
     for i in range(len(mbs)):
         steps += microbatch_steps(units, i, comm, options)
-    steps = _hoist_gathers(steps, options.prefetch)
+    steps = _hoist_gathers(_keep_across_microbatches(steps), options.prefetch)
     steps.append(Sync())
     return Plan(rank, comm, tuple(units), mbs, tuple(steps))
