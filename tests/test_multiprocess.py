@@ -157,6 +157,30 @@ def stuck_worker(timeout, stall):
         return f"TransportError: {e}", time.monotonic() - t0
 
 
+def setup_killed_worker():
+    """Rank 1 dies right after creating its segment, before anyone could map or unlink it."""
+    import odcfn.kernels.shm as shm
+
+    torch.set_num_threads(1)
+    model, full, batch = _setup([5, 6], 0)
+    mesh = odcfn.Mesh.from_env()
+    if mesh.rank == 1:
+        class Dying(shm.Segment):
+            def __init__(self, path, nbytes, *, create):
+                super().__init__(path, nbytes, create=create)
+                if create:
+                    os.kill(os.getpid(), signal.SIGKILL)
+
+        shm.Segment = Dying
+    try:
+        with ShmTransport(mesh, timeout=20) as tr:
+            odcfn.grad_step(odcfn.shard(full, model, mesh), batch, model=model, mesh=mesh, transport=tr)
+        return "finished", os.environ["ODCFN_SHM_PREFIX"], []
+    except TransportError as e:
+        prefix = os.environ["ODCFN_SHM_PREFIX"]
+        return f"TransportError: {e}", prefix, [f for f in os.listdir("/dev/shm") if f.startswith(prefix)]
+
+
 # --- helpers in the test process ------------------------------------------------------------
 
 
@@ -280,6 +304,17 @@ def test_killed_rank_ends_every_survivor_within_the_timeout(mp_pool):  # noqa: F
     assert any("rank 1" in o and "died" in o for o in outcomes), outcomes
     assert all("rank 1" in o or "aborted" in o for o in outcomes), outcomes
     assert time.monotonic() - t0 < 60
+
+
+def test_rank_killed_during_setup_leaves_nothing_behind(mp_pool):  # noqa: F811
+    with pytest.raises(LaunchError) as info:
+        mp_pool.run(setup_killed_worker, 2, timeout=60)
+    outcome, prefix, left_at_error = info.value.results[0]
+    assert outcome.startswith("TransportError"), outcome
+    # rank 0 unlinked its own file on the way out; rank 1's was orphaned ...
+    assert len(left_at_error) == 1 and left_at_error[0].endswith("-r1"), left_at_error
+    # ... until the job's sweep (the pool's here, odcfn.launch's the same) removed it
+    assert [f for f in os.listdir("/dev/shm") if f.startswith(prefix)] == []
 
 
 def test_stuck_rank_times_out_and_the_other_gives_up(mp_pool):  # noqa: F811
