@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import random
 import subprocess
-import sys
 import threading
 import time
 from datetime import timedelta
@@ -32,8 +31,9 @@ from odcfn.kernels._gpu_protocol import (
     unpack_fin,
 )
 from odcfn.kernels.base import TransportError
-from odcfn.kernels.cuda_ipc import LocalCollectives, cuda_ipc_transport
+from odcfn.kernels.cuda_ipc import LocalCollectives, TorchCollectives, cuda_ipc_transport
 from odcfn.kernels.local import LocalWorld
+from tests.mp_pool import mp_pool  # noqa: F401 - the session fixture (multi-process test)
 from tests.util import tiny
 
 # --- request ids ------------------------------------------------------------------------------
@@ -405,66 +405,56 @@ def test_remote_add_without_triton_atomics_and_cross_node_ipc_are_refused(monkey
 
 # --- real processes and the triton kernels (interpreter) --------------------------------------
 
-_SCRIPT = r"""
-import os, sys, torch
-from datetime import timedelta
-torch.set_num_threads(1)
-import odcfn
-from odcfn.kernels.cuda_ipc import cuda_ipc_transport, TorchCollectives
-sys.path.insert(0, os.getcwd())
-from tests.util import tiny
-cfg, model, full = tiny()
-batch = odcfn.random_batch([5, 9, 3, 7], cfg.vocab_size, seed=1)
-_, g_ref = odcfn.reference_value_and_grad(model, full, batch)
 
-def step(mesh, tr, comm="odc"):
-    p = odcfn.shard(full, model, mesh)
-    g, m = odcfn.grad_step(p, batch, model=model, mesh=mesh, transport=tr, comm=comm,
-                           max_tokens_per_microbatch=12)
-    odcfn.tree_assert_allclose(g, odcfn.shard(g_ref, model, mesh), rtol=1e-5, atol=1e-7)
-    assert m.counters.syncs == 1
-
-if True:  # one rank of a 2-process gloo job; arenas in /dev/shm mapped across processes
-    rank, port = int(sys.argv[2]), int(sys.argv[3])
-    store = torch.distributed.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=timedelta(seconds=60))
-    torch.distributed.init_process_group("gloo", store=store, rank=rank, world_size=2)
-    mesh = odcfn.Mesh(2, rank)
-    tr = cuda_ipc_transport(mesh, store, TorchCollectives(mesh, "cpu"), device="cpu", mode="landing",
-                            slot_elems=64, slots=2, timeout=60)
+def ipc_process_worker() -> list:
+    """One rank of a gloo job from the session pool: arenas in /dev/shm mapped across
+    processes, landing slots with tiny slots (many chunks), ODC then collective."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = torch.distributed.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world,
+        rank == 0,
+        timeout=timedelta(seconds=60),
+    )
+    torch.distributed.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    mesh = odcfn.Mesh(world, rank)
+    tr = cuda_ipc_transport(
+        mesh,
+        store,
+        TorchCollectives(mesh, "cpu"),
+        device="cpu",
+        mode="landing",
+        slot_elems=64,
+        slots=2,
+        timeout=60,
+    )
+    out = []
     for comm in ("odc", "collective"):
-        step(mesh, tr, comm)
-    tr.close()
-    torch.distributed.destroy_process_group()
-    print(f"PROC-OK {rank}")
-"""
-
-
-def _env(**extra):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(extra)
-    env["PYTHONPATH"] = os.getcwd() + os.pathsep + env.get("PYTHONPATH", "")
-    return env
-
-
-def test_two_processes_share_arenas_through_dev_shm():
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", _SCRIPT, "proc", str(r), str(port)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=_env(),
+        g, m = odcfn.grad_step(
+            odcfn.shard(FULL, MODEL, mesh),
+            BATCH,
+            model=MODEL,
+            mesh=mesh,
+            transport=tr,
+            comm=comm,
+            max_tokens_per_microbatch=12,
         )
-        for r in range(2)
-    ]
-    for r, p in enumerate(procs):
-        so, se = p.communicate(timeout=180)
-        assert p.returncode == 0 and f"PROC-OK {r}" in so, se[-3000:]
+        out.append(({k: v.clone().numpy() for k, v in g.items()}, m.counters.syncs, m.counters.collectives))
+    tr.close()
+    return out
+
+
+def test_processes_share_arenas_through_dev_shm(mp_pool):  # noqa: F811
+    out = mp_pool.run(ipc_process_worker, 2, timeout=120)
+    mesh = odcfn.Mesh(2, 0)
+    for r in range(2):
+        ref = odcfn.shard(G_REF, MODEL, mesh.with_rank(r))
+        for (g, syncs, colls), comm in zip(out[r], ("odc", "collective")):
+            odcfn.tree_assert_allclose(
+                {k: torch.from_numpy(v) for k, v in g.items()}, ref, rtol=1e-5, atol=1e-7
+            )
+            assert syncs == 1 and (colls == 0) == (comm == "odc")
 
 
 def _interpreted_triton_ops():

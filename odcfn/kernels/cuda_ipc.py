@@ -116,7 +116,8 @@ class IpcFabric:
     def setup(self, nbytes: int, words: int, key: str) -> None:
         self.close()
         r = self.mesh.rank
-        tag = f"odcfn-{uuid.uuid4().hex[:12]}-{r}"
+        # under odcfn.launch / the test pool, the job's prefix: its sweep also finds our files
+        tag = f"{os.environ.get('ODCFN_SHM_PREFIX', 'odcfn')}-ipc-{uuid.uuid4().hex[:12]}-{r}"
         sig_path = os.path.join(self.shm_dir, f"{tag}.sig")
         self._own_files = [sig_path]
         if self.device.type == "cpu":
