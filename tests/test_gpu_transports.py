@@ -378,6 +378,58 @@ def test_nvshmem_bitcode_choice_and_location():
     assert path.endswith("libnvshmem_device_sm_90.bc") and os.path.getsize(path) > 1 << 20
 
 
+def _fake_nvshmem_fabric(monkeypatch, mesh, views):
+    """An ``NvshmemFabric`` on CPU tensors with the kernel launcher recorded, not run: checks
+    the host-side routing (same-node peers by pointer, the rest through NVSHMEM kernels)."""
+    from types import SimpleNamespace
+
+    from odcfn.kernels import nvshmem as nvmod
+
+    launches: list = []
+    monkeypatch.setattr(nvmod, "_launch", lambda kernel, grid, *a, **k: launches.append((kernel, grid, a, k)))
+    fab = object.__new__(nvmod.NvshmemFabric)
+    fab.mesh, fab.group, fab.device = mesh, mesh.shard_group, torch.device("cpu")
+    fab.k = SimpleNamespace(
+        nvshmem_gather_kernel="GET", nvshmem_put_signal_kernel="PUT", nvshmem_signal_kernel="SIG"
+    )
+    fab.arena = torch.zeros(4096, dtype=torch.uint8)
+    fab.sig = torch.zeros(16, dtype=torch.int64)
+    fab.peer_views, fab._pes = dict(views), {}
+    fab._staging = torch.empty(0, dtype=torch.uint8)
+    fab.fence = lambda: None
+    return fab, launches
+
+
+def test_nvshmem_gather_routes_same_node_peers_by_pointer_and_others_by_get(monkeypatch):
+    mesh = odcfn.Mesh(4, 1, 2, "full")  # ranks 0,1 on node 0 (this one), 2,3 on node 1
+    arenas = {r: torch.full((4096,), 10 * r + 1, dtype=torch.uint8) for r in range(2)}
+    fab, launches = _fake_nvshmem_fabric(monkeypatch, mesh, arenas)
+    out = torch.zeros(4 * 100, dtype=torch.uint8)
+    fab.get((0, 1, 2, 3), 256, out)
+    assert out[:100].eq(1).all() and out[100:200].eq(11).all()  # copied through the mappings
+    assert out[200:].eq(0).all()  # left to the kernel
+    ((kernel, grid, args, consts),) = launches
+    assert kernel == "GET" and grid == (2, 1)
+    assert args[0].data_ptr() == out.data_ptr() and args[1] == fab.arena.data_ptr() + 256  # symmetric
+    assert args[2].tolist() == [2, 3] and args[3].tolist() == [2, 3] and args[4] == 100
+    assert consts == {"CHUNK_BYTES": fab.CHUNK_BYTES}
+
+
+def test_nvshmem_put_signal_stages_header_and_data_in_one_put(monkeypatch):
+    mesh = odcfn.Mesh(4, 1, 2, "full")
+    fab, launches = _fake_nvshmem_fabric(monkeypatch, mesh, {})
+    header = torch.tensor([1, 2, 3, 4], dtype=torch.int64)
+    data = torch.arange(10, dtype=torch.float32)
+    fab.put_signal(3, [(512, header), (512 + HEADER_BYTES, data)], idx=7, value=99)
+    ((kernel, grid, args, _),) = launches
+    assert kernel == "PUT" and grid == (1,)
+    src, _, nbytes, dst_addr, sig_addr, vals, pes, _ = args
+    assert nbytes == HEADER_BYTES + 40 and dst_addr == fab.arena.data_ptr() + 512
+    assert sig_addr == fab.sig.data_ptr() + 8 * 7 and vals.tolist() == [99] and pes.tolist() == [3]
+    assert src[:32].view(torch.int64).tolist() == [1, 2, 3, 4]
+    assert torch.equal(src[HEADER_BYTES : HEADER_BYTES + 40].view(torch.float32), data)
+
+
 def test_nvshmem_unique_id_survives_the_byte_broadcast():
     pytest.importorskip("nvshmem.core")
     import nvshmem.core as nv

@@ -124,7 +124,7 @@ def _launch(kernel: Any, grid: tuple[int, ...], *args: Any, **consts: Any) -> No
         compiled._init_handles()
         status = bindings.cumodule_init(int(compiled.module))
         if status not in (None, 0):
-            raise RuntimeError(f"nvshmemx_cumodule_init failed ({status}) for {kernel.__name__}")
+            raise RuntimeError(f"nvshmemx_cumodule_init failed ({status}) for {kernel.fn.__name__}")
         _STATE["modules"].add(key)
     kernel[grid](*args, extern_libs=libs, **consts)
 
@@ -178,7 +178,7 @@ class NvshmemFabric:
                     view = None
                 if view is not None and view.data_ptr() != 0:
                     self.peer_views[r] = view
-        self._pes: dict[tuple, torch.Tensor] = {}
+        self._pes = {}
 
     # --- signals ------------------------------------------------------------------------------
     def signal_read(self, idx: int) -> int:
