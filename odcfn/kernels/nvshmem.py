@@ -23,6 +23,7 @@ and the protocol runs on CPU through the IPC fabric; THIS FILE HAS NOT YET RUN O
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
@@ -42,6 +43,7 @@ __all__ = [
 ]
 
 _STATE: dict[str, Any] = {"initialised": False, "modules": set()}
+_COMPILE_LOCK = threading.Lock()
 
 
 def require_nvshmem_module() -> Any:
@@ -120,12 +122,14 @@ def _launch(kernel: Any, grid: tuple[int, ...], *args: Any, **consts: Any) -> No
     libs = (("libnvshmem_device", device_bitcode(_bitcode_arch(torch.cuda.get_device_capability()))),)
     key = (kernel.fn.__name__, torch.cuda.current_device())
     if key not in _STATE["modules"]:
-        compiled = kernel.warmup(*args, grid=grid, extern_libs=libs, **consts)
-        compiled._init_handles()
-        status = bindings.cumodule_init(int(compiled.module))
-        if status not in (None, 0):
-            raise RuntimeError(f"nvshmemx_cumodule_init failed ({status}) for {kernel.fn.__name__}")
-        _STATE["modules"].add(key)
+        with _COMPILE_LOCK:  # the main and drain threads may both reach a first launch
+            if key not in _STATE["modules"]:
+                compiled = kernel.warmup(*args, grid=grid, extern_libs=libs, **consts)
+                compiled._init_handles()
+                status = bindings.cumodule_init(int(compiled.module))
+                if status not in (None, 0):
+                    raise RuntimeError(f"nvshmemx_cumodule_init failed ({status}) for {kernel.fn.__name__}")
+                _STATE["modules"].add(key)
     kernel[grid](*args, extern_libs=libs, **consts)
 
 
