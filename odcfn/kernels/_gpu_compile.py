@@ -8,8 +8,11 @@ kernel. Run it where ``TRITON_INTERPRET`` is unset (interpreted kernels cannot b
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
 import sys
+import tempfile
 from dataclasses import asdict, dataclass
 
 __all__ = ["PtxStats", "compile_all", "compile_kernel", "kernel_names", "ptx_stats"]
@@ -24,6 +27,9 @@ class PtxStats:
     v4_reds: int  # 128-bit atomic reductions (red.global...v4)
     sys_reds: int  # reductions at system scope (atomic w.r.t. other GPUs writing the same owner)
     local_ops: int  # ld/st.local: register spills or stack arrays
+    sass_local: int  # STL/LDL in the cubin's SASS: real register spills (-1: no cuobjdump)
+    sass_v128: int  # LDG/STG .128 in the SASS: 128-bit accesses survived ptxas
+    sass_red_v4: int  # REDG...F32x4 in the SASS: the vector atomic add survived ptxas
     calls: tuple[str, ...]  # NVSHMEM (or other) functions still called after linking
     externs_unresolved: tuple[str, ...]  # .extern .func declarations left in the PTX
 
@@ -31,7 +37,22 @@ class PtxStats:
         return asdict(self)
 
 
+def _sass(cubin: bytes) -> str | None:
+    """SASS of a cubin through the cuobjdump triton ships (None if it is not there)."""
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(tool):
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        r = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True)
+    return r.stdout if r.returncode == 0 else None
+
+
 def ptx_stats(name: str, ptx: str, cubin: bytes) -> PtxStats:
+    sass = _sass(cubin)
     calls = sorted(
         set(re.findall(r"^\s*(?:@%p\d+\s+)?call(?:\.uni)?\s*(?:\([^)]*\),\s*)?([A-Za-z_][\w$]*)", ptx, re.M))
     )
@@ -43,6 +64,9 @@ def ptx_stats(name: str, ptx: str, cubin: bytes) -> PtxStats:
         v4_reds=len(re.findall(r"\bred\.global[\w.]*\.v4\.", ptx)),
         sys_reds=len(re.findall(r"\bred\.global\.sys\.", ptx)),
         local_ops=len(re.findall(r"\b(?:ld|st)\.local\b", ptx)),
+        sass_local=-1 if sass is None else len(re.findall(r"\b(?:STL|LDL)\b", sass)),
+        sass_v128=-1 if sass is None else len(re.findall(r"\b(?:LDG|STG)\.E[\w.]*\.128\b", sass)),
+        sass_red_v4=-1 if sass is None else len(re.findall(r"\bREDG\.E\.ADD\.F32x4", sass)),
         calls=tuple(calls),
         externs_unresolved=tuple(sorted(set(re.findall(r"\.extern\s+\.func\s*(?:\([^)]*\)\s*)?(\w+)", ptx)))),
     )
