@@ -116,18 +116,21 @@ class ShmTransport:
         self._gen += 1
         r, w = self.mesh.rank, self.mesh.world_size
         own = Segment(self._path(r), seg.nbytes, create=True)
-        segs = [own]
+        mapped = {r: own}
         try:
             own.view(0, DONE + w, torch.int64)[PID] = os.getpid()
             self.dist.barrier()  # every file exists
-            segs = [own if p == r else Segment(self._path(p), seg.nbytes, create=False) for p in range(w)]
+            for p in range(w):
+                if p != r:
+                    mapped[p] = Segment(self._path(p), seg.nbytes, create=False)
             self.dist.barrier()  # every rank mapped every file
         except BaseException:
-            for s in segs:
+            for s in mapped.values():
                 s.close()
             raise
         finally:
             own.unlink()
+        segs = [mapped[p] for p in range(w)]
         self._seg, self._segs = seg, segs
         self._ctrl = [s.view(0, DONE + w, torch.int64).numpy() for s in segs]
         self._pub = [{n: s.view(o, seg.sizes[n], dtype) for n, o in seg.pub.items()} for s in segs]
