@@ -458,7 +458,7 @@ def test_remote_add_without_triton_atomics_and_cross_node_ipc_are_refused(monkey
 # --- real processes and the triton kernels (interpreter) --------------------------------------
 
 
-def ipc_process_worker() -> list:
+def ipc_process_worker(ranks_per_node: int | None, sharding: str) -> list:
     """One rank of a gloo job from the session pool: arenas in /dev/shm mapped across
     processes, landing slots with tiny slots (many chunks), ODC then collective."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -470,7 +470,7 @@ def ipc_process_worker() -> list:
         timeout=timedelta(seconds=60),
     )
     torch.distributed.init_process_group("gloo", store=store, rank=rank, world_size=world)
-    mesh = odcfn.Mesh(world, rank)
+    mesh = odcfn.Mesh(world, rank, ranks_per_node, sharding)
     tr = cuda_ipc_transport(
         mesh,
         store,
@@ -497,16 +497,21 @@ def ipc_process_worker() -> list:
     return out
 
 
-def test_processes_share_arenas_through_dev_shm(mp_pool):  # noqa: F811
-    out = mp_pool.run(ipc_process_worker, 2, timeout=120)
-    mesh = odcfn.Mesh(2, 0)
-    for r in range(2):
+@pytest.mark.parametrize("world,ranks_per_node,sharding", [(2, None, "full"), (4, 2, "hybrid")])
+def test_processes_share_arenas_through_dev_shm(mp_pool, world, ranks_per_node, sharding):  # noqa: F811
+    """Real processes: full sharding over 2, and hybrid 2 nodes x 2 (shard groups over /dev/shm
+    arenas, the replica all-reduce over gloo subgroups)."""
+    out = mp_pool.run(ipc_process_worker, world, args=(ranks_per_node, sharding), timeout=120)
+    mesh = odcfn.Mesh(world, 0, ranks_per_node, sharding)
+    for r in range(world):
         ref = odcfn.shard(G_REF, MODEL, mesh.with_rank(r))
         for (g, syncs, colls), comm in zip(out[r], ("odc", "collective")):
             odcfn.tree_assert_allclose(
                 {k: torch.from_numpy(v) for k, v in g.items()}, ref, rtol=1e-5, atol=1e-7
             )
-            assert syncs == 1 and (colls == 0) == (comm == "odc")
+            assert syncs == 1
+            if comm == "odc":  # point-to-point only, except hybrid's one replica all-reduce
+                assert colls == (0 if sharding == "full" else 1)
 
 
 def _interpreted_triton_ops():
