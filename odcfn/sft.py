@@ -22,7 +22,8 @@ Config (TOML or JSON), every key optional except ``data.path`` and ``train.steps
     comm = "odc" | "collective", balance = "round_robin", max_tokens_per_microbatch = 4096,
     compute_dtype = "float32" | "bfloat16", world_size = 2, backend = "threads" | "processes"
     [checkpoint]
-    every = 50, keep = 3, resume = true, export_hf = "path"   # HF copy of the final weights
+    every = 50, keep = 3, export_hf = "path"   # HF copy of the final weights
+    resume = true          # false (or --no-resume): start over, deleting out_dir's checkpoints
     [log]
     every = 1, tensorboard = false        # progress line every N steps (JSONL gets every step)
 
@@ -294,11 +295,20 @@ class _Logger:
             self.tb.close()
 
 
-def _prune(root: Path, keep: int | None) -> None:
+def _prune(root: Path, keep: int | None, current: int) -> None:
+    """Keep the ``keep`` newest committed checkpoints up to ``current``. Only older ones go:
+    a peer may still be polling for the manifest of ``current``."""
     if not keep:
         return
-    done = sorted(d for d in root.glob("step-*") if (d / "manifest.json").exists())
-    for d in done[:-keep]:
+    from odcfn.checkpoint import MANIFEST, read_manifest
+
+    done = []
+    for d in root.glob("step-*"):
+        if (d / MANIFEST).exists():
+            step = int(read_manifest(d)["step"])
+            if step < current:
+                done.append((step, d))
+    for _, d in sorted(done)[: max(0, len(done) - (keep - 1))]:
         shutil.rmtree(d, ignore_errors=True)
 
 
@@ -332,6 +342,10 @@ def train_rank(cfg: SFTConfig, rank: int, transport) -> dict[str, Any]:
         params = initial
         opt_state = optimizer.init(params)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[t.compute_dtype]
+    if rank == 0 and not cfg.checkpoint.resume and cfg.checkpoint_dir.exists():
+        # a fresh run owns its out_dir: a later resume must not find an older run's steps.
+        # Safe without a barrier: no rank writes a checkpoint before the first step's sync.
+        shutil.rmtree(cfg.checkpoint_dir)
     logger = _Logger(cfg, start) if rank == 0 else None
     last = None
     try:
@@ -389,7 +403,7 @@ def train_rank(cfg: SFTConfig, rank: int, transport) -> dict[str, Any]:
                     timeout=t.timeout,
                 )
                 if rank == 0:
-                    _prune(cfg.checkpoint_dir, cfg.checkpoint.keep)
+                    _prune(cfg.checkpoint_dir, cfg.checkpoint.keep, done)
     finally:
         if logger is not None:
             logger.close()
@@ -519,7 +533,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, help="override train.steps")
     parser.add_argument("--world-size", type=int, help="override train.world_size")
     parser.add_argument("--out-dir", help="override out_dir")
-    parser.add_argument("--no-resume", action="store_true", help="ignore existing checkpoints")
+    parser.add_argument(
+        "--no-resume",
+        action="store_true",
+        help="start from scratch: delete out_dir's checkpoints and restart its metrics log",
+    )
     parser.add_argument("--quiet", action="store_true", help="no per-step progress lines")
 
 

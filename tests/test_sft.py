@@ -99,8 +99,10 @@ def test_crash_after_last_checkpoint_reruns_without_duplicate_log_lines(tmp_path
     recs = _metrics(tmp_path)
     assert [r["step"] for r in recs] == [1, 2, 3, 4, 5, 6]
     assert [r["loss"] for r in recs] == losses
+    # a fresh run starts a fresh log, and no older run's checkpoint can be resumed later
     cli.main(["train", "--config", str(cfg), "--quiet", "--no-resume", "--steps", "2"])
-    assert [r["step"] for r in _metrics(tmp_path)] == [1, 2]  # a fresh run starts a fresh log
+    assert [r["step"] for r in _metrics(tmp_path)] == [1, 2]
+    assert [p.name for p in (tmp_path / "out" / "checkpoints").iterdir()] == ["step-00000002"]
 
 
 def test_export_hf_and_json_config(tmp_path):
