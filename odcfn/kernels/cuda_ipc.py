@@ -243,7 +243,7 @@ class TorchCollectives:
         for r in range(mesh.world_size):
             m = mesh.with_rank(r)
             for g in (m.shard_group, m.replica_group):
-                if g not in self.groups:
+                if g not in self.groups and len(g) > 1:  # singletons never communicate
                     self.groups[g] = dist.new_group(list(g))
 
     # Tensors are staged through ``self.device`` (gloo wants CPU, nccl CUDA), so one transport
