@@ -342,10 +342,14 @@ def train_rank(cfg: SFTConfig, rank: int, transport) -> dict[str, Any]:
         params = initial
         opt_state = optimizer.init(params)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[t.compute_dtype]
-    if rank == 0 and not cfg.checkpoint.resume and cfg.checkpoint_dir.exists():
-        # a fresh run owns its out_dir: a later resume must not find an older run's steps.
-        # Safe without a barrier: no rank writes a checkpoint before the first step's sync.
-        shutil.rmtree(cfg.checkpoint_dir)
+    if rank == 0 and cfg.checkpoint_dir.exists():
+        # Everything past the step we start from is stale: a fresh run's predecessors, or the
+        # uncommitted remains of an interrupted save (whose rank files would otherwise pass
+        # for this run's). Safe without a barrier: no rank saves before the first step's sync.
+        for d in cfg.checkpoint_dir.glob("step-*"):
+            num = d.name.removeprefix("step-")
+            if num.isdigit() and (not cfg.checkpoint.resume or int(num) > start):
+                shutil.rmtree(d)
     logger = _Logger(cfg, start) if rank == 0 else None
     last = None
     try:

@@ -95,7 +95,16 @@ def test_crash_after_last_checkpoint_reruns_without_duplicate_log_lines(tmp_path
     losses = [r["loss"] for r in _metrics(tmp_path)]
     # as if the job died after logging step 6 but before committing its checkpoint
     (tmp_path / "out" / "checkpoints" / "step-00000006" / "manifest.json").unlink()
+    # leftovers past the resume point (their rank files could pass for the rerun's) are cleared
+    # before training; a checkpoint at or before it survives
+    stale = tmp_path / "out" / "checkpoints" / "step-00000005"
+    stale.mkdir()
+    (stale / "rank-00001.safetensors").write_bytes(b"half a file")
     cli.main(["train", "--config", str(cfg), "--quiet"])  # resumes from step 4
+    assert sorted(p.name for p in (tmp_path / "out" / "checkpoints").iterdir()) == [
+        "step-00000004",
+        "step-00000006",
+    ]
     recs = _metrics(tmp_path)
     assert [r["step"] for r in recs] == [1, 2, 3, 4, 5, 6]
     assert [r["loss"] for r in recs] == losses
