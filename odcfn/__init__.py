@@ -1,13 +1,23 @@
 """odcfn: FSDP training with On-Demand Communication, JAX-style over PyTorch."""
 
 from odcfn.batch import Batch, Microbatch, Sample, pack, random_batch
-from odcfn.kernels import Counters, LocalWorld, Transport, TransportError, run_local
+from odcfn.checkpoint import load, save
+from odcfn.kernels import (
+    CollectiveTransport,
+    Counters,
+    LocalWorld,
+    ShmTransport,
+    Transport,
+    TransportError,
+    run_local,
+)
+from odcfn.launch import LaunchError, launch
 from odcfn.model import Model, Unit, check_params, reference_loss
 from odcfn.optim import Optimizer, adamw, clip_scale, sgd
 from odcfn.reference import reference_value_and_grad
 from odcfn.schedule import Plan, ScheduleOptions, compile_plan, get_balancer
 from odcfn.sharding import Layout, Mesh, make_layout, shard, unshard
-from odcfn.trace import Event, bubble_rate
+from odcfn.trace import Event, bubble_rate, chrome_trace, plot_timeline, save_chrome_trace
 from odcfn.train import StepMetrics, grad_step, train_step
 from odcfn.tree import tree_allclose, tree_assert_allclose, tree_map
 
@@ -15,8 +25,10 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Batch",
+    "CollectiveTransport",
     "Counters",
     "Event",
+    "LaunchError",
     "Layout",
     "LocalWorld",
     "Mesh",
@@ -26,6 +38,7 @@ __all__ = [
     "Plan",
     "Sample",
     "ScheduleOptions",
+    "ShmTransport",
     "StepMetrics",
     "Transport",
     "TransportError",
@@ -33,16 +46,22 @@ __all__ = [
     "adamw",
     "bubble_rate",
     "check_params",
+    "chrome_trace",
     "clip_scale",
     "compile_plan",
     "get_balancer",
     "grad_step",
+    "launch",
+    "load",
     "make_layout",
     "pack",
+    "plot_timeline",
     "random_batch",
     "reference_loss",
     "reference_value_and_grad",
     "run_local",
+    "save",
+    "save_chrome_trace",
     "sgd",
     "shard",
     "train_step",

@@ -13,3 +13,10 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.ge
 
 # The in-process ranks are threads; intra-op threads on top would only oversubscribe 2 cores.
 torch.set_num_threads(1)
+
+# The session-wide pool of ready worker processes for the multi-process tests.
+from tests.mp_pool import mp_pool, warm_for  # noqa: E402, F401
+
+
+def pytest_collection_modifyitems(session, config, items):
+    warm_for(items)  # the workers import torch while the single-process tests run

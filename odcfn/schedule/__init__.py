@@ -1,4 +1,15 @@
-from odcfn.schedule.balance import BALANCERS, get_balancer, round_robin
+from odcfn.schedule.balance import (
+    BALANCERS,
+    WORK_STEALING,
+    get_balancer,
+    lb_micro,
+    lb_mini,
+    local_sort,
+    round_robin,
+    work_stealing_items,
+)
+from odcfn.schedule.cost import QuadraticCost, TokenCost, calibrate, flops_cost
+from odcfn.schedule.lengths import DATASETS, aime_rl, longalign, swe_smith
 from odcfn.schedule.plan import (
     AllGather,
     Assignment,
@@ -13,21 +24,45 @@ from odcfn.schedule.plan import (
     Sync,
     compile_plan,
 )
+from odcfn.schedule.simmodel import A100_COMM, ZERO_COMM, CommModel, SimResult, Workload, lower_bound_makespan
+from odcfn.schedule.simulate import compile_plans, simulate, simulate_work_stealing
 
 __all__ = [
+    "A100_COMM",
     "BALANCERS",
+    "DATASETS",
+    "WORK_STEALING",
+    "ZERO_COMM",
     "AllGather",
     "Assignment",
     "Backward",
+    "CommModel",
     "Forward",
     "Gather",
     "Plan",
+    "QuadraticCost",
     "ReduceScatter",
     "Release",
     "ScatterAccumulate",
     "ScheduleOptions",
+    "SimResult",
     "Sync",
+    "TokenCost",
+    "Workload",
+    "aime_rl",
+    "calibrate",
     "compile_plan",
+    "compile_plans",
+    "flops_cost",
     "get_balancer",
+    "lb_micro",
+    "lb_mini",
+    "local_sort",
+    "longalign",
+    "lower_bound_makespan",
     "round_robin",
+    "simulate",
+    "simulate_work_stealing",
+    "swe_smith",
+    "work_stealing_items",
 ]
