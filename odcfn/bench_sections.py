@@ -131,6 +131,8 @@ def fill_ratios(report: dict) -> None:
     base = _sps(head, "collective+lb-micro")
     r["odc_lb_mini_over_collective_lb_micro"] = ratio(_sps(head, "odc+lb-mini"), base)
     r["odc_work_stealing_over_collective_lb_micro"] = ratio(_sps(head, "odc+work-stealing"), base)
+    r["odc_work_stealing_over_odc_lb_mini"] = ratio(_sps(head, "odc+work-stealing"),
+                                                    _sps(head, "odc+lb-mini"))
     r["odc_lb_mini_over_collective_lb_micro_by_samples_per_rank"] = {
         k: ratio(_sps(v, "odc+lb-mini"), _sps(v, "collective+lb-micro")) for k, v in e2e.items()
     }
@@ -201,6 +203,7 @@ def fill_ratios(report: dict) -> None:
 TARGETS = (
     ("odc_lb_mini_over_collective_lb_micro", 1.07, True),
     ("odc_work_stealing_over_collective_lb_micro", 1.07, True),
+    ("odc_work_stealing_over_odc_lb_mini", 1.0, True),
     ("balanced_odc_over_collective", 0.97, True),
     ("collective_over_torch_fsdp2", 0.9, True),
     ("shm_gather_over_gloo_all_gather", 3.0, True),
