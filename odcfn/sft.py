@@ -28,7 +28,7 @@ Config (TOML or JSON), every key optional except ``data.path`` and ``train.steps
     every = 1, tensorboard = false        # progress line every N steps (JSONL gets every step)
 
 ``odcfn train --init DIR`` writes a runnable example (``DIR/run.toml`` + a generated
-``DIR/train.jsonl``) to start from.
+``DIR/train.jsonl``) to start from. The config dataclasses live in ``odcfn.sft_config``.
 """
 
 from __future__ import annotations
@@ -40,155 +40,19 @@ import os
 import shutil
 import sys
 import time
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-__all__ = ["SFTConfig", "add_arguments", "load_config", "main", "run"]
+from odcfn.sft_config import (
+    SFTConfig,
+    TrainSection,
+    config_from_dict,
+    load_config,
+    write_example,
+)
 
-
-@dataclass(frozen=True)
-class ModelSection:
-    hf_path: str | None = None
-    vocab_size: int = 256
-    d_model: int = 64
-    n_layers: int = 2
-    n_heads: int = 4
-    n_kv_heads: int = 2
-    d_ff: int = 128
-    rope_theta: float = 10000.0
-    qkv_bias: bool = True
-    seed: int = 0
-
-
-@dataclass(frozen=True)
-class DataSection:
-    path: str = ""
-    batch_size: int = 8
-    seed: int = 0
-    shuffle: bool = True
-    max_length: int | None = None
-
-
-@dataclass(frozen=True)
-class TrainSection:
-    steps: int = 0
-    lr: float = 1e-3
-    warmup_steps: int = 0
-    schedule: str = "constant"
-    optimizer: str = "adamw"
-    weight_decay: float = 0.0
-    max_grad_norm: float | None = None
-    comm: str = "odc"
-    balance: str = "round_robin"
-    max_tokens_per_microbatch: int | None = None
-    compute_dtype: str = "float32"
-    world_size: int = 1
-    backend: str = "threads"
-    timeout: float = 120.0
-
-
-@dataclass(frozen=True)
-class CheckpointSection:
-    every: int = 0
-    keep: int | None = None
-    resume: bool = True
-    export_hf: str | None = None
-
-
-@dataclass(frozen=True)
-class LogSection:
-    every: int = 1
-    tensorboard: bool = False
-    progress: bool = True
-
-
-@dataclass(frozen=True)
-class SFTConfig:
-    out_dir: str = "runs/sft"
-    model: ModelSection = field(default_factory=ModelSection)
-    data: DataSection = field(default_factory=DataSection)
-    train: TrainSection = field(default_factory=TrainSection)
-    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
-    log: LogSection = field(default_factory=LogSection)
-
-    def __post_init__(self) -> None:
-        t = self.train
-        if not self.data.path:
-            raise ValueError("config: data.path is required")
-        if not isinstance(t.steps, int) or t.steps < 1:
-            raise ValueError(f"config: train.steps must be a positive int, got {t.steps!r}")
-        for key, value, allowed in [
-            ("train.schedule", t.schedule, ("constant", "cosine")),
-            ("train.optimizer", t.optimizer, ("adamw", "sgd")),
-            ("train.comm", t.comm, ("odc", "collective")),
-            ("train.compute_dtype", t.compute_dtype, ("float32", "bfloat16")),
-            ("train.backend", t.backend, ("threads", "processes")),
-        ]:
-            if value not in allowed:
-                raise ValueError(f"config: {key} must be one of {list(allowed)}, got {value!r}")
-        if not isinstance(t.world_size, int) or t.world_size < 1:
-            raise ValueError(f"config: train.world_size must be a positive int, got {t.world_size!r}")
-        if self.checkpoint.every < 0 or self.log.every < 1:
-            raise ValueError("config: checkpoint.every must be >= 0 and log.every >= 1")
-
-    @property
-    def checkpoint_dir(self) -> Path:
-        return Path(self.out_dir) / "checkpoints"
-
-    @property
-    def metrics_path(self) -> Path:
-        return Path(self.out_dir) / "metrics.jsonl"
-
-
-_SECTIONS = {
-    "model": ModelSection,
-    "data": DataSection,
-    "train": TrainSection,
-    "checkpoint": CheckpointSection,
-    "log": LogSection,
-}
-_PATH_KEYS = {("model", "hf_path"), ("data", "path"), ("checkpoint", "export_hf")}
-
-
-def config_from_dict(doc: dict[str, Any], *, base_dir: str | os.PathLike = ".") -> SFTConfig:
-    """Build an ``SFTConfig``; unknown sections or keys are errors naming them. Relative paths
-    are resolved against ``base_dir`` (the config file's directory)."""
-    unknown = sorted(set(doc) - set(_SECTIONS) - {"out_dir"})
-    if unknown:
-        raise ValueError(f"config: unknown top-level keys {unknown}; known: out_dir, {sorted(_SECTIONS)}")
-    base = Path(base_dir)
-    kwargs: dict[str, Any] = {"out_dir": str(base / doc.get("out_dir", "runs/sft"))}
-    for name, cls in _SECTIONS.items():
-        section = dict(doc.get(name, {}))
-        known = {f.name for f in fields(cls)}
-        bad = sorted(set(section) - known)
-        if bad:
-            raise ValueError(f"config: unknown keys {bad} in [{name}]; known: {sorted(known)}")
-        for key in section:
-            if (name, key) in _PATH_KEYS and section[key] is not None:
-                section[key] = str(base / section[key])
-        kwargs[name] = cls(**section)
-    return SFTConfig(**kwargs)
-
-
-def load_config(path: str | os.PathLike) -> SFTConfig:
-    """Read a ``.toml`` or ``.json`` config file."""
-    path = Path(path)
-    if path.suffix == ".toml":
-        try:
-            import tomllib
-        except ImportError:  # Python 3.10
-            try:
-                import tomli as tomllib
-            except ImportError:
-                raise ImportError(f"reading {path} on Python 3.10 needs tomli: pip install tomli") from None
-        doc = tomllib.loads(path.read_text())
-    elif path.suffix == ".json":
-        doc = json.loads(path.read_text())
-    else:
-        raise ValueError(f"{path}: config must be .toml or .json")
-    return config_from_dict(doc, base_dir=path.parent)
+__all__ = ["SFTConfig", "add_arguments", "config_from_dict", "load_config", "main", "run", "train_rank"]
 
 
 # --- one rank ----------------------------------------------------------------------------------
@@ -473,60 +337,6 @@ def run(cfg: SFTConfig) -> list[dict[str, Any]]:
 
 
 # --- command line ------------------------------------------------------------------------------
-
-
-EXAMPLE_TOML = """\
-# odcfn train --config run.toml   (written by `odcfn train --init`)
-out_dir = "out"
-
-[model]
-vocab_size = 128
-d_model = 32
-n_layers = 2
-n_heads = 4
-n_kv_heads = 2
-d_ff = 64
-seed = 0
-
-[data]
-path = "train.jsonl"
-batch_size = 8
-seed = 0
-
-[train]
-steps = 12
-lr = 3e-3
-warmup_steps = 2
-schedule = "cosine"
-max_grad_norm = 1.0
-comm = "odc"
-balance = "lb_mini"
-max_tokens_per_microbatch = 256
-world_size = 2
-backend = "threads"
-
-[checkpoint]
-every = 4
-keep = 2
-
-[log]
-every = 1
-"""
-
-
-def write_example(directory: str | os.PathLike, *, num_samples: int = 48, seed: int = 0) -> Path:
-    """A runnable example: ``run.toml`` and a generated SFT-shaped ``train.jsonl``."""
-    import random
-
-    from odcfn.data import synthetic_records, write_jsonl
-
-    root = Path(directory)
-    root.mkdir(parents=True, exist_ok=True)
-    rng = random.Random(seed)
-    lengths = [min(256, int(16 + rng.lognormvariate(3.5, 0.7))) for _ in range(num_samples)]
-    write_jsonl(root / "train.jsonl", synthetic_records(lengths, 128, seed=seed))
-    (root / "run.toml").write_text(EXAMPLE_TOML)
-    return root / "run.toml"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
