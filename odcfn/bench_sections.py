@@ -34,6 +34,7 @@ class Context:
     log: Callable[[str], None] = print
     records: dict[int, list[list[dict]]] = field(default_factory=dict)  # spr -> per-rank records
     calibration: tuple | None = None  # bench_sim.calibrate_cost's (cost, sim workload, record)
+    straggler_records: tuple | None = None  # (per-rank records, slowdown per rank)
 
     @property
     def cost(self):
@@ -71,7 +72,8 @@ def straggler(ctx: Context, factor: float) -> dict:
     slow = (1.0,) * (W - 1) + (factor,)
     ctx.log(f"   rank {W - 1} emulates a {factor}x slower device: after each forward/backward "
             f"it idles for {factor - 1:.2f}x that step's duration")
-    res, _ = _compare(ctx, ctx.workload, E2E, slow)
+    res, per_rank = _compare(ctx, ctx.workload, E2E, slow)
+    ctx.straggler_records = (per_rank, slow)
     res["slowdown_per_rank"] = list(slow)
     res["emulation"] = (f"rank {W - 1} sleeps (slowdown - 1) x the duration of each forward and "
                         "backward step right after it; counted as busy time in the bubble rate")
@@ -110,8 +112,16 @@ def simulator(ctx: Context, report: dict) -> dict:
     if n not in ctx.records:
         return {"skipped": f"needs the end_to_end run at {n} samples per rank"}
     prim = report.get("primitives")
-    return compare(ctx.records[n], ctx.workload, E2E, calibration=ctx.calibration,
-                   primitives=prim if isinstance(prim, dict) and "gbps" in prim else None)
+    prim = prim if isinstance(prim, dict) and "gbps" in prim else None
+    out = compare(ctx.records[n], ctx.workload, E2E, calibration=ctx.calibration, primitives=prim)
+    if ctx.straggler_records is not None:  # the slowdown model, checked the same way
+        per_rank, slow = ctx.straggler_records
+        st = compare(per_rank, ctx.workload, E2E, calibration=ctx.calibration, primitives=prim,
+                     slowdown=slow, with_extrapolation=False)
+        out["straggler"] = {k: st[k] for k in ("policies", "rows", "in_situ_fit",
+                                                "simulated_over_measured_step_time",
+                                                "simulated_over_measured_step_time_offline")}
+    return out
 
 
 # --- ratios -------------------------------------------------------------------------------
@@ -273,6 +283,8 @@ def render(report: dict) -> str:
     if "rows" in s:
         out += ["", "5. simulator vs measured step time (trace makespan)",
                 table(s["rows"], s["columns"])]
+        if "straggler" in s:
+            out += ["   with the 1.5x straggler:", table(s["straggler"]["rows"], s["columns"])]
     elif s:
         out += ["", f"5. simulator: {s.get('skipped') or s.get('error')}"]
     if "extrapolation" in s:

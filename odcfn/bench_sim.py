@@ -151,11 +151,13 @@ def fit_from_traces(steps: Sequence[Sequence[dict]], units: Sequence[str]):
 
 
 def compare(per_rank, w: Workload, policies: Sequence[str], *, primitives: dict | None = None,
-            slowdown: Sequence[float] | None = None, calibration: tuple | None = None) -> dict:
+            slowdown: Sequence[float] | None = None, calibration: tuple | None = None,
+            with_extrapolation: bool = True) -> dict:
     """Simulated vs measured step time of every timed minibatch of every policy, two ways:
 
     - ``in_situ`` (the headline): the cost model is fitted to the runtime's own forward/backward
-      events of all the *other* minibatches of the run (leave one minibatch out), so it sees
+      events of all the *other* minibatches of the run, warm-ups included (leave one minibatch
+      out), so it sees
       the machine's speed during the run but never the minibatch it predicts;
     - ``offline``: the calibration measured before the run (``calibrate_cost``).
     """
@@ -166,9 +168,15 @@ def compare(per_rank, w: Workload, policies: Sequence[str], *, primitives: dict 
     cap = w.max_tokens_per_microbatch
     steps = {p: step_records(per_rank, p) for p in policies}
     all_steps = sorted({recs[0]["step"] for v in steps.values() for recs in v})
+    # every minibatch of the run, warm-ups included, is training data for the others
+    grouped: dict[tuple, list[dict]] = {}
+    for recs in per_rank:
+        for r in recs:
+            if r["policy"] in steps:
+                grouped.setdefault((r["policy"], r["step"]), []).append(r)
     fits = {}
     for k in all_steps:
-        train = [recs for v in steps.values() for recs in v if recs[0]["step"] != k]
+        train = [recs for (_, step), recs in grouped.items() if step != k]
         c, weights, fwd = fit_from_traces(train, sim_w.units)
         fits[k] = (c, replace(sim_w, weights=weights, fwd_fraction=fwd))
     rows, per_policy = [], {}
@@ -189,7 +197,7 @@ def compare(per_rank, w: Workload, policies: Sequence[str], *, primitives: dict 
         tot["offline"] += sum(off)
         tot["measured"] += sum(meas)
     full_fit = fit_from_traces([r for v in steps.values() for r in v], sim_w.units)
-    return {
+    out = {
         "calibration": calib,
         "in_situ_fit": {"a": full_fit[0].a, "b": full_fit[0].b, "fwd_fraction": full_fit[2]},
         "comm_model": comm_src,
@@ -199,9 +207,11 @@ def compare(per_rank, w: Workload, policies: Sequence[str], *, primitives: dict 
         "columns": ["policy", "sim s/step (in situ)", "sim s/step (offline)", "measured s/step",
                     "sim/measured", "offline/measured"],
         "rows": rows,
-        "extrapolation": extrapolate(w, full_fit[0], replace(sim_w, weights=full_fit[1],
-                                                             fwd_fraction=full_fit[2]), comms),
     }
+    if with_extrapolation:
+        out["extrapolation"] = extrapolate(
+            w, full_fit[0], replace(sim_w, weights=full_fit[1], fwd_fraction=full_fit[2]), comms)
+    return out
 
 
 def extrapolate(w: Workload, cost, sim_w, comms, devices=(2, 8, 16, 32), samples_per_rank=(4,),

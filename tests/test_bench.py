@@ -124,7 +124,8 @@ def _bench(argv: list[str], capsys) -> dict:
 def test_bench_json_has_the_documented_keys_and_consistent_ratios(capsys, tmp_path):
     out = tmp_path / "b.json"
     r = _bench(["--json", "--quick", "--steps", "1", "--samples-per-rank", "2", *TINY,
-                "--only", "end_to_end", "balanced", "straggler", "--out", str(out)], capsys)
+                "--only", "end_to_end", "balanced", "straggler", "simulator", "--out", str(out)],
+               capsys)
     assert json.loads(out.read_text()) == r
     assert r["schema"] == bench.SCHEMA
     for key in ("odc_lb_mini_over_collective_lb_micro", "odc_work_stealing_over_collective_lb_micro",
@@ -147,6 +148,13 @@ def test_bench_json_has_the_documented_keys_and_consistent_ratios(capsys, tmp_pa
         assert p["samples_per_s"] == pytest.approx(p["samples"] / p["time_s"])
         assert math.isfinite(p["bubble_rate"]) and -1e-9 <= p["bubble_rate"] < 1
     assert r["syncs_per_minibatch"]["odc"] == 1
+    sim = r["simulator"]
+    for sec in (sim, sim["straggler"]):  # one prediction per timed minibatch of every policy
+        for name, p in sec["policies"].items():
+            assert len(p["simulated_s"]) == len(p["measured_s"]) == 1, name
+            assert p["ratio"] == pytest.approx(p["simulated_s"][0] / p["measured_s"][0])
+    assert r["ratios"]["simulated_over_measured_step_time"] == sim["simulated_over_measured_step_time"] > 0
+    assert [x["devices"] for x in sim["extrapolation"]] == [2, 8, 16, 32]
     assert r["losses_match"] is True
     # sections that were not run are absent, their ratios None, their targets "not measured"
     assert r["ratios"]["collective_over_torch_fsdp2"] is None
