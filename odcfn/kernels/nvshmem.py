@@ -42,7 +42,7 @@ __all__ = [
     "uid_to_bytes",
 ]
 
-_STATE: dict[str, Any] = {"initialised": False, "modules": set()}
+_STATE: dict[str, Any] = {"initialised": False, "modules": {}}
 _COMPILE_LOCK = threading.Lock()
 
 
@@ -113,23 +113,27 @@ def _bitcode_arch(capability: tuple[int, int]) -> int:
 
 
 def _launch(kernel: Any, grid: tuple[int, ...], *args: Any, **consts: Any) -> None:
-    """Launch a Triton kernel that calls NVSHMEM; register its CUmodule with NVSHMEM first."""
+    """Launch a Triton kernel that calls NVSHMEM; register its CUmodule with NVSHMEM first.
+
+    Every *specialisation* triton compiles (an int arriving as i32 or i64, a pointer 16-byte
+    aligned or not) is its own CUmodule, and each needs ``nvshmemx_cumodule_init``: so the
+    compiled kernel for these exact arguments is looked up (``warmup`` compiles at most once,
+    then hits the cache) and registered the first time it is seen."""
     from nvshmem import bindings  # type: ignore[import-not-found]
 
     from odcfn.kernels._gpu_nvshmem_device import device_bitcode
 
     # a tuple of pairs (hashable: it becomes part of triton's kernel cache key)
     libs = (("libnvshmem_device", device_bitcode(_bitcode_arch(torch.cuda.get_device_capability()))),)
-    key = (kernel.fn.__name__, torch.cuda.current_device())
-    if key not in _STATE["modules"]:
-        with _COMPILE_LOCK:  # the main and drain threads may both reach a first launch
-            if key not in _STATE["modules"]:
-                compiled = kernel.warmup(*args, grid=grid, extern_libs=libs, **consts)
-                compiled._init_handles()
-                status = bindings.cumodule_init(int(compiled.module))
-                if status not in (None, 0):
-                    raise RuntimeError(f"nvshmemx_cumodule_init failed ({status}) for {kernel.fn.__name__}")
-                _STATE["modules"].add(key)
+    with _COMPILE_LOCK:  # the main and drain threads may both reach a first launch
+        compiled = kernel.warmup(*args, grid=grid, extern_libs=libs, **consts)
+        key = (id(compiled), torch.cuda.current_device())
+        if key not in _STATE["modules"]:
+            compiled._init_handles()
+            status = bindings.cumodule_init(int(compiled.module))
+            if status not in (None, 0):
+                raise RuntimeError(f"nvshmemx_cumodule_init failed ({status}) for {kernel.fn.__name__}")
+            _STATE["modules"][key] = compiled  # keeps it alive: the id stays unique
     kernel[grid](*args, extern_libs=libs, **consts)
 
 
