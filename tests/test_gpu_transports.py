@@ -289,6 +289,48 @@ def test_gathers_deliver_the_compute_dtype_and_a_dtype_change_re_lays_the_arena(
         assert (g1, g2) == (1, 2)
 
 
+def test_landing_pushes_complete_while_the_owner_computes_something_else():
+    """Rank 0 pushes many more chunks than there are slots into rank 1 while rank 1's own thread
+    is busy elsewhere (sleeping, no transport call): only rank 1's drain thread serves them, so
+    the pushes finish before rank 1 looks, and the accumulator holds exactly the pushed slice."""
+    world, store = LocalWorld(2), HashStore()
+    from odcfn.sharding import make_layout
+
+    layout = make_layout(MODEL, odcfn.Mesh(2, 0))
+    u = layout.units[1]  # 992-element shards: 62 chunks of 16 through 2 slots
+    grad = torch.arange(u.padded_numel, dtype=torch.float32)
+    times: dict = {}
+    acc_after: list = []
+    ready = threading.Barrier(2)
+
+    def body(rank):
+        mesh = odcfn.Mesh(2, rank)
+        tr = cuda_ipc_transport(
+            mesh, store, LocalCollectives(world, rank), device="cpu", mode="landing", slot_elems=16, slots=2
+        )
+        tr.begin_step(layout, odcfn.shard(FULL, MODEL, mesh), torch.float32)
+        ready.wait()
+        if rank == 0:
+            tr.scatter_accumulate(u.name, grad)
+            times["pushed"] = time.monotonic()
+        else:
+            time.sleep(1.0)  # "compute": the main thread never enters the transport
+            times["owner_back"] = time.monotonic()
+        tr.flush()
+        if rank == 1:
+            acc_after.append(tr.grad_shards()[u.name].clone())
+        tr.sync(torch.zeros(2, dtype=torch.float64))
+        tr.close()
+
+    ts = [threading.Thread(target=body, args=(r,)) for r in range(2)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert times["pushed"] < times["owner_back"]
+    assert torch.equal(acc_after[0], grad[u.shard_size : 2 * u.shard_size])
+
+
 def test_claim_is_a_shared_counter_fresh_each_step():
     world = LocalWorld(2)
     store = HashStore()
