@@ -24,6 +24,7 @@ at the wrap), and in-flight windows compare by modular distance, never by ``>=``
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -120,7 +121,7 @@ class ArenaLayout:
             tuple(int(s) for s in shard_sizes), param_itemsize, grad_itemsize, clients, slots, slot_elems
         )
 
-    @property
+    @functools.cached_property  # computed once: the engine asks per chunk
     def param_offsets(self) -> tuple[int, ...]:
         offs, at = [], 0
         for s in self.shard_sizes:
@@ -128,11 +129,11 @@ class ArenaLayout:
             at += _up(s * self.param_itemsize)
         return tuple(offs)
 
-    @property
+    @functools.cached_property
     def params_end(self) -> int:
         return self.param_offsets[-1] + _up(self.shard_sizes[-1] * self.param_itemsize)
 
-    @property
+    @functools.cached_property
     def acc_offsets(self) -> tuple[int, ...]:
         offs, at = [], self.params_end
         for s in self.shard_sizes:
@@ -140,11 +141,11 @@ class ArenaLayout:
             at += _up(s * 4)
         return tuple(offs)
 
-    @property
+    @functools.cached_property
     def acc_end(self) -> int:
         return self.acc_offsets[-1] + _up(self.shard_sizes[-1] * 4)
 
-    @property
+    @functools.cached_property
     def slot_bytes(self) -> int:
         return HEADER_BYTES + _up(self.slot_elems * self.grad_itemsize)
 
@@ -153,7 +154,7 @@ class ArenaLayout:
             raise IndexError(f"landing slot ({client}, {slot}) outside {self.clients} x {self.slots}")
         return self.acc_end + (client * self.slots + slot) * self.slot_bytes
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
         return self.acc_end + self.clients * self.slots * self.slot_bytes
 
