@@ -21,6 +21,7 @@ from odcfn.schedule.balance import (
     stealing_fragment,
     work_stealing_items,
 )
+from odcfn.schedule.cost import DEFAULT_COST, CostModel
 from odcfn.schedule.plan import Comm, Plan, ScheduleOptions, compile_plan
 from odcfn.sharding import Layout, Mesh, make_layout
 from odcfn.sharding.layout import check_shards
@@ -82,6 +83,7 @@ def grad_step(
     options: ScheduleOptions | None = None,
     compute_dtype: torch.dtype | None = None,
     slowdown: float = 1.0,
+    cost: CostModel | None = None,
 ) -> tuple[dict[str, torch.Tensor], StepMetrics]:
     """Gradient shards (this rank's, of the minibatch-mean loss) and metrics for one minibatch.
 
@@ -99,10 +101,12 @@ def grad_step(
                 "every rank to run the same microbatches in lockstep, known in advance"
             )
         check_lengths(batch.lengths, cap)
-        items = work_stealing_items(batch.lengths, world_size=mesh.world_size, max_tokens=cap)
+        items = work_stealing_items(
+            batch.lengths, cost or DEFAULT_COST, world_size=mesh.world_size, max_tokens=cap
+        )
         stealing_fragment(model.unit_names, items[0], 0, options)  # bad options fail here, not later
     else:
-        assignment = get_balancer(balance)(batch.lengths, mesh.world_size, cap)
+        assignment = get_balancer(balance, cost=cost)(batch.lengths, mesh.world_size, cap)
         plan = compile_plan(model.unit_names, assignment, mesh.rank, comm, options)
     dtype = compute_dtype or model.dtype
     before = transport.counters.copy()
@@ -147,12 +151,13 @@ def train_step(
     compute_dtype: torch.dtype | None = None,
     max_grad_norm: float | None = None,
     slowdown: float = 1.0,
+    cost: CostModel | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict, StepMetrics]:
     """One optimizer step on one minibatch; returns (new params, new opt_state, metrics)."""
     grads, metrics = grad_step(
         params, batch, model=model, mesh=mesh, transport=transport, comm=comm, balance=balance,
         max_tokens_per_microbatch=max_tokens_per_microbatch, options=options,
-        compute_dtype=compute_dtype, slowdown=slowdown,
+        compute_dtype=compute_dtype, slowdown=slowdown, cost=cost,
     )
     scale = clip_scale(metrics.grad_norm, max_grad_norm)
     new_params, new_state = optimizer.update(grads, opt_state, params, grad_scale=scale)
