@@ -239,6 +239,9 @@ class TorchCollectives:
         if not dist.is_initialized():
             raise RuntimeError("TorchCollectives needs torch.distributed.init_process_group first")
         self.dist, self.device = dist, torch.device(device)
+        # torch 2.13 deprecates the *_tensor spellings in favour of *_single; older torch lacks them
+        self._all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        self._reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
         self.groups: dict[tuple[int, ...], Any] = {tuple(range(mesh.world_size)): None}
         for r in range(mesh.world_size):
             m = mesh.with_rank(r)
@@ -250,13 +253,13 @@ class TorchCollectives:
     # works with either backend whatever device its arena lives on.
     def all_gather(self, group: tuple[int, ...], mine: torch.Tensor, out: torch.Tensor) -> None:
         o = out if out.device == self.device else torch.empty(out.shape, dtype=out.dtype, device=self.device)
-        self.dist.all_gather_into_tensor(o, mine.to(self.device).contiguous(), group=self.groups[group])
+        self._all_gather(o, mine.to(self.device).contiguous(), group=self.groups[group])
         if o is not out:
             out.copy_(o)
 
     def reduce_scatter(self, group: tuple[int, ...], grad: torch.Tensor, out: torch.Tensor) -> None:
         o = out if out.device == self.device else torch.empty(out.shape, dtype=out.dtype, device=self.device)
-        self.dist.reduce_scatter_tensor(o, grad.to(self.device).contiguous(), group=self.groups[group])
+        self._reduce_scatter(o, grad.to(self.device).contiguous(), group=self.groups[group])
         if o is not out:
             out.copy_(o)
 
