@@ -37,7 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from odcfn.bench_report import (
+    from odcfn.bench.report import (
         losses_match,
         policy_summary,
         ratio,
@@ -46,8 +46,8 @@ def main(args: argparse.Namespace) -> int:
         write_chrome_trace,
         write_timeline_png,
     )
-    from odcfn.bench_runner import RunSpec, pick_backend, run
-    from odcfn.bench_workload import Workload, make_lengths, model_config
+    from odcfn.bench.runner import RunSpec, pick_backend, run
+    from odcfn.bench.workload import Workload, make_lengths, model_config
 
     w = Workload(model=model_config(args.d_model, args.n_layers), world_size=args.world_size,
                  samples_per_rank=args.samples_per_rank,
@@ -62,10 +62,10 @@ def main(args: argparse.Namespace) -> int:
     print(f"  data: LongAlign-like lengths / {w.length_scale}, e.g. minibatch 0 = {list(lengths)}; "
           f"microbatch cap {w.max_tokens_per_microbatch} tokens")
     if backend == "thread":
-        print("  note: odcfn.launch / ShmTransport not available, ranks are threads of one process")
+        print("  note: ranks are threads of one process (in-process reference transport)")
     cost = None
     if args.cost == "calibrated":
-        from odcfn.bench_sim import calibrate_cost
+        from odcfn.bench.sim import calibrate_cost
 
         try:
             cost, _, calib = calibrate_cost(w)
@@ -82,7 +82,7 @@ def main(args: argparse.Namespace) -> int:
     sums = [policy_summary(per_rank, p) for p in DEMO_POLICIES]
     base = sums[0]["samples_per_s"]
     rows = [
-        [s["policy"] + (" *" if s["balancer_is_fallback"] else ""), s["samples_per_s"],
+        [s["policy"], s["samples_per_s"],
          s["tokens_per_s"], s["bubble_rate"], ratio(s["samples_per_s"], base),
          "/".join(str(n) for n in s["microbatches_per_rank"][-1]), s["syncs_per_minibatch"]]
         for s in sums
@@ -90,8 +90,6 @@ def main(args: argparse.Namespace) -> int:
     print()
     print(table(rows, ["policy", "samples/s", "tokens/s", "bubble", f"x {BASELINE}",
                        "microbatches/rank", "syncs/mb"]))
-    if any(s["balancer_is_fallback"] for s in sums):
-        print("  * balancer not available in this build: ran with round_robin instead")
     warn = shared_cores_warning(sums)
     if warn:
         print("  " + warn)

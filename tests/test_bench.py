@@ -10,10 +10,10 @@ import math
 import pytest
 
 from odcfn import bench
-from odcfn.bench_report import chrome_trace, losses_match, policy_summary, ratio, step_bubble_rate
-from odcfn.bench_runner import RunSpec, available_backends, run
-from odcfn.bench_sections import TARGETS
-from odcfn.bench_workload import Workload, make_batch, make_lengths, model_config
+from odcfn.bench.report import chrome_trace, losses_match, policy_summary, ratio, step_bubble_rate
+from odcfn.bench.runner import RunSpec, run
+from odcfn.bench.sections import TARGETS
+from odcfn.bench.workload import Workload, make_batch, make_lengths, model_config
 
 TINY = ["--d-model", "16", "--n-layers", "1", "--length-scale", "1024", "--backend", "thread"]
 
@@ -22,7 +22,7 @@ def _rec(policy, step, rank, wall, loss=1.0, events=(), samples=4, syncs=1, warm
     return {"policy": policy, "step": step, "warmup": warmup, "rank": rank, "wall": wall,
             "loss": loss, "grad_norm": 0.0, "samples": samples, "tokens": 10 * samples,
             "lengths": [10] * samples, "microbatches": [[0]], "balancer": "lb_mini",
-            "balancer_is_fallback": False, "events": list(events),
+            "events": list(events),
             "counters": {"syncs": syncs, "collectives": 0, "gathers": 3}}
 
 
@@ -177,7 +177,7 @@ def test_bench_human_output_lists_every_section(capsys):
 
 
 def test_primitives_summary_uses_the_slowest_rank():
-    from odcfn.bench_primitives import MiB, summarize
+    from odcfn.bench.primitives import MiB, summarize
 
     fast = {"memcpy": {1: 0.001, 4: 0.004}}
     slow = {"memcpy": {1: 0.002, 4: 0.004}}
@@ -185,7 +185,6 @@ def test_primitives_summary_uses_the_slowest_rank():
     assert s["gbps"]["memcpy"] == pytest.approx([MiB / 0.002 / 1e9, 4 * MiB / 0.004 / 1e9])
 
 
-@pytest.mark.skipif("process" not in available_backends(), reason="odcfn.launch/ShmTransport missing")
 def test_bench_process_sections_fsdp2_and_primitives(capsys):
     r = _bench(["--json", "--steps", "1", "--samples-per-rank", "2", "--sizes-mib", "1",
                 *TINY[:-2], "--backend", "process", "--only", "fsdp2", "primitives"], capsys)
@@ -201,7 +200,7 @@ def test_bench_process_sections_fsdp2_and_primitives(capsys):
 
 
 def test_paired_median_speedup_ignores_a_noise_burst():
-    from odcfn.bench_report import paired_median_speedup
+    from odcfn.bench.report import paired_median_speedup
 
     base = {"step_time_s": [2.0, 2.0, 2.0]}
     # one minibatch of the contender hit by a 10x burst of load: the median ignores it
@@ -230,7 +229,7 @@ def test_compare_runs_script_reads_bench_json(tmp_path, capsys):
 
 
 def test_fit_from_traces_recovers_a_known_cost_model():
-    from odcfn.bench_sim import fit_from_traces
+    from odcfn.bench.sim import fit_from_traces
 
     a, b = 2e-6, 3e-4
 
@@ -255,7 +254,7 @@ def test_fit_from_traces_recovers_a_known_cost_model():
 
 
 def test_core_share_and_the_shared_cores_warning():
-    from odcfn.bench_report import shared_cores_warning
+    from odcfn.bench.report import shared_cores_warning
 
     ev = [("forward", "u", 0.0, 1.0, 0), ("backward", "u", 1.0, 3.0, 0)]
     recs = [[_rec("odc+lb-mini", 1, r, 3.0, events=ev) | {"cpu": cpu}] for r, cpu in ((0, 3.0), (1, 0.6))]
@@ -267,7 +266,7 @@ def test_core_share_and_the_shared_cores_warning():
 
 
 def test_bench_fails_when_a_section_crashes(capsys, monkeypatch):
-    import odcfn.bench_sections as S
+    import odcfn.bench.sections as S
 
     def boom(ctx):
         raise RuntimeError("kaputt")
@@ -281,21 +280,25 @@ def test_bench_fails_when_a_section_crashes(capsys, monkeypatch):
     assert r["ratios"]["balanced_odc_over_collective"] is None
 
 
-def test_a_balancer_train_step_cannot_run_falls_back_to_round_robin(monkeypatch):
+def test_run_hands_train_step_the_policy_balancer_and_the_cost_model(monkeypatch):
     import odcfn.train
+    from odcfn.schedule.cost import QuadraticCost
 
-    real = odcfn.train.train_step
+    real, seen = odcfn.train.train_step, []
 
-    def older_train_step(*a, balance="round_robin", **kw):
-        if balance == "work_stealing":  # what a train_step without work stealing says
-            raise ValueError("balance='work_stealing' is dynamic: it has no static assignment")
-        return real(*a, balance=balance, **kw)
+    def spy(*a, **kw):
+        seen.append((kw["comm"], kw["balance"], kw["cost"]))
+        return real(*a, **kw)
 
-    monkeypatch.setattr(odcfn.train, "train_step", older_train_step)
+    monkeypatch.setattr(odcfn.train, "train_step", spy)
+    cost = QuadraticCost(1e-6, 1e-3)
     w = Workload(model=model_config(16, 1), length_scale=1024, samples_per_rank=2)
-    pols = ("odc+lb-mini", "odc+work-stealing")
-    per_rank = run(RunSpec(w, pols, steps=1, warmup=1), "thread")
-    s = policy_summary(per_rank, "odc+work-stealing")
-    assert s["balancer"] == "round_robin" and s["balancer_is_fallback"]
-    assert not policy_summary(per_rank, "odc+lb-mini")["balancer_is_fallback"]
-    assert losses_match([policy_summary(per_rank, p) for p in pols])[0]
+    pols = ("collective+lb-micro", "odc+lb-mini", "odc+work-stealing")
+    per_rank = run(RunSpec(w, pols, steps=1, warmup=0, cost=cost), "thread")
+    # the balancer by name, the cost bound by train_step (static balancers and the queue alike)
+    assert set(seen) == {("collective", "lb_micro", cost), ("odc", "lb_mini", cost),
+                         ("odc", "work_stealing", cost)}
+    sums = [policy_summary(per_rank, p) for p in pols]
+    assert [s["balancer"] for s in sums] == ["lb_micro", "lb_mini", "work_stealing"]
+    assert "balancer_is_fallback" not in sums[0]
+    assert losses_match(sums)[0]

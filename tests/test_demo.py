@@ -9,7 +9,6 @@ import json
 import pytest
 
 from odcfn import demo
-from odcfn.bench_runner import available_backends
 
 TINY = ["--d-model", "16", "--n-layers", "1", "--length-scale", "1024", "--samples-per-rank", "2",
         "--steps", "1", "--warmup", "0", "--no-progress"]
@@ -53,7 +52,6 @@ def test_demo_survives_without_matplotlib(tmp_path, capsys, monkeypatch):
     assert (tmp_path / "demo_trace.json").exists() and not (tmp_path / "demo_timeline.png").exists()
 
 
-@pytest.mark.skipif("process" not in available_backends(), reason="odcfn.launch/ShmTransport missing")
 def test_demo_on_real_processes(tmp_path, capsys):
     assert _run([*TINY, "--backend", "process", "--out-dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
@@ -71,11 +69,11 @@ def test_cli_dispatches_to_demo_and_bench(capsys):
 
 
 def test_demo_survives_a_failing_calibration(tmp_path, capsys, monkeypatch):
-    import odcfn.bench_sim
+    import odcfn.bench.sim
 
     def broken(*a, **k):
         raise RuntimeError("no timer today")
 
-    monkeypatch.setattr(odcfn.bench_sim, "calibrate_cost", broken)
+    monkeypatch.setattr(odcfn.bench.sim, "calibrate_cost", broken)
     assert _run([*TINY, "--backend", "thread", "--out-dir", str(tmp_path)]) == 0
     assert "calibration failed (RuntimeError: no timer today)" in capsys.readouterr().out

@@ -7,15 +7,12 @@ Every rank builds the same minibatches from (seed, step) alone, so no data moves
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-import torch
-
 from odcfn.batch import Batch, random_batch
 from odcfn.models import QwenConfig
-from odcfn.schedule.balance import get_balancer
+from odcfn.schedule.lengths import LONGALIGN_MAX, longalign
 
 __all__ = [
     "POLICIES",
@@ -24,13 +21,12 @@ __all__ = [
     "make_batch",
     "make_lengths",
     "model_config",
-    "resolve_balancer",
     "sample_longalign_like",
 ]
 
 # LongAlign's SFT lengths span 8K-64K tokens with a mean of ~16.5K (the ODC paper's Table/Fig.);
 # divided by ``Workload.length_scale`` so a sample costs ~0.1-3 s of CPU per step.
-LONGALIGN_MIN, LONGALIGN_MAX, LONGALIGN_MEAN = 8192, 65536, 16500
+LONGALIGN_MEAN = 16500
 
 
 @dataclass(frozen=True)
@@ -39,7 +35,7 @@ class Policy:
 
     name: str  # stable key in reports, e.g. "odc+lb-mini"
     comm: str  # "odc" | "collective"
-    balance: str  # balancer name in odcfn.schedule.balance (preferred one; may fall back)
+    balance: str  # a balancer name train_step takes: odcfn.schedule.balance's, or "work_stealing"
 
 
 POLICIES: dict[str, Policy] = {
@@ -51,31 +47,6 @@ POLICIES: dict[str, Policy] = {
         Policy("odc+lb-micro", "odc", "lb_micro"),
     )
 }
-
-# Names the schedule layer may use for the same balancer; the first registered one wins.
-_ALIASES: dict[str, tuple[str, ...]] = {
-    "lb_micro": ("lb_micro", "lb-micro", "lbmicro"),
-    "lb_mini": ("lb_mini", "lb-mini", "lbmini"),
-    "work_stealing": ("work_stealing", "work-stealing", "steal", "stealing"),
-}
-
-
-def resolve_balancer(name: str) -> tuple[str, bool]:
-    """(registered balancer name, True) or ("round_robin", False) when ``name`` is not built
-    (yet): callers report the fallback instead of crashing."""
-    from odcfn.schedule import balance as bal
-
-    dynamic = getattr(bal, "WORK_STEALING", None)  # run by train_step itself, not a Balancer
-    for alias in _ALIASES.get(name, (name,)):
-        if alias == dynamic:
-            return alias, True
-        try:
-            get_balancer(alias)
-        except ValueError:
-            continue
-        return alias, True
-    return "round_robin", False
-
 
 def model_config(d_model: int = 128, n_layers: int = 4, vocab_size: int = 512) -> QwenConfig:
     """The benchmark model family: 4 query heads, 2 KV heads (GQA), SwiGLU width 3 x d_model."""
@@ -121,25 +92,8 @@ class Workload:
 
 
 def sample_longalign_like(n: int, *, seed: int) -> list[int]:
-    """``n`` LongAlign-like lengths (unscaled): 8K + a log-normal excess, capped at 64K.
-
-    Prefers the schedule layer's sampler when it exists; this fallback has the same support and
-    mean (median excess 5K, sigma 1.0 -> mean ~16.4K) and a long tail (~2% at the cap).
-    """
-    sampler = _schedule_sampler()
-    if sampler is not None:
-        return [int(x) for x in sampler(n, seed=seed)]
-    g = torch.Generator().manual_seed(seed)
-    excess = torch.exp(math.log(5000.0) + torch.randn(n, generator=g))
-    return [int(min(LONGALIGN_MAX, LONGALIGN_MIN + e)) for e in excess.tolist()]
-
-
-def _schedule_sampler():
-    try:  # the schedule layer's documented LongAlign-like sampler (docs/simulation.md)
-        from odcfn.schedule.lengths import longalign
-    except ImportError:
-        return None
-    return longalign
+    """``n`` LongAlign-like lengths (unscaled): ``odcfn.schedule.lengths.longalign``."""
+    return list(longalign(n, seed=seed))
 
 
 def make_lengths(w: Workload, step: int) -> tuple[int, ...]:

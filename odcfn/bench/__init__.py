@@ -64,9 +64,9 @@ def machine() -> dict:
 
 
 def main(args: argparse.Namespace) -> int:
-    from odcfn import bench_sections as S
-    from odcfn.bench_runner import pick_backend
-    from odcfn.bench_workload import Workload, model_config
+    from odcfn.bench import sections as S
+    from odcfn.bench.runner import pick_backend
+    from odcfn.bench.workload import Workload, model_config
 
     t_start = time.perf_counter()
     sections = tuple(args.only or SECTIONS)
@@ -81,7 +81,7 @@ def main(args: argparse.Namespace) -> int:
                     progress=not args.json or sys.stderr.isatty(), log=_log)
     if args.cost == "calibrated" and ({"end_to_end", "balanced", "fsdp2", "straggler",
                                        "simulator"} & set(sections)):
-        from odcfn.bench_sim import calibrate_cost
+        from odcfn.bench.sim import calibrate_cost
 
         _log("== calibrating the cost model (forward+backward time of each unit vs length)")
         try:
@@ -107,8 +107,8 @@ def main(args: argparse.Namespace) -> int:
         ],
     }
     if backend == "thread":
-        report["notes"].append("ranks ran as threads of one process (odcfn.launch or "
-                               "ShmTransport unavailable): not a multi-process measurement")
+        report["notes"].append("ranks ran as threads of one process (--backend thread): "
+                               "not a multi-process measurement")
     runners = {
         "end_to_end": lambda: S.end_to_end(ctx, spr),
         "balanced": lambda: S.balanced(ctx),
@@ -122,7 +122,7 @@ def main(args: argparse.Namespace) -> int:
         _log(f"== {name}")
         try:
             report[name] = runners[name]()
-        except Exception as e:  # one missing piece must not cost the other sections
+        except Exception as e:  # one crashed section must not cost the other sections
             report[name] = {"error": f"{type(e).__name__}: {e}"}
             _log(f"   {name} failed: {type(e).__name__}: {e}")
     S.fill_ratios(report)

@@ -1,4 +1,4 @@
-"""Turn raw per-rank records (``bench_runner.run``) into figures, tables and trace files."""
+"""Turn raw per-rank records (``odcfn.bench.runner.run``) into figures, tables and trace files."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
-from odcfn.bench_runner import step_records
-from odcfn.bench_workload import POLICIES
+from odcfn.bench.runner import step_records
+from odcfn.bench.workload import POLICIES
 from odcfn.trace import Event
 
 __all__ = [
@@ -56,7 +56,6 @@ def policy_summary(per_rank: Sequence[Sequence[dict]], policy: str) -> dict:
         "policy": policy,
         "comm": POLICIES[policy].comm,
         "balancer": steps[-1][0]["balancer"],
-        "balancer_is_fallback": any(r["balancer_is_fallback"] for recs in steps for r in recs),
         "minibatches": len(steps),
         "samples": samples,
         "tokens": tokens,

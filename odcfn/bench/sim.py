@@ -12,10 +12,9 @@ the part the simulator models; balancing and the optimizer update are outside bo
 from __future__ import annotations
 
 from collections.abc import Sequence
-from functools import partial
 
-from odcfn.bench_runner import step_records
-from odcfn.bench_workload import POLICIES, Workload, make_lengths
+from odcfn.bench.runner import step_records
+from odcfn.bench.workload import POLICIES, Workload, make_lengths
 
 __all__ = ["calibrate_cost", "compare", "extrapolate"]
 
@@ -82,14 +81,16 @@ def _trace_makespan(recs: Sequence[dict]) -> float:
     return max((e[3] for r in recs for e in r["events"]), default=0.0)
 
 
-def _stealing_items(lengths: Sequence[int], world: int, cap: int):
-    """The queue the runtime's work stealing used (the schedule layer's default cost)."""
+def _stealing_items(lengths: Sequence[int], world: int, cap: int, cost=None):
+    """The queue the runtime's work stealing builds with ``cost`` (None: the schedule layer's
+    default), as ``train_step(..., balance="work_stealing", cost=cost)`` does."""
     from odcfn.schedule.balance import work_stealing_items
+    from odcfn.schedule.cost import DEFAULT_COST
 
-    return work_stealing_items(lengths, world_size=world, max_tokens=cap)
+    return work_stealing_items(lengths, cost or DEFAULT_COST, world_size=world, max_tokens=cap)
 
 
-def _simulate_step(recs, policy, cost, sim_w, comm, cap, slowdown=None) -> float:
+def _simulate_step(recs, policy, cost, sim_w, comm, cap, slowdown=None, run_cost=None) -> float:
     from odcfn.schedule.plan import compile_plan
     from odcfn.schedule.simulate import simulate, simulate_work_stealing
 
@@ -97,7 +98,7 @@ def _simulate_step(recs, policy, cost, sim_w, comm, cap, slowdown=None) -> float
     W = len(recs)
     if recs[0]["balancer"] == "work_stealing":
         return simulate_work_stealing(
-            lengths, W, workload=sim_w, cost=cost, items=_stealing_items(lengths, W, cap),
+            lengths, W, workload=sim_w, cost=cost, items=_stealing_items(lengths, W, cap, run_cost),
             comm=comm, slowdown=slowdown, record=False).makespan
     assignment = tuple(tuple(tuple(mb) for mb in r["microbatches"]) for r in recs)
     plans = [compile_plan(sim_w.units, assignment, r, POLICIES[policy].comm) for r in range(W)]
@@ -152,7 +153,7 @@ def fit_from_traces(steps: Sequence[Sequence[dict]], units: Sequence[str]):
 
 def compare(per_rank, w: Workload, policies: Sequence[str], *, primitives: dict | None = None,
             slowdown: Sequence[float] | None = None, calibration: tuple | None = None,
-            with_extrapolation: bool = True) -> dict:
+            run_cost=None, with_extrapolation: bool = True) -> dict:
     """Simulated vs measured step time of every timed minibatch of every policy, two ways:
 
     - ``in_situ`` (the headline): the cost model is fitted to the runtime's own forward/backward
@@ -160,6 +161,9 @@ def compare(per_rank, w: Workload, policies: Sequence[str], *, primitives: dict 
       out), so it sees
       the machine's speed during the run but never the minibatch it predicts;
     - ``offline``: the calibration measured before the run (``calibrate_cost``).
+
+    ``run_cost`` is the cost model the run's balancers were bound to (``RunSpec.cost``; None:
+    the schedule layer's default): the work-stealing queue is rebuilt with it.
     """
     from dataclasses import replace
 
@@ -186,8 +190,8 @@ def compare(per_rank, w: Workload, policies: Sequence[str], *, primitives: dict 
         ins, off, meas = [], [], []
         for recs in steps[policy]:
             c, sw = fits[recs[0]["step"]]
-            ins.append(_simulate_step(recs, policy, c, sw, comm, cap, slowdown))
-            off.append(_simulate_step(recs, policy, cost, sim_w, comm, cap, slowdown))
+            ins.append(_simulate_step(recs, policy, c, sw, comm, cap, slowdown, run_cost))
+            off.append(_simulate_step(recs, policy, cost, sim_w, comm, cap, slowdown, run_cost))
             meas.append(_trace_makespan(recs))
         per_policy[policy] = {"simulated_s": ins, "simulated_offline_s": off, "measured_s": meas,
                               "ratio": sum(ins) / sum(meas), "ratio_offline": sum(off) / sum(meas)}
@@ -235,10 +239,10 @@ def extrapolate(w: Workload, cost, sim_w, comms, devices=(2, 8, 16, 32), samples
                     if pol.balance == "work_stealing":
                         res = simulate_work_stealing(
                             lengths, D, workload=sim_w, cost=cost, comm=comms["odc"],
-                            items=_stealing_items(lengths, D, wd.max_tokens_per_microbatch),
+                            items=_stealing_items(lengths, D, wd.max_tokens_per_microbatch, cost),
                             record=False)
                     else:
-                        a = partial(get_balancer(pol.balance), cost=cost)(
+                        a = get_balancer(pol.balance, cost=cost)(
                             lengths, D, wd.max_tokens_per_microbatch)
                         plans = [compile_plan(sim_w.units, a, r, pol.comm) for r in range(D)]
                         res = simulate(plans, lengths, workload=sim_w, cost=cost,

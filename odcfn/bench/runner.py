@@ -11,8 +11,6 @@ gloo) and ``thread`` (``odcfn.run_local``: W threads in one process, the referen
 
 from __future__ import annotations
 
-import functools
-import importlib.util
 import sys
 import threading
 import time
@@ -21,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from odcfn.bench_workload import POLICIES, Policy, Workload, make_batch, resolve_balancer
+from odcfn.bench.workload import POLICIES, Policy, Workload, make_batch
 from odcfn.models import init_params, qwen_model
 from odcfn.optim import adamw
 from odcfn.sharding import Mesh, shard
@@ -40,7 +38,7 @@ class RunSpec:
     progress: bool = False
     timeout: float = 120.0
     threads_per_rank: int = 1
-    cost: object | None = None  # a CostModel (picklable) for the static balancers; None: theirs
+    cost: object | None = None  # a CostModel (picklable) for every balancer; None: the default
 
     def __post_init__(self) -> None:
         unknown = [p for p in self.policies if p not in POLICIES]
@@ -90,8 +88,6 @@ def _rank_loop(spec: RunSpec, mesh: Mesh, transport, barrier: Callable[[], None]
     model = qwen_model(w.model)
     full = init_params(w.model, seed=w.seed)
     opt = adamw(w.lr)
-    resolved = {name: resolve_balancer(POLICIES[name].balance) for name in spec.policies}
-    balancers = {name: _balancer(resolved[name][0], spec.cost) for name in spec.policies}
     state = {}
     for name in spec.policies:
         p = shard(full, model, mesh)
@@ -105,37 +101,21 @@ def _rank_loop(spec: RunSpec, mesh: Mesh, transport, barrier: Callable[[], None]
         k = step % len(spec.policies)
         for name in spec.policies[k:] + spec.policies[:k]:
             pol: Policy = POLICIES[name]
-            balance, _ = resolved[name]
-            balancer = balancers[name]
             params, opt_state = state[name]
             barrier()
             t0, c0 = time.perf_counter(), time.process_time()
-            try:
-                params, opt_state, m = train_step(
-                    params, batch, opt_state=opt_state, model=model, optimizer=opt, mesh=mesh,
-                    transport=transport, comm=pol.comm, balance=balancer,
-                    max_tokens_per_microbatch=w.max_tokens_per_microbatch, slowdown=slow,
-                )
-            except ValueError as e:
-                # a balancer the schedule layer names but train_step cannot run yet: it is
-                # rejected before any communication, on every rank alike, so fall back
-                if "dynamic" not in str(e) or balance == "round_robin":
-                    raise
-                balance = balancers[name] = "round_robin"
-                resolved[name] = (balance, False)
-                barrier()
-                t0, c0 = time.perf_counter(), time.process_time()
-                params, opt_state, m = train_step(
-                    params, batch, opt_state=opt_state, model=model, optimizer=opt, mesh=mesh,
-                    transport=transport, comm=pol.comm, balance=balance,
-                    max_tokens_per_microbatch=w.max_tokens_per_microbatch, slowdown=slow,
-                )
+            # every rank binds the same cost model, so every rank computes the same assignment
+            # (static balancers) or the same work-stealing queue
+            params, opt_state, m = train_step(
+                params, batch, opt_state=opt_state, model=model, optimizer=opt, mesh=mesh,
+                transport=transport, comm=pol.comm, balance=pol.balance, cost=spec.cost,
+                max_tokens_per_microbatch=w.max_tokens_per_microbatch, slowdown=slow,
+            )
             wall, cpu = time.perf_counter() - t0, time.process_time() - c0
             state[name] = (params, opt_state)
             records.append({
                 "policy": name,
-                "balancer": balance,
-                "balancer_is_fallback": not resolved[name][1],
+                "balancer": pol.balance,
                 "step": step,
                 "warmup": step < spec.warmup,
                 "rank": mesh.rank,
@@ -157,24 +137,6 @@ def _rank_loop(spec: RunSpec, mesh: Mesh, transport, barrier: Callable[[], None]
     return records
 
 
-def _balancer(name: str, cost):
-    """The balancer to hand train_step: a static one bound to ``cost`` when it takes one (every
-    rank binds the same cost, so every rank still computes the same assignment)."""
-    if cost is None:
-        return name
-    import inspect
-
-    from odcfn.schedule.balance import get_balancer
-
-    try:
-        fn = get_balancer(name)
-    except ValueError:  # dynamic (work stealing): train_step resolves the name itself
-        return name
-    if "cost" not in inspect.signature(fn).parameters:
-        return name
-    return functools.partial(fn, cost=cost)
-
-
 def _process_worker(spec: RunSpec) -> list[dict]:
     """Entry point of one launched rank (also runs unchanged under torchrun)."""
     import torch.distributed as dist
@@ -188,10 +150,8 @@ def _process_worker(spec: RunSpec) -> list[dict]:
 
 
 def available_backends() -> list[str]:
-    out = ["thread"]
-    if importlib.util.find_spec("odcfn.launch") and importlib.util.find_spec("odcfn.kernels.shm"):
-        out.insert(0, "process")
-    return out
+    """The backends, preferred first."""
+    return ["process", "thread"]
 
 
 def pick_backend(requested: str = "auto") -> str:

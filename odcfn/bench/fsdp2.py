@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from odcfn.bench_workload import Workload, make_batch, resolve_balancer
+from odcfn.bench.workload import Workload, make_batch
 
 __all__ = ["Fsdp2Spec", "fsdp2_worker"]
 
@@ -71,6 +71,7 @@ def fsdp2_worker(spec: Fsdp2Spec) -> list[dict]:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
+    from odcfn.kernels.collective import CollectiveTransport
     from odcfn.models import init_params, qwen_model
     from odcfn.optim import adamw
     from odcfn.schedule.balance import get_balancer
@@ -80,8 +81,7 @@ def fsdp2_worker(spec: Fsdp2Spec) -> list[dict]:
     torch.set_num_threads(1)
     w = spec.workload
     mesh = Mesh.from_env()
-    transport_cls = _collective_transport()
-    with transport_cls(mesh, timeout=spec.timeout) as tr:
+    with CollectiveTransport(mesh, timeout=spec.timeout) as tr:
         if not dist.is_initialized():
             dist.init_process_group("gloo")
         dmesh = init_device_mesh("cpu", (mesh.world_size,))
@@ -93,9 +93,7 @@ def fsdp2_worker(spec: Fsdp2Spec) -> list[dict]:
         opt = adamw(w.lr, b1=b1, b2=b2, eps=eps, weight_decay=wd)
         params = shard(init_params(w.model, seed=w.seed), model, mesh)
         opt_state = opt.init(params)
-        from odcfn.bench_runner import _balancer
-
-        balance = _balancer(resolve_balancer("lb_micro")[0], spec.cost)
+        lb_micro = get_balancer("lb_micro", cost=spec.cost)  # FSDP2 runs odcfn's microbatches
         cap = w.max_tokens_per_microbatch
         out = []
         for step in range(spec.warmup + spec.steps):
@@ -107,12 +105,12 @@ def fsdp2_worker(spec: Fsdp2Spec) -> list[dict]:
                 if which == "odcfn":
                     params, opt_state, m = train_step(
                         params, batch, opt_state=opt_state, model=model, optimizer=opt,
-                        mesh=mesh, transport=tr, comm="collective", balance=balance,
-                        max_tokens_per_microbatch=cap,
+                        mesh=mesh, transport=tr, comm="collective", balance="lb_micro",
+                        cost=spec.cost, max_tokens_per_microbatch=cap,
                     )
                     loss = m.loss
                 else:
-                    assignment = get_balancer(balance)(batch.lengths, mesh.world_size, cap)
+                    assignment = lb_micro(batch.lengths, mesh.world_size, cap)
                     n_max = max(len(a) for a in assignment)
                     loss = _fsdp2_step(module, topt, batch, assignment[mesh.rank], n_max)
                 out.append({"impl": which, "step": step, "warmup": step < spec.warmup,
@@ -120,18 +118,6 @@ def fsdp2_worker(spec: Fsdp2Spec) -> list[dict]:
                             "samples": len(batch), "tokens": sum(batch.lengths)})
         dist.barrier()
         return out
-
-
-def _collective_transport():
-    """Prefer the pure torch.distributed transport; the shm one serves collectives too."""
-    try:
-        from odcfn.kernels.collective import CollectiveTransport
-
-        return CollectiveTransport
-    except ImportError:
-        from odcfn.kernels.shm import ShmTransport
-
-        return ShmTransport
 
 
 def summarize(per_rank: list[list[dict]], impl: str) -> dict:

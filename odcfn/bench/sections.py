@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from odcfn.bench_report import (
+from odcfn.bench.report import (
     losses_match,
     paired_median_speedup,
     policy_summary,
@@ -14,8 +14,8 @@ from odcfn.bench_report import (
     shared_cores_warning,
     table,
 )
-from odcfn.bench_runner import RunSpec, run
-from odcfn.bench_workload import Workload
+from odcfn.bench.runner import RunSpec, run
+from odcfn.bench.workload import Workload
 
 __all__ = ["Context", "balanced", "end_to_end", "fill_ratios", "fsdp2", "primitives",
            "render", "simulator", "straggler"]
@@ -33,7 +33,7 @@ class Context:
     progress: bool
     log: Callable[[str], None] = print
     records: dict[int, list[list[dict]]] = field(default_factory=dict)  # spr -> per-rank records
-    calibration: tuple | None = None  # bench_sim.calibrate_cost's (cost, sim workload, record)
+    calibration: tuple | None = None  # sim.calibrate_cost's (cost, sim workload, record)
     straggler_records: tuple | None = None  # (per-rank records, slowdown per rank)
 
     @property
@@ -83,7 +83,7 @@ def straggler(ctx: Context, factor: float) -> dict:
 def fsdp2(ctx: Context) -> dict:
     if ctx.backend != "process":
         return {"skipped": "torch FSDP2 needs real processes (odcfn.launch)"}
-    from odcfn.bench_fsdp2 import Fsdp2Spec, fsdp2_worker, summarize
+    from odcfn.bench.fsdp2 import Fsdp2Spec, fsdp2_worker, summarize
     from odcfn.launch import launch
 
     spec = Fsdp2Spec(ctx.workload, steps=ctx.steps, warmup=ctx.warmup, cost=ctx.cost)
@@ -97,7 +97,7 @@ def fsdp2(ctx: Context) -> dict:
 def primitives(ctx: Context, sizes_mib: Sequence[int]) -> dict:
     if ctx.backend != "process":
         return {"skipped": "shm and gloo primitives need real processes (odcfn.launch)"}
-    from odcfn.bench_primitives import PrimSpec, primitives_worker, summarize
+    from odcfn.bench.primitives import PrimSpec, primitives_worker, summarize
     from odcfn.launch import launch
 
     spec = PrimSpec(sizes_mib=tuple(sizes_mib))
@@ -106,18 +106,19 @@ def primitives(ctx: Context, sizes_mib: Sequence[int]) -> dict:
 
 
 def simulator(ctx: Context, report: dict) -> dict:
-    from odcfn.bench_sim import compare
+    from odcfn.bench.sim import compare
 
     n = ctx.workload.samples_per_rank
     if n not in ctx.records:
         return {"skipped": f"needs the end_to_end run at {n} samples per rank"}
     prim = report.get("primitives")
     prim = prim if isinstance(prim, dict) and "gbps" in prim else None
-    out = compare(ctx.records[n], ctx.workload, E2E, calibration=ctx.calibration, primitives=prim)
+    out = compare(ctx.records[n], ctx.workload, E2E, calibration=ctx.calibration, primitives=prim,
+                  run_cost=ctx.cost)
     if ctx.straggler_records is not None:  # the slowdown model, checked the same way
         per_rank, slow = ctx.straggler_records
         st = compare(per_rank, ctx.workload, E2E, calibration=ctx.calibration, primitives=prim,
-                     slowdown=slow, with_extrapolation=False)
+                     slowdown=slow, run_cost=ctx.cost, with_extrapolation=False)
         out["straggler"] = {k: st[k] for k in ("policies", "rows", "in_situ_fit",
                                                 "simulated_over_measured_step_time",
                                                 "simulated_over_measured_step_time_offline")}
@@ -240,8 +241,7 @@ def _targets(r: dict) -> dict:
 
 def _policy_rows(sec: dict) -> list[list]:
     base = _sps(sec, "collective+lb-micro")
-    return [[name, p["balancer"] + (" (fallback)" if p["balancer_is_fallback"] else ""),
-             p["samples_per_s"], p["tokens_per_s"], p["bubble_rate"],
+    return [[name, p["balancer"], p["samples_per_s"], p["tokens_per_s"], p["bubble_rate"],
              ratio(p["samples_per_s"], base)]
             for name, p in sec["policies"].items()]
 
