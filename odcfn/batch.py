@@ -92,6 +92,14 @@ class Microbatch:
     def empty(self) -> bool:
         return not self.seqlens
 
+    def to(self, device: torch.device | str) -> Microbatch:
+        """The same microbatch with its tensors on ``device`` (lengths stay on the host)."""
+        move = lambda t: t.to(device, non_blocking=True)
+        return Microbatch(
+            move(self.input_ids_T), move(self.labels_T), move(self.loss_mask_T),
+            move(self.positions_T), self.seqlens, self.sample_ids,
+        )
+
 
 def pack(batch: Batch, sample_ids: Sequence[int]) -> Microbatch:
     """Concatenate the given samples; labels are next tokens inside each sample."""

@@ -75,9 +75,10 @@ class _Executor:
         transport: Transport,
         compute_dtype: torch.dtype,
         slowdown: float,
+        device: torch.device,
     ) -> None:
         self.plan, self.model, self.layout, self.batch = plan, model, layout, batch
-        self.t, self.dtype, self.slowdown = transport, compute_dtype, slowdown
+        self.t, self.dtype, self.slowdown, self.device = transport, compute_dtype, slowdown, device
         self.units = {u.name: u for u in model.units}
         self.prev = {u: (model.units[i - 1].name if i else None) for i, u in enumerate(model.unit_names)}
         self.bufs: dict[str, torch.Tensor] = {}
@@ -89,7 +90,7 @@ class _Executor:
         self.saved: dict[tuple[str, int], _Saved] = {}
         self.grad_out: dict[int, Any] = {}  # mb -> grad w.r.t. the output of the unit in backward
         self.grads: dict[str, torch.Tensor | None] = {}
-        self.loss_sum = torch.zeros((), dtype=torch.float64)
+        self.loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         self.scale = 1.0 / batch.num_loss_tokens
 
     # --- parameters -------------------------------------------------------------------------
@@ -99,8 +100,9 @@ class _Executor:
         n = self.layout[unit].padded_numel
         buf = self.bufs.get(unit)
         if buf is None:
-            buf = self.bufs[unit] = torch.empty(n, dtype=self.dtype)
-            self.wbufs[unit] = torch.empty(0, dtype=self.dtype).set_(buf.untyped_storage(), 0, (n,))
+            buf = self.bufs[unit] = torch.empty(n, dtype=self.dtype, device=self.device)
+            alias = torch.empty(0, dtype=self.dtype, device=self.device)
+            self.wbufs[unit] = alias.set_(buf.untyped_storage(), 0, (n,))
         elif buf.untyped_storage().size() == 0:
             buf.untyped_storage().resize_(n * buf.element_size())
         return self.wbufs[unit]
@@ -117,7 +119,7 @@ class _Executor:
 
     def _mb(self, mb: int) -> Microbatch:
         if mb not in self.packed:
-            self.packed[mb] = pack(self.batch, self.plan.microbatches[mb])
+            self.packed[mb] = pack(self.batch, self.plan.microbatches[mb]).to(self.device)
         return self.packed[mb]
 
     # --- compute ----------------------------------------------------------------------------
@@ -198,7 +200,7 @@ class _Executor:
             elif isinstance(s, (ScatterAccumulate, ReduceScatter)):
                 g = self.grads.pop(s.unit)
                 if g is None:  # an empty microbatch still joins the collective
-                    g = torch.zeros(self.layout[s.unit].padded_numel, dtype=self.dtype)
+                    g = torch.zeros(self.layout[s.unit].padded_numel, dtype=self.dtype, device=self.device)
                 with torch.no_grad():
                     if isinstance(s, ScatterAccumulate):
                         self.pushes.append(self.t.scatter_accumulate(s.unit, g))
@@ -227,7 +229,7 @@ class _Executor:
         self.t.flush()
         grads = self.t.grad_shards()
         self.t.replica_all_reduce(grads)
-        norm2 = torch.zeros((), dtype=torch.float64)
+        norm2 = torch.zeros((), dtype=torch.float64, device=self.device)
         for g in grads.values():
             norm2 += g.double().square().sum()
         # after the replica all-reduce every replica holds the same shard: count it once
@@ -244,10 +246,11 @@ def execute(
     transport: Transport,
     compute_dtype: torch.dtype,
     slowdown: float = 1.0,
+    device: torch.device | str = "cpu",
 ) -> ExecResult:
     """Run ``plan`` (including its Sync); the transport then holds this rank's gradient shards."""
     t0 = time.perf_counter()
-    ex = _Executor(plan, model, layout, batch, transport, compute_dtype, slowdown)
+    ex = _Executor(plan, model, layout, batch, transport, compute_dtype, slowdown, torch.device(device))
     events, stats = ex.run(t0)
     return ExecResult(float(stats[0]), float(stats[1].clamp_min(0).sqrt()), events)
 
@@ -262,6 +265,7 @@ def execute_stealing(
     compute_dtype: torch.dtype,
     options: ScheduleOptions | None = None,
     slowdown: float = 1.0,
+    device: torch.device | str = "cpu",
 ) -> tuple[ExecResult, Plan]:
     """Work stealing (ODC only): claim work items (``items[transport.claim()]``, the same queue
     on every rank) until the queue is exhausted, running each as a one-microbatch plan fragment;
@@ -271,7 +275,10 @@ def execute_stealing(
     mbs: list[tuple[int, ...]] = []
     steps: list[Step] = []
     events: list[Event] = []
-    ex = _Executor(Plan(rank, "odc", units, (), ()), model, layout, batch, transport, compute_dtype, slowdown)
+    ex = _Executor(
+        Plan(rank, "odc", units, (), ()), model, layout, batch, transport, compute_dtype, slowdown,
+        torch.device(device),
+    )
     while (k := transport.claim()) < len(items):
         frag = stealing_fragment(units, items[k], len(mbs), options)
         mbs.append(tuple(items[k]))

@@ -109,17 +109,18 @@ def grad_step(
         assignment = get_balancer(balance, cost=cost)(batch.lengths, mesh.world_size, cap)
         plan = compile_plan(model.unit_names, assignment, mesh.rank, comm, options)
     dtype = compute_dtype or model.dtype
+    device = next(iter(params.values())).device  # compute follows the parameter shards
     before = transport.counters.copy()
     transport.begin_step(layout, params, dtype)
     if stealing:
         result, plan = execute_stealing(
             items, model=model, layout=layout, batch=batch, transport=transport,
-            compute_dtype=dtype, options=options, slowdown=slowdown,
+            compute_dtype=dtype, options=options, slowdown=slowdown, device=device,
         )
     else:
         result = execute(
             plan, model=model, layout=layout, batch=batch, transport=transport,
-            compute_dtype=dtype, slowdown=slowdown,
+            compute_dtype=dtype, slowdown=slowdown, device=device,
         )
     metrics = StepMetrics(
         loss=result.loss_sum / batch.num_loss_tokens,

@@ -61,6 +61,15 @@ def test_params_not_matching_model():
 
     assert "float64" in _grad_on_all(full, batch, model, params_fn=wrong_dtype)
 
+    def two_devices(mesh):
+        p = odcfn.shard(full, model, mesh)
+        p["head"] = p["head"].to("meta")
+        return p
+
+    assert "all shards of a rank live on one device" in _grad_on_all(
+        full, batch, model, params_fn=two_devices
+    )
+
 
 def test_shard_rejects_mismatched_full_params():
     cfg, model, full = tiny()

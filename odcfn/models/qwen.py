@@ -116,7 +116,7 @@ def linear(x: torch.Tensor, p: dict) -> torch.Tensor:
 
 def rope(x_HxTxK: torch.Tensor, positions_T: torch.Tensor, theta: float) -> torch.Tensor:
     K = x_HxTxK.shape[-1]
-    inv_freq = 1.0 / theta ** (torch.arange(0, K, 2, dtype=torch.float32) / K)
+    inv_freq = 1.0 / theta ** (torch.arange(0, K, 2, dtype=torch.float32, device=x_HxTxK.device) / K)
     ang_TxK = torch.outer(positions_T.float(), inv_freq).repeat(1, 2)
     cos, sin = ang_TxK.cos().to(x_HxTxK.dtype), ang_TxK.sin().to(x_HxTxK.dtype)
     x1, x2 = x_HxTxK.chunk(2, dim=-1)

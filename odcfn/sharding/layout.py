@@ -132,3 +132,9 @@ def check_shards(shards: Any, layout: Layout, dtype: torch.dtype, what: str = "p
             )
         if t.dtype != dtype:
             raise ValueError(f"{what}[{u.name!r}] has dtype {t.dtype}, expected {dtype}")
+        first = shards[layout.units[0].name]
+        if t.device != first.device:
+            raise ValueError(
+                f"{what}[{u.name!r}] is on {t.device} but {what}[{layout.units[0].name!r}] is on "
+                f"{first.device}: all shards of a rank live on one device"
+            )
