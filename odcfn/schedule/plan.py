@@ -136,7 +136,7 @@ class Plan:
                 args.append(f"mb{s.mb}")
             if getattr(s, "remat", False):
                 args.append("remat")
-            lines.append(f"  {i:4d}  {type(s).__name__:<18}{' '.join(args)}")
+            lines.append(f"  {i:4d}  {type(s).__name__:<18}{' '.join(args)}".rstrip())
         return "\n".join(lines)
 
 
