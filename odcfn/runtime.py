@@ -20,7 +20,6 @@ import torch
 from odcfn.batch import Batch, Microbatch, pack
 from odcfn.kernels.base import Handle, Transport
 from odcfn.model import Model
-from odcfn.schedule.balance import stealing_fragment
 from odcfn.schedule.plan import (
     AllGather,
     Backward,
@@ -33,6 +32,7 @@ from odcfn.schedule.plan import (
     ScheduleOptions,
     Step,
     Sync,
+    stealing_fragment,
 )
 from odcfn.sharding import Layout
 from odcfn.trace import Event

@@ -18,11 +18,10 @@ from odcfn.schedule.balance import (
     Balancer,
     check_lengths,
     get_balancer,
-    stealing_fragment,
     work_stealing_items,
 )
 from odcfn.schedule.cost import DEFAULT_COST, CostModel
-from odcfn.schedule.plan import Comm, Plan, ScheduleOptions, compile_plan
+from odcfn.schedule.plan import Comm, Plan, ScheduleOptions, compile_plan, stealing_fragment
 from odcfn.sharding import Layout, Mesh, make_layout
 from odcfn.sharding.layout import check_shards
 from odcfn.trace import Event

@@ -20,11 +20,10 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable, Sequence
-from dataclasses import replace
-from functools import lru_cache, partial
+from functools import partial
 
 from odcfn.schedule.cost import DEFAULT_COST, CostModel
-from odcfn.schedule.plan import Assignment, Backward, Forward, ScheduleOptions, Step, compile_plan
+from odcfn.schedule.plan import Assignment
 
 __all__ = [
     "BALANCERS",
@@ -39,7 +38,6 @@ __all__ = [
     "pack_greedy",
     "rank_loads",
     "round_robin",
-    "stealing_fragment",
     "work_stealing_items",
     "work_stealing_order",
 ]
@@ -377,23 +375,3 @@ def get_balancer(balance: str | Balancer, *, cost: CostModel | None = None) -> B
     if cost is not None and fn is not round_robin:
         return partial(fn, cost=cost)
     return fn
-
-
-def stealing_fragment(
-    units: Sequence[str], sample_ids: Sequence[int], mb: int, options: ScheduleOptions | None = None
-) -> tuple[Step, ...]:
-    """The steps a work-stealing rank runs for one claimed item: a one-microbatch plan (its
-    gathers prefetched inside it) without the Sync, renumbered as microbatch ``mb``. Used by the
-    runtime and the simulator alike."""
-    if not sample_ids:
-        raise ValueError("a work item needs at least one sample")
-    return _fragment(tuple(units), mb, options)
-
-
-@lru_cache(maxsize=256)
-def _fragment(units: tuple[str, ...], mb: int, options: ScheduleOptions | None) -> tuple[Step, ...]:
-    # the steps name units and microbatch indices only, never sample ids: one per (units, mb)
-    steps = compile_plan(units, (((0,),),), 0, "odc", options).steps[:-1]
-    if mb == 0:
-        return steps
-    return tuple(replace(s, mb=mb) if isinstance(s, (Forward, Backward)) else s for s in steps)

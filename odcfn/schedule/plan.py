@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Literal, Union
 
 __all__ = [
@@ -31,6 +32,7 @@ __all__ = [
     "Sync",
     "compile_plan",
     "microbatch_steps",
+    "stealing_fragment",
 ]
 
 Comm = Literal["odc", "collective"]
@@ -195,6 +197,29 @@ def _hoist_gathers(steps: list[Step], depth: int) -> list[Step]:
     return out
 
 
+def stealing_fragment(
+    units: Sequence[str], sample_ids: Sequence[int], mb: int, options: ScheduleOptions | None = None
+) -> tuple[Step, ...]:
+    """The steps a work-stealing rank runs for one claimed item: microbatch ``mb``'s forward and
+    backward with their gathers prefetched inside it, and no Sync. Used by the runtime and the
+    simulator alike."""
+    if not sample_ids:
+        raise ValueError("a work item needs at least one sample")
+    return _fragment(tuple(units), mb, options or ScheduleOptions())
+
+
+@lru_cache(maxsize=256)
+def _fragment(units: tuple[str, ...], mb: int, options: ScheduleOptions) -> tuple[Step, ...]:
+    _check_remat(units, options)
+    return tuple(_hoist_gathers(microbatch_steps(units, mb, "odc", options), options.prefetch))
+
+
+def _check_remat(units: Sequence[str], options: ScheduleOptions) -> None:
+    unknown = sorted(options.remat - set(units))
+    if unknown:
+        raise ValueError(f"ScheduleOptions.remat names units the model does not have: {unknown}")
+
+
 def compile_plan(
     units: Sequence[str],
     assignment: Assignment,
@@ -212,9 +237,7 @@ def compile_plan(
         raise ValueError(f"comm must be 'odc' or 'collective', got {comm!r}")
     if not 0 <= rank < len(assignment):
         raise ValueError(f"rank {rank} is outside the assignment's {len(assignment)} ranks")
-    unknown = sorted(options.remat - set(units))
-    if unknown:
-        raise ValueError(f"ScheduleOptions.remat names units the model does not have: {unknown}")
+    _check_remat(units, options)
     mbs = tuple(tuple(m) for m in assignment[rank])
     if comm == "collective":
         n = max(len(a) for a in assignment)

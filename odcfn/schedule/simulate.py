@@ -30,7 +30,7 @@ import heapq
 from collections import deque
 from collections.abc import Sequence
 
-from odcfn.schedule.balance import stealing_fragment, work_stealing_items
+from odcfn.schedule.balance import work_stealing_items
 from odcfn.schedule.cost import DEFAULT_COST, CostModel
 from odcfn.schedule.plan import (
     AllGather,
@@ -46,6 +46,7 @@ from odcfn.schedule.plan import (
     ScheduleOptions,
     Sync,
     compile_plan,
+    stealing_fragment,
 )
 from odcfn.schedule.simmodel import (
     A100_COMM,
