@@ -85,6 +85,7 @@ class _Executor:
         self.wbufs: dict[str, torch.Tensor] = {}
         self.pending: dict[str, Handle] = {}
         self.pushes: list[Handle] = []
+        self.microbatches = list(plan.microbatches)  # work stealing appends as it claims
         self.packed: dict[int, Microbatch] = {}
         self.outs: dict[tuple[str, int], Any] = {}  # (unit, mb) -> detached output
         self.saved: dict[tuple[str, int], _Saved] = {}
@@ -119,7 +120,7 @@ class _Executor:
 
     def _mb(self, mb: int) -> Microbatch:
         if mb not in self.packed:
-            self.packed[mb] = pack(self.batch, self.plan.microbatches[mb]).to(self.device)
+            self.packed[mb] = pack(self.batch, self.microbatches[mb]).to(self.device)
         return self.packed[mb]
 
     # --- compute ----------------------------------------------------------------------------
@@ -252,6 +253,11 @@ def execute(
     t0 = time.perf_counter()
     ex = _Executor(plan, model, layout, batch, transport, compute_dtype, slowdown, torch.device(device))
     events, stats = ex.run(t0)
+    return _result(stats, events)
+
+
+def _result(stats: torch.Tensor, events: list[Event]) -> ExecResult:
+    """The synced [loss sum, grad-norm^2] as an ExecResult."""
     return ExecResult(float(stats[0]), float(stats[1].clamp_min(0).sqrt()), events)
 
 
@@ -272,7 +278,6 @@ def execute_stealing(
     then the one Sync. Returns the result and the plan this rank actually ran."""
     t0 = time.perf_counter()
     rank, units = transport.mesh.rank, model.unit_names
-    mbs: list[tuple[int, ...]] = []
     steps: list[Step] = []
     events: list[Event] = []
     ex = _Executor(
@@ -280,11 +285,10 @@ def execute_stealing(
         torch.device(device),
     )
     while (k := transport.claim()) < len(items):
-        frag = stealing_fragment(units, items[k], len(mbs), options)
-        mbs.append(tuple(items[k]))
+        frag = stealing_fragment(units, items[k], len(ex.microbatches), options)
+        ex.microbatches.append(tuple(items[k]))
         steps.extend(frag)
-        ex.plan = Plan(rank, "odc", units, tuple(mbs), ())  # the executor packs from microbatches
         ex.run_steps(frag, t0, events)
-    ex.plan = Plan(rank, "odc", units, tuple(mbs), (*steps, Sync()))
     stats = ex.run_steps((Sync(),), t0, events)
-    return ExecResult(float(stats[0]), float(stats[1].clamp_min(0).sqrt()), events), ex.plan
+    plan = Plan(rank, "odc", units, tuple(ex.microbatches), (*steps, Sync()))
+    return _result(stats, events), plan
