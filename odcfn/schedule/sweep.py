@@ -91,38 +91,18 @@ def run_cell(
         # so a fixed index would always meet the same (heaviest or lightest) share
         slow = [1.0] * devices
         slow[random.Random(f"straggler/{seed}/{k}").randrange(devices)] = straggler
+        kw = dict(workload=work, cost=cost, comm=comm, mesh=mesh, slowdown=slow, record=False)
         results = {
             "collective+lb-micro": simulate(
                 compile_plans(work.units, lb_micro(lengths, devices, cap, cost=cost), "collective"),
                 lengths,
-                workload=work,
-                cost=cost,
-                comm=comm,
-                mesh=mesh,
-                slowdown=slow,
-                record=False,
+                **kw,
             ),
             "odc+lb-mini": simulate(
-                compile_plans(work.units, lb_mini(lengths, devices, cap, cost=cost), "odc"),
-                lengths,
-                workload=work,
-                cost=cost,
-                comm=comm,
-                mesh=mesh,
-                slowdown=slow,
-                record=False,
+                compile_plans(work.units, lb_mini(lengths, devices, cap, cost=cost), "odc"), lengths, **kw
             ),
             "odc+work-stealing": simulate_work_stealing(
-                lengths,
-                devices,
-                max_tokens=cap,
-                split_tail=split_tail,
-                workload=work,
-                cost=cost,
-                comm=comm,
-                mesh=mesh,
-                slowdown=slow,
-                record=False,
+                lengths, devices, max_tokens=cap, split_tail=split_tail, **kw
             ),
         }
         for p, res in results.items():
