@@ -70,7 +70,6 @@ __all__ = [
     "lower_bound_makespan",
     "simulate",
     "simulate_work_stealing",
-    "stealing_fragment",
 ]
 
 
