@@ -331,20 +331,32 @@ def test_landing_pushes_complete_while_the_owner_computes_something_else():
     assert torch.equal(acc_after[0], grad[u.shard_size : 2 * u.shard_size])
 
 
-def test_claim_is_a_shared_counter_fresh_each_step():
+@pytest.mark.parametrize("kind", ["local", "cuda_ipc"])
+def test_fetch_add_counters_are_shared_independent_and_fresh_each_step(kind):
     world = LocalWorld(2)
     store = HashStore()
     from odcfn.sharding import make_layout
 
     got: list = [[], []]
+    phase = threading.Barrier(2, timeout=30)
 
     def body(rank):
         mesh = odcfn.Mesh(2, rank)
-        tr = cuda_ipc_transport(mesh, store, LocalCollectives(world, rank), device="cpu", mode="landing")
+        if kind == "local":
+            tr = world.transport(rank)
+        else:
+            tr = cuda_ipc_transport(mesh, store, LocalCollectives(world, rank), device="cpu", mode="landing")
         layout = make_layout(MODEL, mesh)
-        for _ in range(2):
+        for step in range(2):
             tr.begin_step(layout, odcfn.shard(FULL, MODEL, mesh), torch.float32)
-            got[rank].append([tr.claim() for _ in range(5)])
+            fresh = [tr.fetch_add(c, 0) for c in (0, 1, 2)]
+            phase.wait()  # nobody adds before both have read the fresh values
+            took = [tr.fetch_add(0) for _ in range(4 + 2 * rank + step)]  # unequal counts
+            tr.fetch_add(1, 10 ** rank)
+            tr.fetch_add(2, -(rank + 1))
+            phase.wait()
+            totals = [tr.fetch_add(c, 0) for c in (0, 0, 1, 2, 3)]  # n=0 twice: reads, no change
+            got[rank].append((fresh, took, totals))
             tr.flush()
             tr.sync(torch.zeros(2, dtype=torch.float64))
         tr.close()
@@ -355,7 +367,12 @@ def test_claim_is_a_shared_counter_fresh_each_step():
     for t in ts:
         t.join()
     for step in range(2):
-        assert sorted(got[0][step] + got[1][step]) == list(range(10))
+        total = 4 + 6 + 2 * step
+        assert sorted(got[0][step][1] + got[1][step][1]) == list(range(total))
+        for rank in range(2):
+            fresh, _, totals = got[rank][step]
+            assert fresh == [0, 0, 0]  # step 2 starts from 0 although step 1 left values
+            assert totals == [total, total, 11, -3, 0]
 
 
 def test_a_peer_that_never_publishes_times_out_instead_of_hanging():

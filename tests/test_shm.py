@@ -1,5 +1,5 @@
 """ShmTransport mechanics across real processes (exact concurrent accumulation, version-gated
-gathers, claim), its primitives in one process, CollectiveTransport's refusals, and launch."""
+gathers, fetch_add counters), its primitives in one process, CollectiveTransport's refusals, and launch."""
 
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ def stress_worker():
         tr.flush()
         took = time.perf_counter() - t0
         acc = {k: v.clone() for k, v in tr.grad_shards().items()}
-        claims = [tr.claim() for _ in range(5 + r)]  # unequal numbers of claims per rank
+        claims = [tr.fetch_add(0) for _ in range(5 + r)]  # unequal numbers of adds per rank
         tr.sync(torch.zeros(1, dtype=torch.float64))
     return acc, took, claims
 
@@ -78,7 +78,7 @@ def versions_worker(steps):
             for u in layout.units:
                 tr.gather(u.name, out)
                 seen.append(out.view(w, -1)[:, ::97].clone())
-            claims.append(tr.claim())
+            claims.append(tr.fetch_add(0))
             tr.flush()
             tr.sync(torch.ones(1, dtype=torch.float64))
             if step == 1:  # every rank is past setup: all mapped, all unlinked; a crash leaves nothing
@@ -86,6 +86,49 @@ def versions_worker(steps):
                 mapped = len(tr._segs)
         counters = tr.counters.as_dict()
     return seen, claims, counters, (visible, mapped)
+
+
+def counters_worker(steps):
+    """Per step, between barriers: read counters fresh, add to several at once (unequal counts on
+    counter 0, powers of ten on 1, negatives on 2, the last index), read the totals back."""
+    torch.set_num_threads(1)
+    mesh = odcfn.Mesh.from_env()
+    r = mesh.rank
+    layout = make_layout(_flat_model(mesh.world_size), mesh)
+    shards = {u.name: torch.zeros(u.shard_size) for u in layout.units}
+    out: dict = {"steps": []}
+    with ShmTransport(mesh, timeout=30) as tr:
+        last = tr.max_counters - 1
+        for step in range(1, steps + 1):
+            tr.begin_step(layout, shards, torch.float32)
+            fresh = [tr.fetch_add(c, 0) for c in (0, 1, 2, last)]
+            tr.dist.barrier()  # nobody adds before everyone has read the fresh values
+            took = [tr.fetch_add(0) for _ in range(2 + r + step)]
+            before = (tr.fetch_add(1, 10**r), tr.fetch_add(2, -(r + 1)), tr.fetch_add(last, 5))
+            tr.dist.barrier()  # every add of this step has landed
+            totals = [tr.fetch_add(c, 0) for c in (0, 0, 1, 2, last, 3)]  # n=0 twice: no change
+            out["steps"].append((fresh, took, before, totals))
+            tr.sync(torch.zeros(1, dtype=torch.float64))
+        for bad in (-1, tr.max_counters):
+            try:
+                tr.fetch_add(bad)
+            except ValueError as e:
+                out[bad] = str(e)
+        # a rank already in the next step touched counter 5: a rank still in this step must not
+        # silently reset it back
+        tr.dist.barrier()
+        if r == 0:
+            tr.begin_step(layout, shards, torch.float32)
+            tr.fetch_add(5)
+        tr.dist.barrier()
+        if r == 1:
+            try:
+                tr.fetch_add(5)
+            except TransportError as e:
+                out["behind"] = str(e)
+        tr.dist.barrier()
+        out["max_counters"] = tr.max_counters
+    return out
 
 
 def collective_refuses_worker():
@@ -101,7 +144,7 @@ def collective_refuses_worker():
         out["gathered"] = buf.view(mesh.world_size, -1)[:, 0].tolist()
         for name, call in [("gather", lambda: tr.gather("u0", buf)),
                            ("scatter_accumulate", lambda: tr.scatter_accumulate("u0", buf)),
-                           ("claim", tr.claim)]:
+                           ("fetch_add", lambda: tr.fetch_add(0))]:
             try:
                 call()
                 out[name] = "no error"
@@ -132,7 +175,7 @@ def test_concurrent_scatter_accumulate_is_exact(mp_pool):  # noqa: F811
         assert set(acc) == {f"u{i}" for i in range(UNITS)}
         for name, a in acc.items():
             assert torch.equal(a, want[r]), (r, name, (a - want[r]).abs().max().item())
-    # claim: a fetch-and-add shared by all ranks: every number exactly once, none skipped
+    # fetch_add(0): shared by all ranks: every number exactly once, none skipped
     claims = sorted(c for o in out for c in o[2])
     assert claims == list(range(len(claims)))
 
@@ -148,16 +191,40 @@ def test_gathers_see_exactly_the_published_version(mp_pool):  # noqa: F811
             assert torch.equal(s, want), (r, step)
         assert counters["syncs"] == steps and counters["collectives"] == 0
         assert counters["gather_bytes"] == steps * UNITS * (world - 1) * SHARD * 4
-    # one claim per rank per step: each step's counter is fresh, so each step hands out 0..W-1
+    # one fetch_add(0) per rank per step: each step's counter is fresh, so each step hands out 0..W-1
     for step in range(steps):
         assert sorted(o[1][step] for o in out) == list(range(world))
+
+
+def test_fetch_add_counters_are_independent_fresh_each_step_and_bounded(mp_pool):  # noqa: F811
+    world, steps = 3, 2
+    out = mp_pool.run(counters_worker, world, args=(steps,))
+    for step in range(steps):
+        per_rank = [o["steps"][step] for o in out]
+        for fresh, _, _, _ in per_rank:
+            assert fresh == [0, 0, 0, 0]  # step 2 starts at 0 again although step 1 left values
+        took = sorted(i for p in per_rank for i in p[1])
+        total = sum(2 + r + step + 1 for r in range(world))  # unequal counts per rank
+        assert took == list(range(total))
+        # counter 1 got 1, 10, 100 in some order: each rank saw a partial sum of the others
+        assert sorted(p[2][0] for p in per_rank) in ([0, 1, 11], [0, 1, 101], [0, 10, 11], [0, 10, 110],
+                                                      [0, 100, 101], [0, 100, 110])
+        assert sorted(p[2][2] for p in per_rank) == [0, 5, 10]
+        for p in per_rank:
+            assert p[3] == [total, total, 111, -6, 15, 0]
+    assert out[0]["max_counters"] == 1 << 16
+    for o in out:
+        assert "counter -1" in o[-1] and "65536" in o[-1]
+        assert "counter 65536" in o[1 << 16] and "max_counters" in o[1 << 16]
+    assert "behind" not in out[0] and "behind" not in out[2]
+    assert "counter 5" in out[1]["behind"] and "step 3" in out[1]["behind"], out[1]["behind"]
 
 
 def test_collective_transport_gathers_and_refuses_one_sided_ops(mp_pool):  # noqa: F811
     out = mp_pool.run(collective_refuses_worker, 2)
     for o in out:
         assert o["gathered"] == [0.0, 1.0] and o["sync"] == 2.0
-        for op in ("gather", "scatter_accumulate", "claim"):
+        for op in ("gather", "scatter_accumulate", "fetch_add"):
             assert "CollectiveTransport" in o[op] and "ShmTransport" in o[op], o[op]
 
 

@@ -12,7 +12,7 @@ protocol of ``kernels/base.py`` with the same semantics as ``LocalTransport``:
   the owner's drain thread adds it on a side stream and returns a credit);
 - ``flush``: fence, tell every owner ``FIN = (step, last request id)``, wait until every client's
   FIN for this step arrived and (landing) everything up to its last id was drained;
-- ``sync``: the ONE collective of the minibatch. ``claim``: an atomic add on the rendezvous store.
+- ``sync``: the ONE collective of the minibatch. ``fetch_add``: an atomic add on the rendezvous store.
 """
 
 from __future__ import annotations
@@ -387,8 +387,9 @@ class ArenaTransport:
             return self._host
         return {name: acc for name, (_, acc) in self._views.items()}
 
-    def claim(self) -> int:
-        return int(self.store.add(f"{self.prefix}/claim/{self.step}", 1)) - 1
+    def fetch_add(self, counter: int, n: int = 1) -> int:
+        # store.add returns the value after the add; a missing key counts as 0 (fresh each step)
+        return int(self.store.add(f"{self.prefix}/c/{self.step}/{counter}", n)) - n
 
     def close(self) -> None:
         self._stop_drain()

@@ -5,6 +5,8 @@ parameter shards as the new version, expose fresh gradient accumulators), then a
 point-to-point ``gather``/``scatter_accumulate`` (ODC) or collective ``all_gather``/
 ``reduce_scatter`` (FSDP baseline), then ``flush`` (point-to-point: wait until every push into
 this rank's accumulators has landed), then exactly one ``sync`` (the global all-reduce).
+``fetch_add(counter, n)`` atomically adds to one of many integer counters shared by the whole
+world and fresh every step (work stealing hands out work through them).
 
 Semantics every implementation keeps (DESIGN.md):
 - a gather during step t returns exactly the shards the owners published for step t
@@ -99,8 +101,9 @@ class Transport(Protocol):
     def grad_shards(self) -> dict[str, torch.Tensor]:
         """This rank's accumulated gradient shards for the current step (valid after flush)."""
 
-    def claim(self) -> int:
-        """Fetch-and-increment a counter shared by all ranks and fresh each step: 0, 1, 2, ...
-        across the world (work stealing takes samples in this order)."""
+    def fetch_add(self, counter: int, n: int = 1) -> int:
+        """Atomically add ``n`` (may be 0 or negative) to shared integer counter number ``counter``
+        and return its value before the add. Counters are shared by all ranks of the world and are
+        zero at the start of every step (fresh after each ``begin_step``); ``n=0`` reads one."""
 
     def close(self) -> None: ...

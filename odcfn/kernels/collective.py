@@ -233,8 +233,8 @@ class CollectiveTransport:
         self._no_odc("scatter_accumulate")
         return Done()
 
-    def claim(self) -> int:
-        self._no_odc("claim")
+    def fetch_add(self, counter: int, n: int = 1) -> int:
+        self._no_odc("fetch_add")
         return 0
 
     def close(self) -> None:

@@ -8,7 +8,7 @@ Triton launch of vectorised atomic adds into the owners' accumulators ("remote_a
 is never involved) or a put into a per-client landing slot that the owner's drain thread adds
 on a side stream ("landing"). Control plane: int64 signal words in host shared memory
 (``/dev/shm``), each written by exactly one peer after a stream synchronize, so no word ever
-needs a cross-process read-modify-write; ``claim`` uses the rendezvous store's atomic add.
+needs a cross-process read-modify-write; ``fetch_add`` uses the rendezvous store's atomic add.
 
 The same fabric runs on CPU tensors (arena in ``/dev/shm`` too): with ``TRITON_INTERPRET=1``
 through the very same Triton kernels, otherwise through their torch references. That is how
@@ -302,7 +302,7 @@ def cuda_ipc_transport(
     host_grads: bool = False,
 ) -> ArenaTransport:
     """The CUDA-IPC transport for ``mesh.rank``. ``store``: a torch.distributed Store shared by
-    the ranks (rendezvous + ``claim``); ``collectives``: ``TorchCollectives`` (or
+    the ranks (rendezvous + ``fetch_add``); ``collectives``: ``TorchCollectives`` (or
     ``LocalCollectives`` for threads). ``device`` defaults to ``cuda:{local_rank % count}``, so W
     processes on a one-GPU machine share that GPU. ``mode``: "remote_add" or "landing"; by
     default "remote_add" where triton atomics run (CUDA, interpreter), else "landing"."""

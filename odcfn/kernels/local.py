@@ -3,7 +3,7 @@
 Used by the core tests and notebooks. It keeps every semantic of the real transports: one-sided
 gathers gated by per-rank version counters, scatter-accumulates under a per-owner lock (no lost
 updates), point-to-point completion counters for ``flush``, exactly one global all-reduce in
-``sync``, and timeouts instead of hangs.
+``sync``, ``fetch_add`` counters fresh every step, and timeouts instead of hangs.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ class LocalWorld:
         self.acc: list[dict[str, torch.Tensor]] = [{} for _ in range(world_size)]
         self.acc_locks = [threading.Lock() for _ in range(world_size)]
         self.done: dict[tuple[int, int], int] = defaultdict(int)  # (owner, step) -> pushers done
-        self.claims: dict[int, int] = defaultdict(int)  # step -> next work item
+        self.shared: dict[tuple[int, int], int] = {}  # (step, counter) -> value, for fetch_add
         self.aborted: str | None = None
         self._groups: dict[tuple[int, ...], tuple[threading.Barrier, list[Any]]] = {}
         self._groups_lock = threading.Lock()
@@ -120,6 +120,9 @@ class LocalTransport:
         with w.cond:
             w.version[r] = self.step
             w.cond.notify_all()
+            # a rank starting step t means every rank is past step t-2's sync: drop those counters
+            for key in [k for k in w.shared if k[0] < self.step - 1]:
+                del w.shared[key]
 
     def _owners(self) -> tuple[int, ...]:
         return self.mesh.shard_group
@@ -199,11 +202,12 @@ class LocalTransport:
     def grad_shards(self) -> dict[str, torch.Tensor]:
         return self.world.acc[self.mesh.rank]
 
-    def claim(self) -> int:
-        with self.world.cond:
-            n = self.world.claims[self.step]
-            self.world.claims[self.step] = n + 1
-            return n
+    def fetch_add(self, counter: int, n: int = 1) -> int:
+        w, step = self.world, self.step
+        with w.cond:
+            old = w.shared.get((step, counter), 0)
+            w.shared[(step, counter)] = old + n
+            return old
 
     def close(self) -> None:
         return None

@@ -295,7 +295,7 @@ def nvshmem_transport(
     host_grads: bool = False,
 ) -> ArenaTransport:
     """The NVSHMEM transport for ``mesh.rank`` (after ``torch.distributed.init_process_group``).
-    ``store``: the torch.distributed store (``claim``); ``collectives``: ``TorchCollectives``."""
+    ``store``: the torch.distributed store (``fetch_add``); ``collectives``: ``TorchCollectives``."""
     fabric = NvshmemFabric(mesh, device)
     return ArenaTransport(
         mesh,

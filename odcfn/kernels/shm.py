@@ -2,9 +2,10 @@
 
 Each rank owns one shared-memory segment that every peer maps::
 
-    ctrl  int64[16 + W]   version | pid | abort | claim step | claim count | ... | done[client]
-    pub   per unit: this rank's parameter shard in the compute dtype (what gathers read)
-    acc   per unit: this rank's fp32 gradient accumulator (what scatter-accumulates add into)
+    ctrl      int64[16 + W]       version | pid | abort | ... | done[client]
+    counters  int64[2^16, 2]      (step, value) per ``fetch_add`` counter (only rank 0's is used)
+    pub       per unit: this rank's parameter shard in the compute dtype (what gathers read)
+    acc       per unit: this rank's fp32 gradient accumulator (what scatter-accumulates add into)
 
 - ``gather``: the reader waits until the owner's ``version`` equals this step, then copies the
   owner's shard itself; the owner does nothing (one-sided). The owner writes the shard, then the
@@ -18,7 +19,9 @@ Each rank owns one shared-memory segment that every peer maps::
   own in every owner's ``ctrl``; the owner waits for all its clients' slots (no atomics needed).
 - ``sync`` (the one global all-reduce), ``all_gather``/``reduce_scatter``/``replica_all_reduce``
   go over torch.distributed (gloo), so one transport serves ``comm="odc"`` and ``"collective"``.
-- ``claim``: a fetch-and-add on rank 0's ``ctrl`` under a byte-range lock, fresh each step.
+- ``fetch_add``: read-modify-write of one counter of rank 0's segment under a byte-range lock.
+  A counter stored at an older step counts as 0 (reset lazily, no zeroing pass; a later step
+  is an error). The region is sparse in the file: untouched counters cost no memory.
 
 Segments are created at the first ``begin_step`` (when the layout is known) and again only if the
 layout or compute dtype changes: every rank creates its file, all map all files between two
@@ -45,9 +48,10 @@ from odcfn.sharding import Layout, Mesh
 
 __all__ = ["ShmTransport"]
 
-VERSION, PID, ABORT, CLAIM_STEP, CLAIM_COUNT, DONE = 0, 1, 2, 3, 4, 16
+VERSION, PID, ABORT, DONE = 0, 1, 2, 16
+MAX_COUNTERS = 1 << 16  # fetch_add counters, each an int64 (step, value) pair
 _ALIGN = 64
-_CLAIM_LOCK = 0  # lock byte for claim(); accumulator chunk locks use byte offsets >= the acc region
+_COUNTER_LOCK = 0  # lock byte for fetch_add; accumulator chunk locks use byte offsets >= the acc region
 
 
 def _align(n: int) -> int:
@@ -60,6 +64,7 @@ class _SegLayout:
 
     key: tuple
     nbytes: int
+    counters: int
     pub: dict[str, int]
     acc: dict[str, int]
     sizes: dict[str, int]
@@ -68,14 +73,15 @@ class _SegLayout:
     def build(cls, layout: Layout, dtype: torch.dtype, world: int) -> _SegLayout:
         key = (tuple((u.name, u.shard_size) for u in layout.units), dtype, world)
         esize = torch.empty((), dtype=dtype).element_size()
-        off = _align((DONE + world) * 8)
+        counters = _align((DONE + world) * 8)
+        off = _align(counters + MAX_COUNTERS * 2 * 8)
         pub, acc, sizes = {}, {}, {}
         for u in layout.units:
             pub[u.name], off = off, _align(off + u.shard_size * esize)
             sizes[u.name] = u.shard_size
         for u in layout.units:
             acc[u.name], off = off, _align(off + u.shard_size * 4)
-        return cls(key, off, pub, acc, sizes)
+        return cls(key, off, counters, pub, acc, sizes)
 
 
 class ShmTransport:
@@ -84,7 +90,10 @@ class ShmTransport:
 
     ``chunk_elems``: scatter-accumulate granularity (elements per lock); smaller chunks let more
     writers into one owner's unit at once, larger ones pay fewer lock round trips.
+    ``fetch_add`` serves counters ``0 .. max_counters - 1``.
     """
+
+    max_counters = MAX_COUNTERS
 
     def __init__(self, mesh: Mesh, *, timeout: float = 60.0, chunk_elems: int = 1 << 16) -> None:
         if not isinstance(chunk_elems, int) or chunk_elems < 1:
@@ -102,6 +111,7 @@ class ShmTransport:
         self._seg: _SegLayout | None = None
         self._segs: list[Segment] = []
         self._ctrl: list[np.ndarray] = []
+        self._counters: np.ndarray | None = None  # rank 0's (step, value) pairs
         self._pub: list[dict[str, torch.Tensor]] = []
         self._acc: list[dict[str, torch.Tensor]] = []
         self._closed = False
@@ -133,11 +143,12 @@ class ShmTransport:
         segs = [mapped[p] for p in range(w)]
         self._seg, self._segs = seg, segs
         self._ctrl = [s.view(0, DONE + w, torch.int64).numpy() for s in segs]
+        self._counters = segs[0].view(seg.counters, MAX_COUNTERS * 2, torch.int64).numpy().reshape(-1, 2)
         self._pub = [{n: s.view(o, seg.sizes[n], dtype) for n, o in seg.pub.items()} for s in segs]
         self._acc = [{n: s.view(o, seg.sizes[n], torch.float32) for n, o in seg.acc.items()} for s in segs]
 
     def _release(self) -> None:
-        self._ctrl, self._pub, self._acc = [], [], []
+        self._ctrl, self._counters, self._pub, self._acc = [], None, [], []
         for s in self._segs:
             s.close()
         self._segs, self._seg = [], None
@@ -246,15 +257,21 @@ class ShmTransport:
         self._need_step()
         return self._acc[self.mesh.rank]
 
-    def claim(self) -> int:
+    def fetch_add(self, counter: int, n: int = 1) -> int:
+        if not 0 <= counter < self.max_counters:
+            raise ValueError(f"counter {counter} is out of range: ShmTransport has max_counters="
+                             f"{self.max_counters} (counters 0..{self.max_counters - 1})")
         self._need_step()
-        c = self._ctrl[0]
-        with RangeLock(self._segs[0].fd, _CLAIM_LOCK, self.timeout, "the claim counter"):
-            if c[CLAIM_STEP] != self.step:  # the first claim of this step resets the counter
-                c[CLAIM_STEP], c[CLAIM_COUNT] = self.step, 0
-            n = int(c[CLAIM_COUNT])
-            c[CLAIM_COUNT] = n + 1
-        return n
+        cell = self._counters[counter]  # (step, value) in rank 0's segment
+        with RangeLock(self._segs[0].fd, _COUNTER_LOCK, self.timeout, f"shared counter {counter}"):
+            if cell[0] > self.step:  # resetting it would wipe a later step's counts
+                raise TransportError(
+                    f"rank {self.mesh.rank}: shared counter {counter} is already in use at step "
+                    f"{int(cell[0])}, this rank is at step {self.step} (fetch_add after the step's sync?)"
+                )
+            old = int(cell[1]) if cell[0] == self.step else 0  # a stale step: fresh, i.e. 0
+            cell[0], cell[1] = self.step, old + n
+        return old
 
     # --- lifetime ------------------------------------------------------------------------------
     def abort(self) -> None:
