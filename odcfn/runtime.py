@@ -32,8 +32,9 @@ from odcfn.schedule.plan import (
     ScheduleOptions,
     Step,
     Sync,
-    stealing_fragment,
+    owner_pieces,
 )
+from odcfn.schedule.steal import DEFAULT_TOLERANCE, StealPlan, action_steps, rank_program, realised_plan
 from odcfn.sharding import Layout
 from odcfn.trace import Event
 
@@ -262,7 +263,7 @@ def _result(stats: torch.Tensor, events: list[Event]) -> ExecResult:
 
 
 def execute_stealing(
-    items: Sequence[Sequence[int]],
+    sp: StealPlan,
     *,
     model: Model,
     layout: Layout,
@@ -270,25 +271,29 @@ def execute_stealing(
     transport: Transport,
     compute_dtype: torch.dtype,
     options: ScheduleOptions | None = None,
+    tolerance: float | None = DEFAULT_TOLERANCE,
+    overhead: float = 0.0,
     slowdown: float = 1.0,
     device: torch.device | str = "cpu",
 ) -> tuple[ExecResult, Plan]:
-    """Work stealing (ODC only): claim work items (``items[transport.claim()]``, the same queue
-    on every rank) until the queue is exhausted, running each as a one-microbatch plan fragment;
+    """Work stealing (ODC only): run ``steal.rank_program``'s actions on ``transport.fetch_add``
+    (this rank's own LB-Mini list piece by piece, stolen samples as one-microbatch fragments),
     then the one Sync. Returns the result and the plan this rank actually ran."""
     t0 = time.perf_counter()
     rank, units = transport.mesh.rank, model.unit_names
-    steps: list[Step] = []
+    n_own = len(sp.lists[rank])
     events: list[Event] = []
     ex = _Executor(
         Plan(rank, "odc", units, (), ()), model, layout, batch, transport, compute_dtype, slowdown,
         torch.device(device),
     )
-    while (k := transport.claim()) < len(items):
-        frag = stealing_fragment(units, items[k], len(ex.microbatches), options)
-        ex.microbatches.append(tuple(items[k]))
-        steps.extend(frag)
-        ex.run_steps(frag, t0, events)
+    actions = []
+    ex.run_steps(owner_pieces(units, n_own, options)[0][0], t0, events)
+    for action in rank_program(sp, transport.fetch_add, rank, tolerance=tolerance, overhead=lambda: overhead):
+        steps = action_steps(units, n_own, action, len(ex.microbatches), options)
+        if action[2]:
+            ex.microbatches.append(action[2])
+        actions.append(action)
+        ex.run_steps(steps, t0, events)
     stats = ex.run_steps((Sync(),), t0, events)
-    plan = Plan(rank, "odc", units, tuple(ex.microbatches), (*steps, Sync()))
-    return _result(stats, events), plan
+    return _result(stats, events), realised_plan(units, rank, n_own, actions, options)

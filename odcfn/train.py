@@ -16,12 +16,11 @@ from odcfn.runtime import execute, execute_stealing
 from odcfn.schedule.balance import (
     WORK_STEALING,
     Balancer,
-    check_lengths,
     get_balancer,
-    work_stealing_items,
 )
 from odcfn.schedule.cost import DEFAULT_COST, CostModel
-from odcfn.schedule.plan import Comm, Plan, ScheduleOptions, compile_plan, stealing_fragment
+from odcfn.schedule.plan import Comm, Plan, ScheduleOptions, compile_plan, owner_pieces
+from odcfn.schedule.steal import steal_plan
 from odcfn.sharding import Layout, Mesh, make_layout
 from odcfn.sharding.layout import check_shards
 from odcfn.trace import Event
@@ -99,11 +98,14 @@ def grad_step(
                 f"balance='work_stealing' needs comm='odc' (got comm={comm!r}): collectives need "
                 "every rank to run the same microbatches in lockstep, known in advance"
             )
-        check_lengths(batch.lengths, cap)
-        items = work_stealing_items(
-            batch.lengths, cost or DEFAULT_COST, world_size=mesh.world_size, max_tokens=cap
-        )
-        stealing_fragment(model.unit_names, items[0], 0, options)  # bad options fail here, not later
+        sp = steal_plan(batch.lengths, mesh.world_size, cap, cost=cost or DEFAULT_COST)
+        limit = getattr(transport, "max_counters", None)
+        if limit is not None and sp.num_counters > limit:
+            raise ValueError(
+                f"work stealing needs {sp.num_counters} shared counters for {len(batch)} samples on "
+                f"{mesh.world_size} ranks; this transport has {limit}: use a smaller minibatch"
+            )
+        owner_pieces(model.unit_names, 1, options)  # bad options fail here, not later
     else:
         assignment = get_balancer(balance, cost=cost)(batch.lengths, mesh.world_size, cap)
         plan = compile_plan(model.unit_names, assignment, mesh.rank, comm, options)
@@ -113,7 +115,7 @@ def grad_step(
     transport.begin_step(layout, params, dtype)
     if stealing:
         result, plan = execute_stealing(
-            items, model=model, layout=layout, batch=batch, transport=transport,
+            sp, model=model, layout=layout, batch=batch, transport=transport,
             compute_dtype=dtype, options=options, slowdown=slowdown, device=device,
         )
     else:

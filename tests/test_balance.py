@@ -18,8 +18,6 @@ from odcfn.schedule.balance import (
     local_sort,
     rank_loads,
     round_robin,
-    work_stealing_items,
-    work_stealing_order,
 )
 from odcfn.schedule.cost import (
     DEFAULT_COST,
@@ -155,33 +153,6 @@ def test_errors_name_the_culprit():
         get_balancer("nope")
     with pytest.raises(ValueError, match="dynamic"):
         get_balancer("work_stealing")
-    with pytest.raises(ValueError, match="split_tail"):
-        work_stealing_items([1, 2], world_size=2, split_tail=2.0)
-
-
-# --- work-stealing queues -------------------------------------------------------------------
-
-
-@settings(max_examples=40, deadline=None)
-@given(problems(), st.floats(0.0, 1.0))
-def test_work_stealing_items_cover_every_sample_once(problem, split):
-    lengths, world, cap, cost = problem
-    items = work_stealing_items(lengths, cost, world_size=world, max_tokens=cap, split_tail=split)
-    assert sorted(i for it in items for i in it) == list(range(len(lengths)))
-    assert all(sum(lengths[i] for i in it) <= cap for it in items)
-    if split == 1.0:
-        assert all(len(it) == 1 for it in items)
-    lpt = work_stealing_order(lengths, cost)
-    assert [cost(lengths[i]) for i in lpt] == sorted((cost(n) for n in lengths), reverse=True)
-
-
-def test_seeded_queue_first_claims_are_each_ranks_first_planned_item():
-    lengths = [50, 40, 30, 20, 10, 5]
-    cost = TokenCost()
-    parts = lb_mini(lengths, 3, 50, cost=cost)
-    items = work_stealing_items(lengths, cost, world_size=3, max_tokens=50)
-    # the first W items are the heaviest sample of ranks 0, 1, 2 (all start at time 0)
-    assert [it[0] for it in items[:3]] == [mbs[0][0] for mbs in parts]
 
 
 # --- cost models ------------------------------------------------------------------------------
@@ -268,7 +239,7 @@ def test_aime_wrong_answers_longer_and_truncation_spike():
 # --- work stealing in the real runtime (in-process ranks) ------------------------------------
 
 
-def _ws_grad_steps(world, lengths, steps=2, ranks_per_node=None, sharding="full", **kw):
+def _ws_grad_steps(world, lengths, steps=2, ranks_per_node=None, sharding="full", slowdown_of=None, **kw):
     import torch
 
     import odcfn
@@ -283,8 +254,9 @@ def _ws_grad_steps(world, lengths, steps=2, ranks_per_node=None, sharding="full"
         mesh = odcfn.Mesh(world, rank, ranks_per_node, sharding)
         p = odcfn.shard(full, model, mesh)
         out = []
-        for _ in range(steps):  # the claim counter is fresh every step
-            g, m = odcfn.grad_step(p, batch, model=model, mesh=mesh, transport=tr, **kw)
+        kws = kw if slowdown_of is None else dict(kw, slowdown=slowdown_of(rank))  # per thread
+        for _ in range(steps):  # the counters are fresh every step
+            g, m = odcfn.grad_step(p, batch, model=model, mesh=mesh, transport=tr, **kws)
             out.append(({k: v.clone() for k, v in g.items()}, m))
         return out
 
@@ -317,7 +289,6 @@ def test_runtime_work_stealing_matches_the_reference_and_runs_each_sample_once(w
         plans = [out[r][step][1].plan for r in range(world)]
         claimed = sorted(i for p in plans for mb in p.microbatches for i in mb)
         assert claimed == list(range(len(lengths))), "every sample exactly once"
-        assert all(len(mb) == 1 for p in plans for mb in p.microbatches)
         for r in range(world):
             g, m = out[r][step]
             # nothing collective but the replica all-reduce of hybrid sharding, inside the sync
@@ -329,6 +300,32 @@ def test_runtime_work_stealing_matches_the_reference_and_runs_each_sample_once(w
             assert fwd == set(range(len(m.plan.microbatches)))
 
 
+def test_runtime_work_stealing_takes_work_from_a_slow_rank():
+    """Rank 1 computes 8x slower: rank 0 helps with rank 1's list (or steals it once its own is
+    done), the slow rank runs less than its LB-Mini list, and the gradients do not change."""
+    import odcfn
+    from odcfn.schedule import steal_plan
+
+    lengths = [9, 8, 7, 6, 5, 4, 3, 2]
+    kw = dict(balance="work_stealing", max_tokens_per_microbatch=9, slowdown=1.0)
+
+    def slow(rank: int) -> float:
+        return 8.0 if rank == 1 else 1.0
+
+    model, full, batch, out = _ws_grad_steps(2, lengths, steps=1, slowdown_of=slow, **kw)
+    own = steal_plan(lengths, 2, 9, cost=odcfn.schedule.cost.DEFAULT_COST).lists
+    ran = [{i for mb in out[r][0][1].plan.microbatches for i in mb} for r in range(2)]
+    planned = [{i for mb in own[r] for i in mb} for r in range(2)]
+    assert ran[0] | ran[1] == set(range(len(lengths))) and not ran[0] & ran[1]
+    assert ran[0] & planned[1], "rank 0 ran some of the slow rank's samples"
+    assert ran[1] < planned[1]
+    loss_ref, g_ref = odcfn.reference_value_and_grad(model, full, batch)
+    for r in range(2):
+        g, m = out[r][0]
+        assert m.loss == pytest.approx(float(loss_ref), rel=1e-5)
+        odcfn.tree_assert_allclose(g, odcfn.shard(g_ref, model, odcfn.Mesh(2, r)), rtol=1e-5, atol=1e-7)
+
+
 def test_runtime_work_stealing_rejects_collective_and_oversized_samples():
     with pytest.raises(ValueError, match="work_stealing.*comm='odc'"):
         _ws_grad_steps(2, [3, 4], steps=1, balance="work_stealing", comm="collective")
@@ -337,7 +334,7 @@ def test_runtime_work_stealing_rejects_collective_and_oversized_samples():
 
 
 def shm_stealing_worker(lengths, cap, slow_rank):
-    """Two work-stealing grad_steps on a ShmTransport (multi-process, shared claim counter)."""
+    """Two work-stealing grad_steps on a ShmTransport (multi-process, counters in /dev/shm)."""
     import odcfn
     from odcfn.kernels.shm import ShmTransport
     from odcfn.models import QwenConfig, init_params, qwen_model

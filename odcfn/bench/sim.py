@@ -81,13 +81,14 @@ def _trace_makespan(recs: Sequence[dict]) -> float:
     return max((e[3] for r in recs for e in r["events"]), default=0.0)
 
 
-def _stealing_items(lengths: Sequence[int], world: int, cap: int, cost=None):
-    """The queue the runtime's work stealing builds with ``cost`` (None: the schedule layer's
-    default), as ``train_step(..., balance="work_stealing", cost=cost)`` does."""
-    from odcfn.schedule.balance import work_stealing_items
+def _stealing(lengths: Sequence[int], world: int, cap: int, cost=None) -> dict:
+    """What the runtime's work stealing runs with: the owners' lists it builds with ``cost``
+    (None: the schedule layer's default), as ``train_step(..., balance="work_stealing",
+    cost=cost)`` does, and its steal guard (no overhead, no splitting)."""
     from odcfn.schedule.cost import DEFAULT_COST
+    from odcfn.schedule.steal import steal_plan
 
-    return work_stealing_items(lengths, cost or DEFAULT_COST, world_size=world, max_tokens=cap)
+    return {"plan": steal_plan(lengths, world, cap, cost=cost or DEFAULT_COST), "overhead": 0.0}
 
 
 def _simulate_step(recs, policy, cost, sim_w, comm, cap, slowdown=None, run_cost=None) -> float:
@@ -98,7 +99,7 @@ def _simulate_step(recs, policy, cost, sim_w, comm, cap, slowdown=None, run_cost
     W = len(recs)
     if recs[0]["balancer"] == "work_stealing":
         return simulate_work_stealing(
-            lengths, W, workload=sim_w, cost=cost, items=_stealing_items(lengths, W, cap, run_cost),
+            lengths, W, workload=sim_w, cost=cost, **_stealing(lengths, W, cap, run_cost),
             comm=comm, slowdown=slowdown, record=False).makespan
     assignment = tuple(tuple(tuple(mb) for mb in r["microbatches"]) for r in recs)
     plans = [compile_plan(sim_w.units, assignment, r, POLICIES[policy].comm) for r in range(W)]
@@ -239,7 +240,7 @@ def extrapolate(w: Workload, cost, sim_w, comms, devices=(2, 8, 16, 32), samples
                     if pol.balance == "work_stealing":
                         res = simulate_work_stealing(
                             lengths, D, workload=sim_w, cost=cost, comm=comms["odc"],
-                            items=_stealing_items(lengths, D, wd.max_tokens_per_microbatch, cost),
+                            **_stealing(lengths, D, wd.max_tokens_per_microbatch, cost),
                             record=False)
                     else:
                         a = get_balancer(pol.balance, cost=cost)(

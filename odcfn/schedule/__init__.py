@@ -6,7 +6,6 @@ from odcfn.schedule.balance import (
     lb_mini,
     local_sort,
     round_robin,
-    work_stealing_items,
 )
 from odcfn.schedule.cost import QuadraticCost, TokenCost, calibrate, flops_cost
 from odcfn.schedule.lengths import DATASETS, aime_rl, longalign, swe_smith
@@ -26,6 +25,7 @@ from odcfn.schedule.plan import (
 )
 from odcfn.schedule.simmodel import A100_COMM, ZERO_COMM, CommModel, SimResult, Workload, lower_bound_makespan
 from odcfn.schedule.simulate import compile_plans, simulate, simulate_work_stealing
+from odcfn.schedule.steal import StealPlan, steal_plan
 
 __all__ = [
     "A100_COMM",
@@ -46,6 +46,7 @@ __all__ = [
     "ScatterAccumulate",
     "ScheduleOptions",
     "SimResult",
+    "StealPlan",
     "Sync",
     "TokenCost",
     "Workload",
@@ -64,5 +65,5 @@ __all__ = [
     "simulate",
     "simulate_work_stealing",
     "swe_smith",
-    "work_stealing_items",
+    "steal_plan",
 ]

@@ -11,9 +11,9 @@ rank, never by hash order or randomness.
   a collective (FSDP) schedule can use: every rank must run the same number of microbatches.
 - ``lb_mini``: free partition (unequal counts allowed; the equal-count partition is a candidate
   too, so it is never worse), then each rank packs its own microbatches. Needs ODC.
-- work stealing is dynamic: ``work_stealing_items`` is the shared queue (seeded by LB-Mini), and
-  ranks claim from it with ``transport.claim()`` in ``odcfn.train.grad_step(balance=
-  "work_stealing")`` and in ``odcfn.schedule.simulate.simulate_work_stealing``.
+- work stealing is dynamic (``odcfn.schedule.steal``): LB-Mini's lists, then idle or fast ranks
+  take samples from slow ones at run time, in ``odcfn.train.grad_step(balance="work_stealing")``
+  and in ``odcfn.schedule.simulate.simulate_work_stealing``.
 """
 
 from __future__ import annotations
@@ -38,8 +38,6 @@ __all__ = [
     "pack_greedy",
     "rank_loads",
     "round_robin",
-    "work_stealing_items",
-    "work_stealing_order",
 ]
 
 Balancer = Callable[[Sequence[int], int, int], Assignment]
@@ -88,62 +86,6 @@ def round_robin(lengths: Sequence[int], world_size: int, max_tokens: int) -> Ass
 
 
 # --- helpers ------------------------------------------------------------------------------
-
-
-def work_stealing_items(
-    lengths: Sequence[int],
-    cost: CostModel = DEFAULT_COST,
-    *,
-    world_size: int | None = None,
-    max_tokens: int | None = None,
-    split_tail: float = 1.0,
-) -> tuple[tuple[int, ...], ...]:
-    """The shared queue of work stealing; the k-th claim (across all ranks) takes item ``k``:
-    one microbatch, of one sample or of several.
-
-    Without ``world_size``: single samples, heaviest first (longest-processing-time list
-    scheduling). With it, the queue is *seeded* by LB-Mini: each rank's planned microbatches
-    (packed under ``max_tokens``, heaviest first), merged across ranks by planned start time
-    (ties by rank). If the cost model is exact and the devices equal, the rank that is free
-    first always claims the item LB-Mini planned for it, so work stealing reproduces LB-Mini;
-    when they are not (stragglers, cost-model error), whoever is free takes the next item.
-
-    ``split_tail``: the microbatches that start in the last ``split_tail`` share of a rank's
-    planned time are split into single samples (guided self-scheduling: coarse items early, when
-    stealing rarely matters, fine ones at the end, where it decides the makespan). 1.0 (default):
-    every item is one sample; 0.0: LB-Mini's microbatches exactly (fewest gathers).
-    """
-    if not 0.0 <= split_tail <= 1.0:
-        raise ValueError(f"split_tail must be in [0, 1], got {split_tail!r}")
-    costs = [cost(n) for n in lengths]
-    if world_size is None:
-        return tuple((i,) for i in sorted(range(len(lengths)), key=lambda i: (-costs[i], i)))
-    _check_world(world_size)
-    if not lengths:
-        return ()
-    cap = max_tokens if max_tokens is not None else max(lengths)
-    check_lengths(lengths, cap)
-    planned: list[tuple[float, int, tuple[int, ...]]] = []
-    for r, part in enumerate(_free_partition(costs, world_size)):
-        mbs = _heaviest_first(_ffd(part, lengths, cap), costs) if split_tail < 1.0 else [(i,) for i in part]
-        total = sum(costs[i] for i in part)
-        t = 0.0
-        for mb in mbs:
-            if len(mb) > 1 and t >= (1.0 - split_tail) * total - _EPS * total:
-                for i in mb:
-                    planned.append((t, r, (i,)))
-                    t += costs[i]
-            else:
-                planned.append((t, r, mb))
-                t += sum(costs[i] for i in mb)
-    return tuple(it for _, _, it in sorted(planned))
-
-
-def work_stealing_order(
-    lengths: Sequence[int], cost: CostModel = DEFAULT_COST, *, world_size: int | None = None
-) -> tuple[int, ...]:
-    """The queue as single samples (``work_stealing_items`` with ``split_tail=1.0``)."""
-    return tuple(i for (i,) in work_stealing_items(lengths, cost, world_size=world_size))
 
 
 def rank_loads(assignment: Assignment, lengths: Sequence[int], cost: CostModel = DEFAULT_COST) -> list[float]:
@@ -317,7 +259,8 @@ def local_sort(
     """Sorted by cost (heaviest first), dealt round-robin; one sample per microbatch."""
     check_lengths(lengths, max_tokens)
     _check_world(world_size)
-    order = work_stealing_order(lengths, cost)
+    costs = [cost(n) for n in lengths]
+    order = sorted(range(len(lengths)), key=lambda i: (-costs[i], i))
     return tuple(tuple((i,) for i in order[r::world_size]) for r in range(world_size))
 
 

@@ -32,6 +32,7 @@ __all__ = [
     "Sync",
     "compile_plan",
     "microbatch_steps",
+    "owner_pieces",
     "stealing_fragment",
 ]
 
@@ -248,3 +249,37 @@ def compile_plan(
     steps = _hoist_gathers(_keep_across_microbatches(steps), options.prefetch)
     steps.append(Sync())
     return Plan(rank, comm, tuple(units), mbs, tuple(steps))
+
+
+def owner_pieces(
+    units: Sequence[str], n: int, options: ScheduleOptions | None = None
+) -> tuple[tuple[tuple[Step, ...], ...], tuple[tuple[Step, ...], ...]]:
+    """The ODC plan of ``n`` microbatches (without its Sync) cut right before each microbatch's
+    first Forward, for a work-stealing owner that claims microbatch k only when it gets there.
+
+    Returns ``(pieces, stops)``: ``pieces[0]`` are the steps before microbatch 0 starts (its
+    first gathers), ``pieces[k + 1]`` microbatch k up to microbatch k+1's first Forward (with
+    the gathers hoisted into it, as in the full plan). Running ``pieces[:k + 1]`` then
+    ``stops[k]`` (Releases of every unit still gathered) ends cleanly after k microbatches;
+    running all pieces is the full plan minus its Sync, step for step.
+    """
+    return _owner_pieces(tuple(units), n, options or ScheduleOptions())
+
+
+@lru_cache(maxsize=64)
+def _owner_pieces(units: tuple[str, ...], n: int, options: ScheduleOptions) -> tuple[tuple, tuple]:
+    steps = compile_plan(units, (tuple((0,) for _ in range(n)),), 0, "odc", options).steps[:-1]
+    first = units[0]
+    cuts = [i for i, s in enumerate(steps) if isinstance(s, Forward) and s.unit == first]
+    bounds = [0, *cuts, len(steps)]
+    pieces = tuple(tuple(steps[a:b]) for a, b in zip(bounds, bounds[1:]))
+    stops = []
+    for k in range(n + 1):
+        live: dict[str, None] = {}
+        for s in steps[: bounds[k + 1]]:
+            if isinstance(s, Gather):
+                live[s.unit] = None
+            elif isinstance(s, Release):
+                live.pop(s.unit, None)
+        stops.append(tuple(Release(u) for u in live))
+    return pieces, tuple(stops)

@@ -3,25 +3,9 @@
 It times the *same* ``Plan`` objects ``compile_plan`` produces, step by step, with a cost model
 for compute and a bandwidth/latency model for communication, and emits ``odcfn.trace.Event``s
 in the runtime's format (so ``bubble_rate``, the Chrome export and the timeline plot work on
-both). Work stealing is simulated as a dynamic queue with the runtime's claim order.
+both). Work stealing runs the runtime's own decision code (``odcfn.schedule.steal``).
 
-Timing rules (per rank: a compute clock and two FIFO communication streams, one pulling
-parameters in and one pushing gradients out: links are full duplex, and FSDP2 too runs
-all-gathers and reduce-scatters on separate streams):
-- ``Gather``/``ScatterAccumulate``: issued without blocking compute; the transfer starts when its
-  stream is free and takes ``latency + bytes * (S-1)/S / bandwidth`` (S = shard-group size;
-  inter-node bandwidth when the group spans nodes). Owners do nothing and nobody waits for them.
-- ``Forward``/``Backward`` of a unit start when the compute clock is free and the unit's latest
-  gather has landed; they take ``cost(microbatch) * unit share * (fwd_fraction | 1 -
-  fwd_fraction)`` (backward of a remat unit adds its forward again). A rank slowed by ``F`` idles
-  ``(F - 1) x`` each compute step afterwards, recorded as a ``straggle`` event, as the runtime's
-  ``slowdown`` does.
-- ``AllGather``/``ReduceScatter``: a collective cannot start before every rank of the shard group
-  has issued it (max of arrivals); it then occupies every member's stream for the same time.
-- ``Sync``: every rank's pushes must have landed; ends ``2 log2(W)`` latencies after the last
-  arrival. Step time = the sync's end.
-Not modelled: link contention between concurrent point-to-point transfers, kernel launch costs,
-hybrid sharding's replica all-reduce inside the sync (groups follow the mesh, bytes do not).
+The timing rules are in ``odcfn.schedule.simengine``.
 """
 
 from __future__ import annotations
@@ -30,24 +14,17 @@ import heapq
 from collections import deque
 from collections.abc import Sequence
 
-from odcfn.schedule.balance import work_stealing_items
 from odcfn.schedule.cost import DEFAULT_COST, CostModel
 from odcfn.schedule.plan import (
-    AllGather,
     Assignment,
-    Backward,
     Comm,
-    Forward,
-    Gather,
     Plan,
-    ReduceScatter,
-    Release,
-    ScatterAccumulate,
     ScheduleOptions,
-    Sync,
     compile_plan,
+    owner_pieces,
     stealing_fragment,
 )
+from odcfn.schedule.simengine import SYNC, Engine, RankClock, mesh_for, sim_result
 from odcfn.schedule.simmodel import (
     A100_COMM,
     ZERO_COMM,
@@ -57,8 +34,8 @@ from odcfn.schedule.simmodel import (
     check_slowdowns,
     lower_bound_makespan,
 )
+from odcfn.schedule.steal import DEFAULT_TOLERANCE, StealPlan, rank_program, realised_plan, steal_plan
 from odcfn.sharding import Mesh
-from odcfn.trace import Event
 
 __all__ = [
     "A100_COMM",
@@ -71,155 +48,6 @@ __all__ = [
     "simulate",
     "simulate_work_stealing",
 ]
-
-
-# --- the engine ---------------------------------------------------------------------------
-
-_GATHER, _FWD, _BWD, _SCATTER, _RELEASE, _AG, _RS, _SYNC = range(8)
-_CODE = {
-    Gather: _GATHER,
-    Forward: _FWD,
-    Backward: _BWD,
-    ScatterAccumulate: _SCATTER,
-    Release: _RELEASE,
-    AllGather: _AG,
-    ReduceScatter: _RS,
-    Sync: _SYNC,
-}
-_KIND = ("gather", "forward", "backward", "scatter", "release", "collective", "collective", "sync")
-
-
-class _Rank:
-    """One rank's clocks while it runs a stream of steps."""
-
-    __slots__ = ("busy", "events", "pull", "push", "ready", "remat", "slow", "t")
-
-    def __init__(self, n_units: int, slow: float, record: bool) -> None:
-        self.t = 0.0  # compute clock: when the next step can be issued
-        self.pull = 0.0  # the gather stream is free from here
-        self.push = 0.0  # the scatter stream is free from here
-        self.ready = [0.0] * n_units  # when each unit's latest gather lands
-        self.remat = [False] * n_units
-        self.busy = 0.0
-        self.slow = slow
-        self.events: list[Event] | None = [] if record else None
-
-
-class _Engine:
-    def __init__(self, work: Workload, mesh: Mesh, comm: CommModel, record: bool) -> None:
-        self.work, self.mesh, self.comm, self.record = work, mesh, comm, record
-        self.index = {u: i for i, u in enumerate(work.units)}
-        shares = work.shares()
-        self.fwd_share = [s * work.fwd_fraction for s in shares]
-        self.bwd_share = [s * (1.0 - work.fwd_fraction) for s in shares]
-        group = mesh.shard_count
-        spans = group > mesh.node_size
-        pbytes = work.per_unit(work.param_bytes)
-        gbytes = work.per_unit(work.param_bytes if work.grad_bytes is None else work.grad_bytes)
-        self.gather_time = [comm.transfer(b, group, spans) for b in pbytes]
-        self.scatter_time = [comm.transfer(b, group, spans) for b in gbytes]
-        self.sync_time = comm.sync_time(mesh.world_size, mesh.num_nodes > 1)
-        self._codes: dict[int, list[tuple[int, int, int, bool]]] = {}
-
-    def codes(self, steps: Sequence) -> list[tuple[int, int, int, bool]]:
-        key = id(steps)
-        hit = self._codes.get(key)
-        if hit is None:
-            try:
-                hit = [
-                    (
-                        _CODE[type(s)],
-                        self.index[s.unit] if hasattr(s, "unit") else -1,
-                        getattr(s, "mb", -1),
-                        getattr(s, "remat", False),
-                    )
-                    for s in steps
-                ]
-            except KeyError as e:
-                raise ValueError(
-                    f"plan step refers to unit {e.args[0]!r}, not in the workload {self.work.units}"
-                ) from None
-            self._codes[key] = hit
-        return hit
-
-    def run(
-        self, r: int, st: _Rank, codes: list, pc: int, mb_cost: Sequence[float], mb_shift: int = 0
-    ) -> int:
-        """Advance rank ``r`` from step ``pc`` until it must wait for others (a collective or
-        the sync; returns that step's index) or the steps run out (returns ``len(codes)``)."""
-        ev = st.events
-        slow = st.slow
-        n = len(codes)
-        while pc < n:
-            code, u, mb, remat = codes[pc]
-            if code == _FWD or code == _BWD:
-                start = st.t if st.t >= st.ready[u] else st.ready[u]
-                c = mb_cost[mb]
-                if code == _FWD:
-                    dur = c * self.fwd_share[u]
-                    st.remat[u] = remat
-                else:
-                    dur = c * self.bwd_share[u] + (c * self.fwd_share[u] if st.remat[u] else 0.0)
-                end = start + dur
-                st.busy += dur
-                st.t = end + (slow - 1.0) * dur
-                if ev is not None:
-                    ev.append(Event(r, _KIND[code], self.work.units[u], start, end, mb + mb_shift))
-                    if slow > 1.0:
-                        ev.append(Event(r, "straggle", self.work.units[u], end, st.t, mb + mb_shift))
-            elif code == _GATHER:
-                start = st.t if st.t >= st.pull else st.pull
-                st.pull = st.ready[u] = end = start + self.gather_time[u]
-                if ev is not None:
-                    ev.append(Event(r, _KIND[code], self.work.units[u], start, end))
-            elif code == _SCATTER:
-                start = st.t if st.t >= st.push else st.push
-                st.push = end = start + self.scatter_time[u]
-                if ev is not None:
-                    ev.append(Event(r, _KIND[code], self.work.units[u], start, end))
-            elif code == _RELEASE:
-                if st.ready[u] > st.t:  # the runtime waits for a pending gather before freeing
-                    st.t = st.ready[u]
-                if ev is not None:
-                    ev.append(Event(r, "release", self.work.units[u], st.t, st.t))
-            else:
-                return pc
-            pc += 1
-        return pc
-
-    def arrive(self, st: _Rank, code: int) -> float:
-        """When this rank can start the collective (``code``): compute has issued it and the
-        stream it runs on is free (the sync also waits for both streams: flush)."""
-        if code == _AG:
-            return max(st.t, st.pull)
-        if code == _RS:
-            return max(st.t, st.push)
-        return max(st.t, st.pull, st.push)
-
-    def finish(self, r: int, st: _Rank, code: int, u: int, start: float, arrival: float) -> None:
-        """Complete a collective (or the sync) that started at ``start`` for rank ``r``."""
-        if code == _SYNC:
-            end = start + self.sync_time
-            st.t = st.pull = st.push = end
-            if st.events is not None:
-                st.events.append(Event(r, "sync", "", arrival, end))
-            return
-        if code == _AG:
-            st.pull = st.ready[u] = end = start + self.gather_time[u]
-        else:
-            st.push = end = start + self.scatter_time[u]
-        if st.events is not None:
-            st.events.append(Event(r, "collective", self.work.units[u], start, end))
-
-
-def _mesh_for(mesh: Mesh | None, world: int) -> Mesh:
-    if mesh is None:
-        return Mesh(world)
-    if not isinstance(mesh, Mesh):
-        raise TypeError(f"mesh must be an odcfn.Mesh, got {type(mesh).__name__}")
-    if mesh.world_size != world:
-        raise ValueError(f"mesh has world_size={mesh.world_size} but {world} plans were given")
-    return mesh
 
 
 def simulate(
@@ -243,10 +71,10 @@ def simulate(
                 f"for rank {getattr(p, 'rank', '?')}"
             )
     world = len(plans)
-    mesh = _mesh_for(mesh, world)
+    mesh = mesh_for(mesh, world)
     work = workload or Workload(plans[0].units)
-    eng = _Engine(work, mesh, comm, record)
-    ranks = [_Rank(len(work.units), f, record) for f in check_slowdowns(slowdown, world)]
+    eng = Engine(work, mesh, comm, record)
+    ranks = [RankClock(len(work.units), f, record) for f in check_slowdowns(slowdown, world)]
     codes = [eng.codes(p.steps) for p in plans]
     mb_costs = [[sum(cost(lengths[i]) for i in mb) for mb in p.microbatches] for p in plans]
     # groups by small int ids (hashing a 1024-tuple per step would dominate the run time)
@@ -266,7 +94,7 @@ def simulate(
     def advance(r: int, pc: int) -> None:
         pcs[r] = pc = eng.run(r, ranks[r], codes[r], pc, mb_costs[r])
         if pc < len(codes[r]):  # parked at a collective or the sync
-            gid = 0 if codes[r][pc][0] == _SYNC else shard_gid[r]
+            gid = 0 if codes[r][pc][0] == SYNC else shard_gid[r]
             parked = arrived.get(gid)
             if parked is None:
                 parked = arrived[gid] = []
@@ -296,19 +124,7 @@ def simulate(
     if arrived:
         stuck = {r: plans[r].steps[pcs[r]] for rs in arrived.values() for r in rs}
         raise ValueError(f"plans deadlock: ranks wait forever at {stuck} (a peer never issues it)")
-    return _result(plans, ranks, lengths)
-
-
-def _result(plans: Sequence[Plan], ranks: Sequence[_Rank], lengths: Sequence[int]) -> SimResult:
-    ids = [i for p in plans for mb in p.microbatches for i in mb]
-    return SimResult(
-        plans=tuple(plans),
-        events=tuple(tuple(st.events or ()) for st in ranks),
-        makespan=max(st.t for st in ranks),
-        busy=tuple(st.busy for st in ranks),
-        num_samples=len(ids),
-        num_tokens=sum(lengths[i] for i in ids),
-    )
+    return sim_result(plans, ranks, lengths)
 
 
 def simulate_work_stealing(
@@ -317,67 +133,94 @@ def simulate_work_stealing(
     *,
     workload: Workload,
     cost: CostModel = DEFAULT_COST,
-    items: Sequence[Sequence[int]] | None = None,
     max_tokens: int | None = None,
-    split_tail: float = 1.0,
+    split_cost: float | None = None,
+    overhead: float | None = None,
+    tolerance: float | None = DEFAULT_TOLERANCE,
+    plan: StealPlan | None = None,
     options: ScheduleOptions | None = None,
     comm: CommModel = ZERO_COMM,
     mesh: Mesh | None = None,
     slowdown: Sequence[float] | None = None,
     record: bool = True,
 ) -> SimResult:
-    """Work stealing as the runtime does it: the work items (microbatches of one or a few
-    samples) wait in one queue (``items``; default ``work_stealing_items(lengths, cost,
-    world_size=world_size, max_tokens=max_tokens, split_tail=split_tail)``); whenever a rank is
-    free it claims the next one and runs it as a one-microbatch fragment; when the queue is
-    empty it goes to the Sync. Ties (ranks free at the same time): lowest rank first."""
+    """Work stealing as the runtime runs it: every rank follows ``steal.rank_program`` (the same
+    code) on counters that behave like a transport's ``fetch_add``; decisions are taken in time
+    order (ties: lowest rank), each rank's when its compute is free.
+
+    ``overhead`` (seconds; default: what one stolen fragment's transfers add on an idle rank
+    under ``comm``, plus the thief's pushes still in flight) is ``steal``'s guard; ``split_cost``
+    (default: the sample cost whose compute hides a unit's transfers under ``comm``) is
+    ``steal_plan``'s; ``tolerance`` is ``behind``'s. ``plan``: the owners' lists as the runtime
+    built them (e.g. with its own cost model), instead of ``steal_plan(lengths, ...)``."""
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
-    if items is None:
-        items = work_stealing_items(
-            lengths, cost, world_size=world_size, max_tokens=max_tokens, split_tail=split_tail
-        )
-    items = tuple(tuple(it) for it in items)
-    if sorted(i for it in items for i in it) != list(range(len(lengths))) or not all(items):
-        raise ValueError("work items must be non-empty and hold every sample id exactly once")
-    mesh = _mesh_for(mesh, world_size)
-    eng = _Engine(workload, mesh, comm, record)
-    ranks = [_Rank(len(workload.units), f, record) for f in check_slowdowns(slowdown, world_size)]
-    codes = eng.codes(stealing_fragment(workload.units, (0,), 0, options))
-    claims: list[list[tuple[int, ...]]] = [[] for _ in range(world_size)]
-    free = [(0.0, r) for r in range(world_size)]
-    for item in items:
-        _, r = heapq.heappop(free)
+    if not lengths:
+        raise ValueError("cannot simulate an empty minibatch")
+    options = options or ScheduleOptions()
+    mesh = mesh_for(mesh, world_size)
+    eng = Engine(workload, mesh, comm, record)
+    frag = eng.codes(stealing_fragment(workload.units, (0,), 0, options))
+    split = eng.hiding_cost() if split_cost is None else split_cost
+    sp = plan or steal_plan(lengths, world_size, max_tokens or max(lengths), cost=cost, split_cost=split)
+    if sp.world_size != world_size or len(sp.costs) != len(lengths):
+        raise ValueError(f"plan is for {sp.world_size} ranks and {len(sp.costs)} samples, not "
+                         f"{world_size} and {len(lengths)}")
+    base = eng.fragment_time(frag) if overhead is None else overhead
+    ranks = [RankClock(len(workload.units), f, record) for f in check_slowdowns(slowdown, world_size)]
+    counters = [0] * sp.num_counters
+
+    def fetch_add(i: int, n: int) -> int:
+        v = counters[i]
+        counters[i] = v + n
+        return v
+
+    def program(r: int):  # noqa: ANN202 - a generator of steal.Action
         st = ranks[r]
-        k = len(claims[r])
-        claims[r].append(item)
-        # the fragment's steps say mb 0; its events say mb k: this rank's k-th claim
-        eng.run(r, st, codes, 0, (sum(cost(lengths[i]) for i in item),), mb_shift=k)
-        heapq.heappush(free, (st.t, r))
-    arrivals = [eng.arrive(st, _SYNC) for st in ranks]
+        ovh = (lambda: base) if overhead is not None else (lambda: base + max(st.push - st.t, 0.0))
+        return rank_program(sp, fetch_add, r, tolerance=tolerance, overhead=ovh)
+
+    progs = [owner_pieces(workload.units, len(sp.lists[r]), options) for r in range(world_size)]
+    programs = [program(r) for r in range(world_size)]
+    done: list[list] = [[] for _ in range(world_size)]  # the actions each rank ran
+    own_cost: list[list[float]] = [[] for _ in range(world_size)]
+    heap = []
+    for r, st in enumerate(ranks):
+        eng.run(r, st, eng.codes(progs[r][0][0]), 0, ())
+        heap.append((st.t, r))
+    heapq.heapify(heap)
+    while heap:
+        _, r = heapq.heappop(heap)
+        action = next(programs[r], None)
+        if action is None:
+            continue  # nothing left worth taking: this rank waits at the sync
+        st, (pieces, stops), (kind, k, samples) = ranks[r], progs[r], action
+        j = sum(1 for a in done[r] if a[2])  # microbatches this rank has run so far
+        done[r].append(action)
+        c = sum(sp.costs[i] for i in samples)
+        if kind == "own":
+            own_cost[r].append(c)
+            eng.run(r, st, eng.codes(pieces[k + 1]), 0, own_cost[r], mb_shift=j - k)
+        elif kind == "stop":
+            eng.run(r, st, eng.codes(stops[k]), 0, ())
+        else:
+            if kind == "help":
+                eng.run(r, st, eng.codes(stops[k]), 0, ())
+            eng.run(r, st, frag, 0, (c,), mb_shift=j)
+            if kind == "help":
+                eng.run(r, st, eng.codes(pieces[0]), 0, ())
+        heapq.heappush(heap, (st.t, r))
+    arrivals = [eng.arrive(st, SYNC) for st in ranks]
     start = max(arrivals)
     for r, (st, a) in enumerate(zip(ranks, arrivals)):
-        eng.finish(r, st, _SYNC, -1, start, a)
+        eng.finish(r, st, SYNC, -1, start, a)
     plans = tuple(
-        Plan(
-            r,
-            "odc",
-            workload.units,
-            tuple(claims[r]),
-            _realised(workload.units, claims[r], options) if record else (),
-        )
+        realised_plan(workload.units, r, len(sp.lists[r]), done[r], options)
+        if record
+        else Plan(r, "odc", workload.units, tuple(a[2] for a in done[r] if a[2]), ())
         for r in range(world_size)
     )
-    return _result(plans, ranks, lengths)
-
-
-def _realised(
-    units: Sequence[str], claimed: Sequence[Sequence[int]], options: ScheduleOptions | None
-) -> tuple:
-    steps: list = []
-    for k, item in enumerate(claimed):
-        steps += stealing_fragment(units, item, k, options)
-    return (*steps, Sync())
+    return sim_result(plans, ranks, lengths)
 
 
 def compile_plans(

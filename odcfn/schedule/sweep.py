@@ -72,7 +72,6 @@ def run_cell(
     comm: CommModel = A100_COMM,
     cost: QuadraticCost | None = None,
     max_tokens: int | None = None,
-    split_tail: float = 1.0,
     seed: int = 0,
 ) -> list[Row]:
     """One cell: the three policies on the same ``minibatches`` sampled minibatches. Bubble
@@ -102,7 +101,7 @@ def run_cell(
                 compile_plans(work.units, lb_mini(lengths, devices, cap, cost=cost), "odc"), lengths, **kw
             ),
             "odc+work-stealing": simulate_work_stealing(
-                lengths, devices, max_tokens=cap, split_tail=split_tail, **kw
+                lengths, devices, max_tokens=cap, **kw
             ),
         }
         for p, res in results.items():
@@ -192,13 +191,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--units", type=int, default=8, help="FSDP units the 7B model is cut into")
     p.add_argument("--comm", choices=sorted(COMMS), default="a100", help="communication model")
     p.add_argument("--max-tokens", type=int, default=None, help="microbatch cap (default: dataset max)")
-    p.add_argument(
-        "--ws-split-tail",
-        type=float,
-        default=1.0,
-        help="work stealing claims single samples in this last share of each rank's planned time "
-        "and LB-Mini's packed microbatches before it (1.0: always single samples)",
-    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON list of rows instead")
 
@@ -221,7 +213,6 @@ def main(args: argparse.Namespace) -> int:
             units=args.units,
             comm=COMMS[args.comm],
             max_tokens=args.max_tokens,
-            split_tail=args.ws_split_tail,
             seed=args.seed,
         )
     except ValueError as e:  # e.g. a --max-tokens below the longest sample
@@ -234,6 +225,6 @@ def main(args: argparse.Namespace) -> int:
         print(
             f"({len(rows) // len(POLICIES)} cells in {time.perf_counter() - t0:.1f} s; "
             f"straggler x{args.straggler:g}, comm={args.comm}, {args.units} units, "
-            f"{args.minibatches} minibatches per cell, ws split tail {args.ws_split_tail:g})"
+            f"{args.minibatches} minibatches per cell)"
         )
     return 0

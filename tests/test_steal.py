@@ -1,0 +1,91 @@
+"""The work-stealing protocol (odcfn.schedule.steal) on its own: whatever order the ranks' decisions
+interleave in, every sample runs exactly once, owners run their lists in order, and nobody steals
+from ranks that keep pace."""
+
+from __future__ import annotations
+
+import random
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from odcfn.schedule.balance import lb_mini
+from odcfn.schedule.cost import TokenCost
+from odcfn.schedule.plan import Forward, Sync
+from odcfn.schedule.steal import rank_program as program
+from odcfn.schedule.steal import realised_plan, steal_plan
+
+TOK = TokenCost()
+
+
+def _counters(n: int):
+    vals = [0] * n
+
+    def fetch_add(i: int, k: int) -> int:
+        v = vals[i]
+        vals[i] = v + k
+        return v
+
+    return fetch_add
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.integers(1, 5),
+    st.lists(st.integers(1, 40), min_size=1, max_size=20),
+    st.integers(0, 2**32 - 1),
+    st.sampled_from([None, 0.0, 0.1, 1.0]),
+)
+def test_any_interleaving_runs_every_sample_exactly_once(world, lengths, seed, tolerance):
+    sp = steal_plan(lengths, world, 40, cost=TOK)
+    fa = _counters(sp.num_counters)
+    progs = [program(sp, fa, r, tolerance=tolerance) for r in range(world)]
+    actions: list[list] = [[] for _ in range(world)]
+    live = list(range(world))
+    rng = random.Random(seed)
+    while live:  # a random scheduler: any rank may take its next decision at any time
+        r = rng.choice(live)
+        a = next(progs[r], None)
+        if a is None:
+            live.remove(r)
+        else:
+            actions[r].append(a)
+    ran = sorted(i for acts in actions for a in acts for i in a[2])
+    assert ran == list(range(len(lengths)))
+    for r, acts in enumerate(actions):
+        own = [a for a in acts if a[0] == "own"]
+        assert [a[1] for a in own] == list(range(len(own))), "own microbatches in list order"
+        assert all(set(a[2]) <= set(sp.lists[r][a[1]]) for a in own)
+        assert sum(a[0] == "stop" for a in acts) == 1
+        plan = realised_plan(("a", "b"), r, len(sp.lists[r]), acts)
+        assert plan.microbatches == tuple(a[2] for a in acts if a[2])
+        assert isinstance(plan.steps[-1], Sync)
+        fwd = [s.mb for s in plan.steps if isinstance(s, Forward) and s.unit == "a"]
+        assert fwd == list(range(len(plan.microbatches)))
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 5), st.lists(st.integers(1, 40), min_size=1, max_size=20))
+def test_ranks_in_lockstep_run_exactly_lb_mini(world, lengths):
+    """Round-robin decisions (every rank keeps pace) and a guard that never pays: no steals."""
+    sp = steal_plan(lengths, world, 40, cost=TOK)
+    fa = _counters(sp.num_counters)
+    progs = [program(sp, fa, r, overhead=lambda: float("inf")) for r in range(world)]
+    ran: list[list] = [[] for _ in range(world)]
+    live = list(range(world))
+    while live:
+        for r in list(live):
+            a = next(progs[r], None)
+            if a is None:
+                live.remove(r)
+            elif a[2]:
+                ran[r].append(a[2])
+    assert tuple(tuple(x) for x in ran) == lb_mini(lengths, world, 40, cost=TOK)
+
+
+def test_split_cost_runs_expensive_microbatches_sample_by_sample():
+    lengths = [4, 4, 4, 1, 1, 1]
+    packed = steal_plan(lengths, 1, 12, cost=TOK)
+    assert packed.lists == lb_mini(lengths, 1, 12, cost=TOK) == (((0, 1, 2), (3, 4, 5)),)
+    split = steal_plan(lengths, 1, 12, cost=TOK, split_cost=4.0)
+    assert split.lists == (((0,), (1,), (2,), (3, 4, 5)),)
