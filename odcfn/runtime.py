@@ -32,7 +32,7 @@ from odcfn.schedule.plan import (
     ScheduleOptions,
     Step,
     Sync,
-    owner_pieces,
+    owner_steps,
 )
 from odcfn.schedule.steal import DEFAULT_TOLERANCE, StealPlan, action_steps, rank_program, realised_plan
 from odcfn.sharding import Layout
@@ -281,19 +281,18 @@ def execute_stealing(
     then the one Sync. Returns the result and the plan this rank actually ran."""
     t0 = time.perf_counter()
     rank, units = transport.mesh.rank, model.unit_names
-    n_own = len(sp.lists[rank])
     events: list[Event] = []
     ex = _Executor(
         Plan(rank, "odc", units, (), ()), model, layout, batch, transport, compute_dtype, slowdown,
         torch.device(device),
     )
     actions = []
-    ex.run_steps(owner_pieces(units, n_own, options)[0][0], t0, events)
+    ex.run_steps(owner_steps(units, options).prefix, t0, events)
     for action in rank_program(sp, transport.fetch_add, rank, tolerance=tolerance, overhead=lambda: overhead):
-        steps = action_steps(units, n_own, action, len(ex.microbatches), options)
-        if action[2]:
-            ex.microbatches.append(action[2])
+        steps = action_steps(units, action, len(ex.microbatches), options)
+        if action[1]:
+            ex.microbatches.append(action[1])
         actions.append(action)
         ex.run_steps(steps, t0, events)
     stats = ex.run_steps((Sync(),), t0, events)
-    return _result(stats, events), realised_plan(units, rank, n_own, actions, options)
+    return _result(stats, events), realised_plan(units, rank, actions, options)

@@ -19,7 +19,7 @@ from odcfn.schedule.balance import (
     get_balancer,
 )
 from odcfn.schedule.cost import DEFAULT_COST, CostModel
-from odcfn.schedule.plan import Comm, Plan, ScheduleOptions, compile_plan, owner_pieces
+from odcfn.schedule.plan import Comm, Plan, ScheduleOptions, compile_plan, owner_steps
 from odcfn.schedule.steal import steal_plan
 from odcfn.sharding import Layout, Mesh, make_layout
 from odcfn.sharding.layout import check_shards
@@ -105,7 +105,7 @@ def grad_step(
                 f"work stealing needs {sp.num_counters} shared counters for {len(batch)} samples on "
                 f"{mesh.world_size} ranks; this transport has {limit}: use a smaller minibatch"
             )
-        owner_pieces(model.unit_names, 1, options)  # bad options fail here, not later
+        owner_steps(model.unit_names, options)  # bad options fail here, not later
     else:
         assignment = get_balancer(balance, cost=cost)(batch.lengths, mesh.world_size, cap)
         plan = compile_plan(model.unit_names, assignment, mesh.rank, comm, options)

@@ -32,7 +32,8 @@ __all__ = [
     "Sync",
     "compile_plan",
     "microbatch_steps",
-    "owner_pieces",
+    "OwnerSteps",
+    "owner_steps",
     "stealing_fragment",
 ]
 
@@ -251,35 +252,38 @@ def compile_plan(
     return Plan(rank, comm, tuple(units), mbs, tuple(steps))
 
 
-def owner_pieces(
-    units: Sequence[str], n: int, options: ScheduleOptions | None = None
-) -> tuple[tuple[tuple[Step, ...], ...], tuple[tuple[Step, ...], ...]]:
-    """The ODC plan of ``n`` microbatches (without its Sync) cut right before each microbatch's
-    first Forward, for a work-stealing owner that claims microbatch k only when it gets there.
+@dataclass(frozen=True)
+class OwnerSteps:
+    """The ODC plan cut into the pieces a work-stealing owner strings together, deciding each
+    microbatch only when it gets there (all with ``mb=0``; renumber when used):
 
-    Returns ``(pieces, stops)``: ``pieces[0]`` are the steps before microbatch 0 starts (its
-    first gathers), ``pieces[k + 1]`` microbatch k up to microbatch k+1's first Forward (with
-    the gathers hoisted into it, as in the full plan). Running ``pieces[:k + 1]`` then
-    ``stops[k]`` (Releases of every unit still gathered) ends cleanly after k microbatches;
-    running all pieces is the full plan minus its Sync, step for step.
+    ``prefix`` (gathers before the first Forward) + ``middle`` x (n - 1) + ``last`` is the plan
+    of n microbatches without its Sync, step for step; ``held`` releases what a ``middle``
+    leaves gathered for the next microbatch (the same units ``prefix`` gathers), to stop there.
     """
-    return _owner_pieces(tuple(units), n, options or ScheduleOptions())
+
+    prefix: tuple[Step, ...]
+    middle: tuple[Step, ...]
+    last: tuple[Step, ...]
+    held: tuple[Step, ...]
+
+
+def owner_steps(units: Sequence[str], options: ScheduleOptions | None = None) -> OwnerSteps:
+    return _owner_steps(tuple(units), options or ScheduleOptions())
 
 
 @lru_cache(maxsize=64)
-def _owner_pieces(units: tuple[str, ...], n: int, options: ScheduleOptions) -> tuple[tuple, tuple]:
-    steps = compile_plan(units, (tuple((0,) for _ in range(n)),), 0, "odc", options).steps[:-1]
-    first = units[0]
-    cuts = [i for i, s in enumerate(steps) if isinstance(s, Forward) and s.unit == first]
-    bounds = [0, *cuts, len(steps)]
-    pieces = tuple(tuple(steps[a:b]) for a, b in zip(bounds, bounds[1:]))
-    stops = []
-    for k in range(n + 1):
-        live: dict[str, None] = {}
-        for s in steps[: bounds[k + 1]]:
-            if isinstance(s, Gather):
-                live[s.unit] = None
-            elif isinstance(s, Release):
-                live.pop(s.unit, None)
-        stops.append(tuple(Release(u) for u in live))
-    return pieces, tuple(stops)
+def _owner_steps(units: tuple[str, ...], options: ScheduleOptions) -> OwnerSteps:
+    def cut(n: int) -> list[int]:
+        steps = compile_plan(units, (tuple((0,) for _ in range(n)),), 0, "odc", options).steps[:-1]
+        return steps, [i for i, s in enumerate(steps) if isinstance(s, Forward) and s.unit == units[0]]
+
+    one, (a,) = cut(1)
+    two, (_, b) = cut(2)
+    live: dict[str, None] = {}
+    for s in two[:b]:
+        if isinstance(s, Gather):
+            live[s.unit] = None
+        elif isinstance(s, Release):
+            live.pop(s.unit, None)
+    return OwnerSteps(tuple(one[:a]), tuple(two[a:b]), tuple(one[a:]), tuple(Release(u) for u in live))

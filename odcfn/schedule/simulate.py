@@ -21,7 +21,7 @@ from odcfn.schedule.plan import (
     Plan,
     ScheduleOptions,
     compile_plan,
-    owner_pieces,
+    owner_steps,
     stealing_fragment,
 )
 from odcfn.schedule.simengine import SYNC, Engine, RankClock, mesh_for, sim_result
@@ -151,7 +151,8 @@ def simulate_work_stealing(
     ``overhead`` (seconds; default: what one stolen fragment's transfers add on an idle rank
     under ``comm``, plus the thief's pushes still in flight) is ``steal``'s guard; ``split_cost``
     (default: the sample cost whose compute hides a unit's transfers under ``comm``) is
-    ``steal_plan``'s; ``tolerance`` is ``behind``'s. ``plan``: the owners' lists as the runtime
+    ``steal_plan``'s; ``tolerance`` is ``behind``'s. A thief here knows when each victim's
+    running work ends (``residual``; the runtime assumes it ends now, the cautious guess). ``plan``: the owners' lists as the runtime
     built them (e.g. with its own cost model), instead of ``steal_plan(lengths, ...)``."""
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
@@ -178,15 +179,17 @@ def simulate_work_stealing(
     def program(r: int):  # noqa: ANN202 - a generator of steal.Action
         st = ranks[r]
         ovh = (lambda: base) if overhead is not None else (lambda: base + max(st.push - st.t, 0.0))
-        return rank_program(sp, fetch_add, r, tolerance=tolerance, overhead=ovh)
+        left = lambda v: max(ranks[v].t - st.t, 0.0)  # the victim's running work ends at its clock
+        return rank_program(sp, fetch_add, r, tolerance=tolerance, overhead=ovh, residual=left)
 
-    progs = [owner_pieces(workload.units, len(sp.lists[r]), options) for r in range(world_size)]
+    o = owner_steps(workload.units, options)
+    prefix, middle, last, held = (eng.codes(x) for x in (o.prefix, o.middle, o.last, o.held))
     programs = [program(r) for r in range(world_size)]
     done: list[list] = [[] for _ in range(world_size)]  # the actions each rank ran
-    own_cost: list[list[float]] = [[] for _ in range(world_size)]
+    n_mb = [0] * world_size  # microbatches each rank has run so far
     heap = []
     for r, st in enumerate(ranks):
-        eng.run(r, st, eng.codes(progs[r][0][0]), 0, ())
+        eng.run(r, st, prefix, 0, ())
         heap.append((st.t, r))
     heapq.heapify(heap)
     while heap:
@@ -194,30 +197,30 @@ def simulate_work_stealing(
         action = next(programs[r], None)
         if action is None:
             continue  # nothing left worth taking: this rank waits at the sync
-        st, (pieces, stops), (kind, k, samples) = ranks[r], progs[r], action
-        j = sum(1 for a in done[r] if a[2])  # microbatches this rank has run so far
+        st, (kind, samples, flag) = ranks[r], action
         done[r].append(action)
-        c = sum(sp.costs[i] for i in samples)
+        c = (sum(sp.costs[i] for i in samples),)
         if kind == "own":
-            own_cost[r].append(c)
-            eng.run(r, st, eng.codes(pieces[k + 1]), 0, own_cost[r], mb_shift=j - k)
+            eng.run(r, st, middle if flag else last, 0, c, mb_shift=n_mb[r])
         elif kind == "stop":
-            eng.run(r, st, eng.codes(stops[k]), 0, ())
+            if flag:
+                eng.run(r, st, held, 0, ())
         else:
             if kind == "help":
-                eng.run(r, st, eng.codes(stops[k]), 0, ())
-            eng.run(r, st, frag, 0, (c,), mb_shift=j)
+                eng.run(r, st, held, 0, ())
+            eng.run(r, st, frag, 0, c, mb_shift=n_mb[r])
             if kind == "help":
-                eng.run(r, st, eng.codes(pieces[0]), 0, ())
+                eng.run(r, st, prefix, 0, ())
+        n_mb[r] += bool(samples)
         heapq.heappush(heap, (st.t, r))
     arrivals = [eng.arrive(st, SYNC) for st in ranks]
     start = max(arrivals)
     for r, (st, a) in enumerate(zip(ranks, arrivals)):
         eng.finish(r, st, SYNC, -1, start, a)
     plans = tuple(
-        realised_plan(workload.units, r, len(sp.lists[r]), done[r], options)
+        realised_plan(workload.units, r, done[r], options)
         if record
-        else Plan(r, "odc", workload.units, tuple(a[2] for a in done[r] if a[2]), ())
+        else Plan(r, "odc", workload.units, tuple(a[1] for a in done[r] if a[1]), ())
         for r in range(world_size)
     )
     return sim_result(plans, ranks, lengths)

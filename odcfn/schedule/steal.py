@@ -40,7 +40,7 @@ from odcfn.schedule.plan import (
     ScheduleOptions,
     Step,
     Sync,
-    owner_pieces,
+    owner_steps,
     stealing_fragment,
 )
 
@@ -76,6 +76,13 @@ class StealPlan:
         object.__setattr__(self, "order", order)  # rank -> list positions -> sample
         cum = tuple(tuple(accumulate((self.costs[s] for s in o), initial=0.0)) for o in order)
         object.__setattr__(self, "cum", cum)  # rank -> prefix sums of costs over positions
+        ends = []
+        for mbs in self.lists:
+            e: list[int] = []
+            for mb in mbs:
+                e += [len(e) + len(mb)] * len(mb)
+            ends.append(tuple(e))
+        object.__setattr__(self, "ends", tuple(ends))  # rank -> position -> end of its microbatch
 
     @property
     def world_size(self) -> int:
@@ -138,12 +145,12 @@ def steal_plan(
     return StealPlan(tuple(lists), costs)
 
 
-def claim_own(sp: StealPlan, fetch_add: FetchAdd, rank: int, k: int) -> tuple[int, ...]:
-    """The owner reaches its k-th microbatch: announce it, then take every sample no thief has
-    taken. An empty result means the rest of the list is stolen: stop owning, start stealing."""
-    mb = sp.lists[rank][k]
-    fetch_add(sp.head(rank), len(mb))
-    return tuple(s for s in mb if fetch_add(sp.taken(s), 1) == 0)
+def claim_own(sp: StealPlan, fetch_add: FetchAdd, rank: int, lo: int, hi: int) -> tuple[int, ...]:
+    """The owner takes positions [lo, hi) of its list: announce them, then take every sample
+    no thief has taken. An empty result means the rest of the list is stolen."""
+    fetch_add(sp.head(rank), hi - lo)
+    order = sp.order[rank]  # type: ignore[attr-defined]
+    return tuple(s for s in (order[p] for p in range(lo, hi)) if fetch_add(sp.taken(s), 1) == 0)
 
 
 def pick_victim(
@@ -153,10 +160,12 @@ def pick_victim(
     stolen: Sequence[int],
     overhead: float = 0.0,
     skip: frozenset[int] | set[int] = frozenset(),
+    residual: Callable[[int], float] = lambda v: 0.0,
 ) -> int | None:
-    """The rank with the most queued cost whose tail sample is worth stealing: its queue stays
-    at least ``overhead`` (a steal's cost beyond its compute, in cost units) after the steal, so
-    the thief finishes the sample before the owner would have reached it. Ties: lowest rank."""
+    """The rank with the most work left whose tail sample is worth stealing: what it has left
+    besides that sample (its other queued samples, plus ``residual(v)``, what remains of the
+    work it is running, if known) is at least ``overhead`` (a steal's cost beyond its compute),
+    so the thief finishes the sample before the owner would have reached it. Ties: lowest rank."""
     best, best_q = None, -1.0
     for v in range(sp.world_size):
         if v == thief or v in skip:
@@ -165,7 +174,7 @@ def pick_victim(
         if hi <= lo:
             continue
         cum = sp.cum[v]  # type: ignore[attr-defined]
-        q = cum[hi] - cum[lo]
+        q = cum[hi] - cum[lo] + residual(v)
         if q - sp.costs[sp.order[v][hi - 1]] >= overhead and q > best_q:  # type: ignore[attr-defined]
             best, best_q = v, q
     return best
@@ -201,6 +210,7 @@ def steal(
     thief: int,
     overhead: float = 0.0,
     among: frozenset[int] | None = None,
+    residual: Callable[[int], float] = lambda v: 0.0,
 ) -> int | None:
     """One steal (from ``among`` only, if given): a sample id this rank now owns, or None when
     nothing is worth stealing."""
@@ -209,7 +219,7 @@ def steal(
     while True:
         heads = [fetch_add(sp.head(v), 0) for v in range(w)]
         stolen = [fetch_add(sp.stolen(v), 0) for v in range(w)]
-        v = pick_victim(sp, thief, heads, stolen, overhead, skip)
+        v = pick_victim(sp, thief, heads, stolen, overhead, skip, residual)
         if v is None:
             return None
         pos = len(sp.order[v]) - 1 - fetch_add(sp.stolen(v), 1)  # type: ignore[attr-defined]
@@ -221,10 +231,12 @@ def steal(
         skip.add(v)  # the owner got there first: the rest of v's list is taken
 
 
-# What a rank does next: run its own microbatch k ("own"); leave its list at k to run a stolen
-# sample for a slow rank, then come back ("help"); end its list at k ("stop"); run a sample it
-# stole once its list was done ("steal").
-Action = tuple[Literal["own", "help", "stop", "steal"], int, tuple[int, ...]]
+# What a rank does next, as (kind, samples, flag):
+# ("own", samples, more): run the next piece of its own list (``more``: its list goes on);
+# ("help", (s,), _): leave its list for a moment to run a slow rank's sample, then come back;
+# ("stop", (), held): its list is over (``held``: free the units kept for a next microbatch);
+# ("steal", (s,), _): run a sample stolen once its own list was over.
+Action = tuple[Literal["own", "help", "stop", "steal"], tuple[int, ...], bool]
 
 
 def rank_program(
@@ -234,15 +246,17 @@ def rank_program(
     *,
     tolerance: float | None = DEFAULT_TOLERANCE,
     overhead: Callable[[], float] = lambda: 0.0,
+    residual: Callable[[int], float] = lambda v: 0.0,
 ) -> Iterator[Action]:
     """One rank's decisions, in order. The caller runs each yielded action to completion before
     asking for the next (the next decision must see the counters as they are then); when the
     generator ends the rank goes to the Sync.
 
     While its own list lasts, a rank first helps the ranks ``behind`` it (``tolerance``; None:
-    never) by stealing their tail samples, then takes its own next microbatch; once its list is
-    done it steals from anyone not ``ahead`` of it, while ``steal``'s guard (``overhead()``)
-    says it pays."""
+    never) by stealing their tail samples, then takes its own next microbatch -- only its first
+    sample if the rank is itself behind someone, so that a slow device commits to little at a
+    time. Once its list is done it steals from anyone not ``ahead`` of it, while ``steal``'s
+    guard (``overhead()``, ``residual``) says it pays."""
     running = 0  # cost quanta of the action in flight, published in ``started``
 
     def begin(samples: Sequence[int]) -> None:
@@ -257,28 +271,35 @@ def rank_program(
             fetch_add(sp.started(rank), -running)
             running = 0
 
-    k, n = 0, len(sp.lists[rank])
-    while k < n:
+    def pace(check: Callable[..., frozenset[int]]) -> frozenset[int]:
+        return check(sp, fetch_add, rank, tolerance) if tolerance is not None else frozenset()
+
+    ends = sp.ends[rank]  # type: ignore[attr-defined]
+    pos, n, held = 0, len(ends), True  # the prefix's gathers are held
+    while pos < n:
         finish()
-        late = behind(sp, fetch_add, rank, tolerance) if tolerance is not None else frozenset()
-        s = steal(sp, fetch_add, rank, overhead(), among=late) if late else None
+        late = pace(behind)
+        s = steal(sp, fetch_add, rank, overhead(), among=late, residual=residual) if late else None
         if s is not None:
             begin((s,))
-            yield ("help", k, (s,))
+            yield ("help", (s,), True)
             continue
-        got = claim_own(sp, fetch_add, rank, k)
+        end = ends[pos]
+        if end - pos > 1 and pace(ahead):
+            end = pos + 1
+        got = claim_own(sp, fetch_add, rank, pos, end)
+        pos = end
         if not got:
             break  # the rest of its list was stolen
         begin(got)
-        yield ("own", k, got)
-        k += 1
+        held = pos < n
+        yield ("own", got, held)
     finish()
-    faster = ahead(sp, fetch_add, rank, tolerance) if tolerance is not None else frozenset()
-    yield ("stop", k, ())
-    victims = frozenset(range(sp.world_size)) - faster
-    while (s := steal(sp, fetch_add, rank, overhead(), among=victims)) is not None:
+    victims = frozenset(range(sp.world_size)) - pace(ahead)
+    yield ("stop", (), held)
+    while (s := steal(sp, fetch_add, rank, overhead(), among=victims, residual=residual)) is not None:
         begin((s,))
-        yield ("steal", k, (s,))
+        yield ("steal", (s,), False)
         finish()
 
 
@@ -287,34 +308,30 @@ def _renumber(steps: Sequence[Step], mb: int) -> tuple[Step, ...]:
 
 
 def action_steps(
-    units: Sequence[str], n_own: int, action: Action, mb: int, options: ScheduleOptions | None = None
+    units: Sequence[str], action: Action, mb: int, options: ScheduleOptions | None = None
 ) -> tuple[Step, ...]:
-    """The plan steps of one action of a rank with ``n_own`` microbatches in its list; the
-    microbatch it runs (if any) is numbered ``mb`` (the rank's count of microbatches so far)."""
-    pieces, stops = owner_pieces(units, n_own, options)
-    kind, k, _ = action
+    """The plan steps of one action; the microbatch it runs (if any) is numbered ``mb`` (the
+    rank's count of microbatches so far)."""
+    o = owner_steps(units, options)
+    kind, _, flag = action
     if kind == "own":
-        return _renumber(pieces[k + 1], mb)
+        return _renumber(o.middle if flag else o.last, mb)
     if kind == "stop":
-        return stops[k]
+        return o.held if flag else ()
     frag = stealing_fragment(units, (0,), mb, options)
     if kind == "steal":
         return frag
-    return (*stops[k], *frag, *pieces[0])  # help: free what it holds, run it, re-gather
+    return (*o.held, *frag, *o.prefix)  # help: free what it holds, run it, re-gather
 
 
 def realised_plan(
-    units: Sequence[str],
-    rank: int,
-    n_own: int,
-    actions: Sequence[Action],
-    options: ScheduleOptions | None = None,
+    units: Sequence[str], rank: int, actions: Sequence[Action], options: ScheduleOptions | None = None
 ) -> Plan:
     """The plan a work-stealing rank actually ran, microbatches numbered in execution order."""
-    steps = list(owner_pieces(units, n_own, options)[0][0])
+    steps = list(owner_steps(units, options).prefix)
     mbs: list[tuple[int, ...]] = []
     for a in actions:
-        steps += action_steps(units, n_own, a, len(mbs), options)
-        if a[2]:
-            mbs.append(a[2])
+        steps += action_steps(units, a, len(mbs), options)
+        if a[1]:
+            mbs.append(a[1])
     return Plan(rank, "odc", tuple(units), tuple(mbs), (*steps, Sync()))
