@@ -32,9 +32,11 @@ from odcfn.schedule.plan import (
     ScheduleOptions,
     Step,
     Sync,
+    action_steps,
     owner_steps,
+    realised_plan,
 )
-from odcfn.schedule.steal import DEFAULT_TOLERANCE, StealPlan, action_steps, rank_program, realised_plan
+from odcfn.schedule.steal import DEFAULT_TOLERANCE, StealPlan, TransportCounters, rank_program
 from odcfn.sharding import Layout
 from odcfn.trace import Event
 
@@ -288,7 +290,8 @@ def execute_stealing(
     )
     actions = []
     ex.run_steps(owner_steps(units, options).prefix, t0, events)
-    for action in rank_program(sp, transport.fetch_add, rank, tolerance=tolerance, overhead=lambda: overhead):
+    shared = TransportCounters(transport.fetch_add)
+    for action in rank_program(sp, shared, rank, tolerance=tolerance, overhead=lambda: overhead):
         steps = action_steps(units, action, len(ex.microbatches), options)
         if action[1]:
             ex.microbatches.append(action[1])

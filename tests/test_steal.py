@@ -12,22 +12,19 @@ from hypothesis import strategies as st
 
 from odcfn.schedule.balance import lb_mini
 from odcfn.schedule.cost import TokenCost
-from odcfn.schedule.plan import Forward, Gather, ScheduleOptions, Sync, compile_plan, owner_steps
+from odcfn.schedule.plan import (
+    Forward,
+    Gather,
+    ScheduleOptions,
+    Sync,
+    compile_plan,
+    owner_steps,
+    realised_plan,
+)
+from odcfn.schedule.steal import ArrayCounters, steal_plan
 from odcfn.schedule.steal import rank_program as program
-from odcfn.schedule.steal import realised_plan, steal_plan
 
 TOK = TokenCost()
-
-
-def _counters(n: int):
-    vals = [0] * n
-
-    def fetch_add(i: int, k: int) -> int:
-        v = vals[i]
-        vals[i] = v + k
-        return v
-
-    return fetch_add
 
 
 @settings(max_examples=60, deadline=None)
@@ -39,7 +36,7 @@ def _counters(n: int):
 )
 def test_any_interleaving_runs_every_sample_exactly_once(world, lengths, seed, tolerance):
     sp = steal_plan(lengths, world, 40, cost=TOK)
-    fa = _counters(sp.num_counters)
+    fa = ArrayCounters(sp.num_counters)
     progs = [program(sp, fa, r, tolerance=tolerance) for r in range(world)]
     actions: list[list] = [[] for _ in range(world)]
     live = list(range(world))
@@ -73,7 +70,7 @@ def test_ranks_in_lockstep_run_exactly_lb_mini(world, lengths):
     """Without pace rules and with a guard that never pays, nothing moves: each rank runs its
     LB-Mini list as planned (the simulator shows the pace rules stay quiet on equal devices)."""
     sp = steal_plan(lengths, world, 40, cost=TOK)
-    fa = _counters(sp.num_counters)
+    fa = ArrayCounters(sp.num_counters)
     progs = [program(sp, fa, r, tolerance=None, overhead=lambda: float("inf")) for r in range(world)]
     ran: list[list] = [[] for _ in range(world)]
     live = list(range(world))

@@ -12,11 +12,12 @@ group issues in the same order, so ranks with fewer microbatches run empty ones.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Literal, Union
 
 __all__ = [
+    "Action",
     "AllGather",
     "Assignment",
     "Backward",
@@ -30,10 +31,12 @@ __all__ = [
     "ScheduleOptions",
     "Step",
     "Sync",
+    "action_steps",
     "compile_plan",
     "microbatch_steps",
     "OwnerSteps",
     "owner_steps",
+    "realised_plan",
     "stealing_fragment",
 ]
 
@@ -287,3 +290,45 @@ def _owner_steps(units: tuple[str, ...], options: ScheduleOptions) -> OwnerSteps
         elif isinstance(s, Release):
             live.pop(s.unit, None)
     return OwnerSteps(tuple(one[:a]), tuple(two[a:b]), tuple(one[a:]), tuple(Release(u) for u in live))
+
+
+# What a work-stealing rank does next, as (kind, samples, flag) (``odcfn.schedule.steal``):
+# ("own", samples, more): run the next piece of its own list (``more``: its list goes on);
+# ("help", (s,), _): leave its list for a moment to run a slow rank's sample, then come back;
+# ("stop", (), held): its list is over (``held``: free the units kept for a next microbatch);
+# ("steal", (s,), _): run a sample stolen once its own list was over.
+Action = tuple[Literal["own", "help", "stop", "steal"], tuple[int, ...], bool]
+
+
+def _renumber(steps: Sequence[Step], mb: int) -> tuple[Step, ...]:
+    return tuple(replace(s, mb=mb) if isinstance(s, (Forward, Backward)) else s for s in steps)
+
+
+def action_steps(
+    units: Sequence[str], action: Action, mb: int, options: ScheduleOptions | None = None
+) -> tuple[Step, ...]:
+    """The plan steps of one work-stealing action; the microbatch it runs (if any) is numbered
+    ``mb`` (the rank's count of microbatches so far)."""
+    o = owner_steps(units, options)
+    kind, _, flag = action
+    if kind == "own":
+        return _renumber(o.middle if flag else o.last, mb)
+    if kind == "stop":
+        return o.held if flag else ()
+    frag = stealing_fragment(units, (0,), mb, options)
+    if kind == "steal":
+        return frag
+    return (*o.held, *frag, *o.prefix)  # help: free what it holds, run it, re-gather
+
+
+def realised_plan(
+    units: Sequence[str], rank: int, actions: Sequence[Action], options: ScheduleOptions | None = None
+) -> Plan:
+    """The plan a work-stealing rank actually ran, microbatches numbered in execution order."""
+    steps = list(owner_steps(units, options).prefix)
+    mbs: list[tuple[int, ...]] = []
+    for a in actions:
+        steps += action_steps(units, a, len(mbs), options)
+        if a[1]:
+            mbs.append(a[1])
+    return Plan(rank, "odc", tuple(units), tuple(mbs), (*steps, Sync()))

@@ -14,6 +14,8 @@ import heapq
 from collections import deque
 from collections.abc import Sequence
 
+import numpy as np
+
 from odcfn.schedule.cost import DEFAULT_COST, CostModel
 from odcfn.schedule.plan import (
     Assignment,
@@ -22,6 +24,7 @@ from odcfn.schedule.plan import (
     ScheduleOptions,
     compile_plan,
     owner_steps,
+    realised_plan,
     stealing_fragment,
 )
 from odcfn.schedule.simengine import SYNC, Engine, RankClock, mesh_for, sim_result
@@ -34,7 +37,7 @@ from odcfn.schedule.simmodel import (
     check_slowdowns,
     lower_bound_makespan,
 )
-from odcfn.schedule.steal import DEFAULT_TOLERANCE, StealPlan, rank_program, realised_plan, steal_plan
+from odcfn.schedule.steal import DEFAULT_TOLERANCE, ArrayCounters, StealPlan, rank_program, steal_plan
 from odcfn.sharding import Mesh
 
 __all__ = [
@@ -152,8 +155,9 @@ def simulate_work_stealing(
     under ``comm``, plus the thief's pushes still in flight) is ``steal``'s guard; ``split_cost``
     (default: the sample cost whose compute hides a unit's transfers under ``comm``) is
     ``steal_plan``'s; ``tolerance`` is ``behind``'s. A thief here knows when each victim's
-    running work ends (``residual``; the runtime assumes it ends now, the cautious guess). ``plan``: the owners' lists as the runtime
-    built them (e.g. with its own cost model), instead of ``steal_plan(lengths, ...)``."""
+    running work ends (``residual``; the runtime assumes it ends now, the cautious guess).
+    ``plan``: the owners' lists as the runtime built them (e.g. with its own cost model),
+    instead of ``steal_plan(lengths, ...)``."""
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     if not lengths:
@@ -169,18 +173,14 @@ def simulate_work_stealing(
                          f"{world_size} and {len(lengths)}")
     base = eng.fragment_time(frag) if overhead is None else overhead
     ranks = [RankClock(len(workload.units), f, record) for f in check_slowdowns(slowdown, world_size)]
-    counters = [0] * sp.num_counters
-
-    def fetch_add(i: int, n: int) -> int:
-        v = counters[i]
-        counters[i] = v + n
-        return v
+    shared = ArrayCounters(sp.num_counters)
+    clock = np.zeros(world_size)  # each rank's compute clock: when its running work ends
 
     def program(r: int):  # noqa: ANN202 - a generator of steal.Action
         st = ranks[r]
         ovh = (lambda: base) if overhead is not None else (lambda: base + max(st.push - st.t, 0.0))
-        left = lambda v: max(ranks[v].t - st.t, 0.0)  # the victim's running work ends at its clock
-        return rank_program(sp, fetch_add, r, tolerance=tolerance, overhead=ovh, residual=left)
+        left = lambda: np.maximum(clock - st.t, 0.0)
+        return rank_program(sp, shared, r, tolerance=tolerance, overhead=ovh, residual=left)
 
     o = owner_steps(workload.units, options)
     prefix, middle, last, held = (eng.codes(x) for x in (o.prefix, o.middle, o.last, o.held))
@@ -190,6 +190,7 @@ def simulate_work_stealing(
     heap = []
     for r, st in enumerate(ranks):
         eng.run(r, st, prefix, 0, ())
+        clock[r] = st.t
         heap.append((st.t, r))
     heapq.heapify(heap)
     while heap:
@@ -212,6 +213,7 @@ def simulate_work_stealing(
             if kind == "help":
                 eng.run(r, st, prefix, 0, ())
         n_mb[r] += bool(samples)
+        clock[r] = st.t
         heapq.heappush(heap, (st.t, r))
     arrivals = [eng.arrive(st, SYNC) for st in ranks]
     start = max(arrivals)

@@ -1,70 +1,97 @@
-"""Work stealing: every rank runs its own LB-Mini list; a rank whose list is done steals single
-samples from the tail of the most loaded rank's list.
+"""Work stealing: every rank runs its own LB-Mini list; ranks take samples from the lists of
+ranks that fall behind, and a rank whose list is done steals from the most loaded one.
 
 The owner takes its list from the head, one microbatch at a time, at the moment it reaches that
-microbatch (so work it has not started stays up for grabs); thieves take from the tail, where
-LB-Mini's heaviest-first order leaves the lightest samples. If nobody is slow and the cost model
-is right, nobody finds anything worth stealing and the run *is* LB-Mini; when a rank falls behind
-(a straggler, a wrong cost), idle ranks take its remaining samples.
+microbatch (so work it has not started stays up for grabs); thieves take single samples from the
+tail, where LB-Mini's heaviest-first order leaves the lightest. If the devices are equal and the
+cost model right, nothing is worth taking and the run *is* LB-Mini; when a rank falls behind (a
+straggler, a wrong cost), the others take its remaining samples.
 
-Every decision goes through one primitive, ``fetch_add(counter, n)`` on integer counters shared
-by all ranks and zero at the start of each step (``Transport.fetch_add``), so the runtime on any
-transport and the simulator run this same code. Counters, for W ranks and N samples:
+Every decision goes through shared integer counters, zero at the start of each step
+(``Transport.fetch_add``), so the runtime on any transport and the simulator run this same code.
+For W ranks and N samples:
 
-    [0, W)        head[r]:   how many of r's list positions its owner has announced taking
-    [W, 2W)       stolen[r]: how many tail positions of r's list thieves have taken a ticket for
-    [2W, 2W + N)  taken[s]:  sample s; whoever's fetch_add returns 0 runs it (exactly once)
+    [0, W)          head[r]:    how many of r's list positions its owner has announced taking
+    [W, 2W)         stolen[r]:  how many tail positions of r's list thieves hold tickets for
+    [2W, 3W)        done[r]:    cost r has finished (in quanta: 2^20 = the heaviest sample)
+    [3W, 4W)        started[r]: cost r is running now
+    [4W, 4W + N)    taken[s]:   sample s; whoever's fetch_add returns 0 runs it (exactly once)
 
-The owner announces a microbatch (``head += len``) and then takes each of its samples' flags;
-a thief takes a ticket ``t = stolen[v]++`` (list position ``n_v - 1 - t``) and then that
-sample's flag. Flags make the race at the meeting point harmless: each sample goes to exactly
-one rank. Tickets go out in decreasing position order, so once the owner finds a microbatch
-fully taken, every later position has a ticket and someone will take its flag.
+The owner announces positions (``head += k``), then takes each sample's flag; a thief takes a
+ticket ``t = stolen[v]++`` (position ``n_v - 1 - t``) and then that sample's flag. Flags make
+the race where owner and thieves meet harmless: each sample goes to exactly one rank. Tickets go
+out in decreasing position order, so once the owner finds a microbatch fully taken, every later
+position has a ticket and its holder will try its flag.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, replace
-from itertools import accumulate
-from typing import Literal
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
 
 from odcfn.schedule.balance import check_lengths, lb_mini
 from odcfn.schedule.cost import DEFAULT_COST, CostModel
-from odcfn.schedule.plan import (
-    Assignment,
-    Backward,
-    Forward,
-    Plan,
-    ScheduleOptions,
-    Step,
-    Sync,
-    owner_steps,
-    stealing_fragment,
-)
+from odcfn.schedule.plan import Action, Assignment
 
 __all__ = [
+    "DEFAULT_TOLERANCE",
     "Action",
-    "FetchAdd",
+    "ArrayCounters",
+    "Shared",
     "StealPlan",
-    "action_steps",
+    "TransportCounters",
     "ahead",
     "behind",
     "claim_own",
     "pick_victim",
     "rank_program",
-    "realised_plan",
     "steal",
     "steal_plan",
 ]
 
 DEFAULT_TOLERANCE = 0.1
+_QUANTUM = 1 << 20
 
-FetchAdd = Callable[[int, int], int]  # (counter, n) -> value before adding n
+
+class Shared(Protocol):
+    """The counters the ranks share: an atomic fetch-and-add, and a bulk read (a snapshot of
+    each counter, not of the block as a whole)."""
+
+    def fetch_add(self, counter: int, n: int) -> int: ...
+
+    def read(self, lo: int, hi: int) -> np.ndarray: ...
 
 
-@dataclass(frozen=True)
+class TransportCounters:
+    """``Shared`` over a transport's ``fetch_add`` (what the runtime uses)."""
+
+    def __init__(self, fetch_add: Callable[[int, int], int]) -> None:
+        self.fetch_add = fetch_add
+
+    def read(self, lo: int, hi: int) -> np.ndarray:
+        return np.array([self.fetch_add(i, 0) for i in range(lo, hi)], dtype=np.int64)
+
+
+class ArrayCounters:
+    """``Shared`` in one process (the simulator, tests): decisions are taken one at a time."""
+
+    def __init__(self, n: int) -> None:
+        self.values = np.zeros(n, dtype=np.int64)
+
+    def fetch_add(self, counter: int, n: int) -> int:
+        v = int(self.values[counter])
+        self.values[counter] = v + n
+        return v
+
+    def read(self, lo: int, hi: int) -> np.ndarray:
+        return self.values[lo:hi].copy()
+
+
+@dataclass(frozen=True, eq=False)
 class StealPlan:
     """Every rank's own list (identical on all ranks: computed from the lengths alone)."""
 
@@ -72,17 +99,27 @@ class StealPlan:
     costs: tuple[float, ...]  # per sample, the cost model's estimate
 
     def __post_init__(self) -> None:
-        order = tuple(tuple(s for mb in mbs for s in mb) for mbs in self.lists)
-        object.__setattr__(self, "order", order)  # rank -> list positions -> sample
-        cum = tuple(tuple(accumulate((self.costs[s] for s in o), initial=0.0)) for o in order)
-        object.__setattr__(self, "cum", cum)  # rank -> prefix sums of costs over positions
+        order = [[s for mb in mbs for s in mb] for mbs in self.lists]
+        n = np.array([len(o) for o in order], dtype=np.int64)
+        starts = np.concatenate([[0], np.cumsum(n)])[:-1]
+        flat = np.array([s for o in order for s in o], dtype=np.int64)
+        c = np.asarray(self.costs, dtype=np.float64)
+        # prefix sums of costs over each rank's positions, n_v + 1 entries per rank, flattened
+        cum = np.concatenate([np.concatenate([[0.0], np.cumsum(c[o])]) for o in order] or [np.zeros(0)])
+        top = float(c.max()) if len(c) else 1.0
         ends = []
         for mbs in self.lists:
             e: list[int] = []
             for mb in mbs:
                 e += [len(e) + len(mb)] * len(mb)
             ends.append(tuple(e))
-        object.__setattr__(self, "ends", tuple(ends))  # rank -> position -> end of its microbatch
+        for name, value in dict(
+            order=tuple(tuple(o) for o in order),  # rank -> position -> sample
+            ends=tuple(ends),  # rank -> position -> end of its microbatch
+            _n=n, _starts=starts, _flat=flat, _cum=cum, _cum_starts=starts + np.arange(len(n)),
+            _cost=c, _quanta=np.rint(c / (top or 1.0) * _QUANTUM).astype(np.int64),
+        ).items():
+            object.__setattr__(self, name, value)
 
     @property
     def world_size(self) -> int:
@@ -108,15 +145,11 @@ class StealPlan:
         return 4 * self.world_size + s
 
     def quantum(self, samples: Sequence[int]) -> int:
-        """Cost as an integer counter increment (2^20 = the heaviest sample)."""
-        top = max(self.costs, default=0.0) or 1.0
-        return sum(round(self.costs[s] / top * (1 << 20)) for s in samples)
+        return int(sum(self._quanta[s] for s in samples))  # type: ignore[attr-defined]
 
-    def queued(self, v: int, head: int, stolen: int) -> tuple[int, int]:
-        """Positions [lo, hi) of v's list that nobody has announced or ticketed yet."""
-        n = len(self.order[v])  # type: ignore[attr-defined]
-        hi = max(n - stolen, 0)
-        return min(head, hi), hi
+    def block(self, shared: Shared, first: Callable[[int], int]) -> np.ndarray:
+        """One counter of every rank, e.g. ``sp.block(shared, sp.done)``."""
+        return shared.read(first(0), first(0) + self.world_size)
 
 
 def steal_plan(
@@ -129,8 +162,8 @@ def steal_plan(
 ) -> StealPlan:
     """LB-Mini's assignment as the owners' lists. ``split_cost``: an LB-Mini microbatch whose
     samples all cost at least this much is run as single-sample microbatches instead (an owner
-    then commits to less work at a time, so a slow owner keeps less of it; worth it only when
-    compute hides the extra gathers, which is what the simulator's default measures)."""
+    then commits to less work at a time; worth it when compute hides the extra gathers, which
+    is what the simulator's default measures)."""
     check_lengths(lengths, max_tokens)
     costs = tuple(float(cost(n)) for n in lengths)
     lists = []
@@ -145,108 +178,95 @@ def steal_plan(
     return StealPlan(tuple(lists), costs)
 
 
-def claim_own(sp: StealPlan, fetch_add: FetchAdd, rank: int, lo: int, hi: int) -> tuple[int, ...]:
+def claim_own(sp: StealPlan, shared: Shared, rank: int, lo: int, hi: int) -> tuple[int, ...]:
     """The owner takes positions [lo, hi) of its list: announce them, then take every sample
     no thief has taken. An empty result means the rest of the list is stolen."""
-    fetch_add(sp.head(rank), hi - lo)
+    shared.fetch_add(sp.head(rank), hi - lo)
     order = sp.order[rank]  # type: ignore[attr-defined]
-    return tuple(s for s in (order[p] for p in range(lo, hi)) if fetch_add(sp.taken(s), 1) == 0)
+    return tuple(s for s in (order[p] for p in range(lo, hi)) if shared.fetch_add(sp.taken(s), 1) == 0)
 
 
 def pick_victim(
     sp: StealPlan,
-    thief: int,
-    heads: Sequence[int],
-    stolen: Sequence[int],
+    heads: np.ndarray,
+    stolen: np.ndarray,
+    allowed: np.ndarray,
     overhead: float = 0.0,
-    skip: frozenset[int] | set[int] = frozenset(),
-    residual: Callable[[int], float] = lambda v: 0.0,
+    residual: np.ndarray | float = 0.0,
 ) -> int | None:
-    """The rank with the most work left whose tail sample is worth stealing: what it has left
-    besides that sample (its other queued samples, plus ``residual(v)``, what remains of the
-    work it is running, if known) is at least ``overhead`` (a steal's cost beyond its compute),
-    so the thief finishes the sample before the owner would have reached it. Ties: lowest rank."""
-    best, best_q = None, -1.0
-    for v in range(sp.world_size):
-        if v == thief or v in skip:
-            continue
-        lo, hi = sp.queued(v, heads[v], stolen[v])
-        if hi <= lo:
-            continue
-        cum = sp.cum[v]  # type: ignore[attr-defined]
-        q = cum[hi] - cum[lo] + residual(v)
-        if q - sp.costs[sp.order[v][hi - 1]] >= overhead and q > best_q:  # type: ignore[attr-defined]
-            best, best_q = v, q
-    return best
+    """The allowed rank with the most work left whose tail sample is worth stealing: what it
+    has left besides that sample (its other queued samples, plus ``residual``, what remains of
+    the work it is running, if known) is at least ``overhead`` (a steal's cost beyond its
+    compute), so the thief finishes the sample before the owner would have reached it. Ties:
+    the lowest rank."""
+    hi = np.maximum(sp._n - stolen, 0)  # type: ignore[attr-defined]
+    lo = np.minimum(heads, hi)
+    ok = allowed & (hi > lo)
+    if not ok.any():
+        return None
+    cum, at = sp._cum, sp._cum_starts  # type: ignore[attr-defined]
+    left = cum[at + hi] - cum[at + lo] + residual
+    tail = sp._cost[sp._flat[np.maximum(sp._starts + hi - 1, 0)]]  # type: ignore[attr-defined]
+    ok &= left - tail >= overhead
+    if not ok.any():
+        return None
+    return int(np.argmax(np.where(ok, left, -np.inf)))
 
 
-def behind(sp: StealPlan, fetch_add: FetchAdd, rank: int, tolerance: float) -> frozenset[int]:
-    """Ranks that are behind this one: this rank has finished more than ``1 + tolerance`` times
-    the work they have even started (``done`` and ``started`` counters, in cost quanta). Equal
-    devices on LB-Mini lists never are: a rank on pace has started at least what another has
-    finished. A slow device is, long before the others run out of work."""
-    mine = fetch_add(sp.done(rank), 0)
-    return frozenset(
-        v
-        for v in range(sp.world_size)
-        if v != rank and mine > (1.0 + tolerance) * (fetch_add(sp.done(v), 0) + fetch_add(sp.started(v), 0))
-    )
+def behind(sp: StealPlan, shared: Shared, rank: int, tolerance: float) -> np.ndarray:
+    """Which ranks are behind this one (a bool per rank): this rank has finished more than
+    ``1 + tolerance`` times the work they have even started. Equal devices on LB-Mini lists
+    are not: a rank on pace has started at least what another has finished. A slow device is,
+    long before the others run out of work."""
+    done = sp.block(shared, sp.done)
+    late = done[rank] > (1.0 + tolerance) * (done + sp.block(shared, sp.started))
+    late[rank] = False
+    return late
 
 
-def ahead(sp: StealPlan, fetch_add: FetchAdd, rank: int, tolerance: float) -> frozenset[int]:
-    """Ranks this one is behind (the mirror of ``behind``). Asked when a rank's own list ends,
-    it names the ranks a slow device must not steal from: they would finish the sample sooner."""
-    mine = fetch_add(sp.done(rank), 0) + fetch_add(sp.started(rank), 0)
-    return frozenset(
-        v
-        for v in range(sp.world_size)
-        if v != rank and fetch_add(sp.done(v), 0) > (1.0 + tolerance) * mine
-    )
+def ahead(sp: StealPlan, shared: Shared, rank: int, tolerance: float) -> np.ndarray:
+    """Which ranks this one is behind (the mirror of ``behind``). Asked when a rank's own list
+    ends, it names the ranks a slow device must not steal from: they would finish sooner."""
+    done = sp.block(shared, sp.done)
+    fast = done > (1.0 + tolerance) * (done[rank] + shared.fetch_add(sp.started(rank), 0))
+    fast[rank] = False
+    return fast
 
 
 def steal(
     sp: StealPlan,
-    fetch_add: FetchAdd,
+    shared: Shared,
     thief: int,
     overhead: float = 0.0,
-    among: frozenset[int] | None = None,
-    residual: Callable[[int], float] = lambda v: 0.0,
+    among: np.ndarray | None = None,
+    residual: np.ndarray | float = 0.0,
 ) -> int | None:
-    """One steal (from ``among`` only, if given): a sample id this rank now owns, or None when
-    nothing is worth stealing."""
-    w = sp.world_size
-    skip: set[int] = set() if among is None else set(range(w)) - among
+    """One steal (from the ranks ``among`` marks, if given): a sample id this rank now owns,
+    or None when nothing is worth stealing."""
+    allowed = np.ones(sp.world_size, dtype=bool) if among is None else among.copy()
+    allowed[thief] = False
     while True:
-        heads = [fetch_add(sp.head(v), 0) for v in range(w)]
-        stolen = [fetch_add(sp.stolen(v), 0) for v in range(w)]
-        v = pick_victim(sp, thief, heads, stolen, overhead, skip, residual)
+        heads, stolen = sp.block(shared, sp.head), sp.block(shared, sp.stolen)
+        v = pick_victim(sp, heads, stolen, allowed, overhead, residual)
         if v is None:
             return None
-        pos = len(sp.order[v]) - 1 - fetch_add(sp.stolen(v), 1)  # type: ignore[attr-defined]
+        pos = len(sp.order[v]) - 1 - shared.fetch_add(sp.stolen(v), 1)  # type: ignore[attr-defined]
         # a position the owner has announced is the owner's (it may not have flagged it yet)
-        if pos >= 0 and pos >= fetch_add(sp.head(v), 0):
+        if pos >= 0 and pos >= shared.fetch_add(sp.head(v), 0):
             s = sp.order[v][pos]  # type: ignore[attr-defined]
-            if fetch_add(sp.taken(s), 1) == 0:
+            if shared.fetch_add(sp.taken(s), 1) == 0:
                 return s
-        skip.add(v)  # the owner got there first: the rest of v's list is taken
-
-
-# What a rank does next, as (kind, samples, flag):
-# ("own", samples, more): run the next piece of its own list (``more``: its list goes on);
-# ("help", (s,), _): leave its list for a moment to run a slow rank's sample, then come back;
-# ("stop", (), held): its list is over (``held``: free the units kept for a next microbatch);
-# ("steal", (s,), _): run a sample stolen once its own list was over.
-Action = tuple[Literal["own", "help", "stop", "steal"], tuple[int, ...], bool]
+        allowed[v] = False  # the owner got there first: the rest of v's list is taken
 
 
 def rank_program(
     sp: StealPlan,
-    fetch_add: FetchAdd,
+    shared: Shared,
     rank: int,
     *,
     tolerance: float | None = DEFAULT_TOLERANCE,
     overhead: Callable[[], float] = lambda: 0.0,
-    residual: Callable[[int], float] = lambda v: 0.0,
+    residual: Callable[[], np.ndarray | float] = lambda: 0.0,
 ) -> Iterator[Action]:
     """One rank's decisions, in order. The caller runs each yielded action to completion before
     asking for the next (the next decision must see the counters as they are then); when the
@@ -256,38 +276,40 @@ def rank_program(
     never) by stealing their tail samples, then takes its own next microbatch -- only its first
     sample if the rank is itself behind someone, so that a slow device commits to little at a
     time. Once its list is done it steals from anyone not ``ahead`` of it, while ``steal``'s
-    guard (``overhead()``, ``residual``) says it pays."""
+    guard (``overhead()``, ``residual()``) says it pays."""
     running = 0  # cost quanta of the action in flight, published in ``started``
 
     def begin(samples: Sequence[int]) -> None:
         nonlocal running
         running = sp.quantum(samples)
-        fetch_add(sp.started(rank), running)
+        shared.fetch_add(sp.started(rank), running)
 
     def finish() -> None:
         nonlocal running
         if running:
-            fetch_add(sp.done(rank), running)
-            fetch_add(sp.started(rank), -running)
+            shared.fetch_add(sp.done(rank), running)
+            shared.fetch_add(sp.started(rank), -running)
             running = 0
 
-    def pace(check: Callable[..., frozenset[int]]) -> frozenset[int]:
-        return check(sp, fetch_add, rank, tolerance) if tolerance is not None else frozenset()
+    none = np.zeros(sp.world_size, dtype=bool)
+
+    def pace(check: Callable[..., np.ndarray]) -> np.ndarray:
+        return check(sp, shared, rank, tolerance) if tolerance is not None else none
 
     ends = sp.ends[rank]  # type: ignore[attr-defined]
     pos, n, held = 0, len(ends), True  # the prefix's gathers are held
     while pos < n:
         finish()
         late = pace(behind)
-        s = steal(sp, fetch_add, rank, overhead(), among=late, residual=residual) if late else None
+        s = steal(sp, shared, rank, overhead(), late, residual()) if late.any() else None
         if s is not None:
             begin((s,))
             yield ("help", (s,), True)
             continue
         end = ends[pos]
-        if end - pos > 1 and pace(ahead):
+        if end - pos > 1 and pace(ahead).any():
             end = pos + 1
-        got = claim_own(sp, fetch_add, rank, pos, end)
+        got = claim_own(sp, shared, rank, pos, end)
         pos = end
         if not got:
             break  # the rest of its list was stolen
@@ -295,43 +317,9 @@ def rank_program(
         held = pos < n
         yield ("own", got, held)
     finish()
-    victims = frozenset(range(sp.world_size)) - pace(ahead)
+    victims = ~pace(ahead)
     yield ("stop", (), held)
-    while (s := steal(sp, fetch_add, rank, overhead(), among=victims, residual=residual)) is not None:
+    while (s := steal(sp, shared, rank, overhead(), victims, residual())) is not None:
         begin((s,))
         yield ("steal", (s,), False)
         finish()
-
-
-def _renumber(steps: Sequence[Step], mb: int) -> tuple[Step, ...]:
-    return tuple(replace(s, mb=mb) if isinstance(s, (Forward, Backward)) else s for s in steps)
-
-
-def action_steps(
-    units: Sequence[str], action: Action, mb: int, options: ScheduleOptions | None = None
-) -> tuple[Step, ...]:
-    """The plan steps of one action; the microbatch it runs (if any) is numbered ``mb`` (the
-    rank's count of microbatches so far)."""
-    o = owner_steps(units, options)
-    kind, _, flag = action
-    if kind == "own":
-        return _renumber(o.middle if flag else o.last, mb)
-    if kind == "stop":
-        return o.held if flag else ()
-    frag = stealing_fragment(units, (0,), mb, options)
-    if kind == "steal":
-        return frag
-    return (*o.held, *frag, *o.prefix)  # help: free what it holds, run it, re-gather
-
-
-def realised_plan(
-    units: Sequence[str], rank: int, actions: Sequence[Action], options: ScheduleOptions | None = None
-) -> Plan:
-    """The plan a work-stealing rank actually ran, microbatches numbered in execution order."""
-    steps = list(owner_steps(units, options).prefix)
-    mbs: list[tuple[int, ...]] = []
-    for a in actions:
-        steps += action_steps(units, a, len(mbs), options)
-        if a[1]:
-            mbs.append(a[1])
-    return Plan(rank, "odc", tuple(units), tuple(mbs), (*steps, Sync()))
