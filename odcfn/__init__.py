@@ -15,7 +15,7 @@ from odcfn.launch import LaunchError, launch
 from odcfn.model import Model, Unit, check_params, reference_loss
 from odcfn.optim import Optimizer, adamw, clip_scale, sgd
 from odcfn.reference import reference_value_and_grad
-from odcfn.schedule import Plan, ScheduleOptions, compile_plan, get_balancer
+from odcfn.schedule import Plan, ScheduleOptions, WorkStealing, compile_plan, get_balancer
 from odcfn.sharding import Layout, Mesh, make_layout, shard, unshard
 from odcfn.trace import Event, bubble_rate, chrome_trace, plot_timeline, save_chrome_trace
 from odcfn.train import StepMetrics, grad_step, train_step
@@ -43,6 +43,7 @@ __all__ = [
     "Transport",
     "TransportError",
     "Unit",
+    "WorkStealing",
     "adamw",
     "bubble_rate",
     "check_params",

@@ -36,7 +36,7 @@ from odcfn.schedule.plan import (
     owner_steps,
     realised_plan,
 )
-from odcfn.schedule.steal import DEFAULT_TOLERANCE, StealPlan, TransportCounters, rank_program
+from odcfn.schedule.steal import StealPlan, TransportCounters, WorkStealing, rank_program
 from odcfn.sharding import Layout
 from odcfn.trace import Event
 
@@ -273,8 +273,7 @@ def execute_stealing(
     transport: Transport,
     compute_dtype: torch.dtype,
     options: ScheduleOptions | None = None,
-    tolerance: float | None = DEFAULT_TOLERANCE,
-    overhead: float = 0.0,
+    policy: WorkStealing | None = None,
     slowdown: float = 1.0,
     device: torch.device | str = "cpu",
 ) -> tuple[ExecResult, Plan]:
@@ -291,7 +290,9 @@ def execute_stealing(
     actions = []
     ex.run_steps(owner_steps(units, options).prefix, t0, events)
     shared = TransportCounters(transport.fetch_add)
-    for action in rank_program(sp, shared, rank, tolerance=tolerance, overhead=lambda: overhead):
+    policy = policy or WorkStealing()
+    program = rank_program(sp, shared, rank, tolerance=policy.tolerance, overhead=lambda: policy.overhead)
+    for action in program:
         steps = action_steps(units, action, len(ex.microbatches), options)
         if action[1]:
             ex.microbatches.append(action[1])

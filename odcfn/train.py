@@ -20,7 +20,7 @@ from odcfn.schedule.balance import (
 )
 from odcfn.schedule.cost import DEFAULT_COST, CostModel
 from odcfn.schedule.plan import Comm, Plan, ScheduleOptions, compile_plan, owner_steps
-from odcfn.schedule.steal import steal_plan
+from odcfn.schedule.steal import WorkStealing, steal_plan
 from odcfn.sharding import Layout, Mesh, make_layout
 from odcfn.sharding.layout import check_shards
 from odcfn.trace import Event
@@ -76,7 +76,7 @@ def grad_step(
     mesh: Mesh,
     transport: Transport,
     comm: Comm = "odc",
-    balance: str | Balancer = "round_robin",
+    balance: str | Balancer | WorkStealing = "round_robin",
     max_tokens_per_microbatch: int | None = None,
     options: ScheduleOptions | None = None,
     compute_dtype: torch.dtype | None = None,
@@ -91,14 +91,18 @@ def grad_step(
     t0 = time.perf_counter()
     layout = _validate(params, batch, model, mesh, transport, comm)
     cap = max(batch.lengths) if max_tokens_per_microbatch is None else max_tokens_per_microbatch
-    stealing = isinstance(balance, str) and balance == WORK_STEALING
+    if isinstance(balance, str) and balance == WORK_STEALING:
+        balance = WorkStealing()
+    stealing = isinstance(balance, WorkStealing)
     if stealing:  # dynamic: ranks claim work items from a shared counter (ODC only)
         if comm != "odc":
             raise ValueError(
                 f"balance='work_stealing' needs comm='odc' (got comm={comm!r}): collectives need "
                 "every rank to run the same microbatches in lockstep, known in advance"
             )
-        sp = steal_plan(batch.lengths, mesh.world_size, cap, cost=cost or DEFAULT_COST)
+        sp = steal_plan(
+            batch.lengths, mesh.world_size, cap, cost=cost or DEFAULT_COST, split_cost=balance.split_cost
+        )
         limit = getattr(transport, "max_counters", None)
         if limit is not None and sp.num_counters > limit:
             raise ValueError(
@@ -116,7 +120,7 @@ def grad_step(
     if stealing:
         result, plan = execute_stealing(
             sp, model=model, layout=layout, batch=batch, transport=transport,
-            compute_dtype=dtype, options=options, slowdown=slowdown, device=device,
+            compute_dtype=dtype, options=options, policy=balance, slowdown=slowdown, device=device,
         )
     else:
         result = execute(
@@ -147,7 +151,7 @@ def train_step(
     mesh: Mesh,
     transport: Transport,
     comm: Comm = "odc",
-    balance: str | Balancer = "round_robin",
+    balance: str | Balancer | WorkStealing = "round_robin",
     max_tokens_per_microbatch: int | None = None,
     options: ScheduleOptions | None = None,
     compute_dtype: torch.dtype | None = None,

@@ -84,11 +84,13 @@ def _trace_makespan(recs: Sequence[dict]) -> float:
 def _stealing(lengths: Sequence[int], world: int, cap: int, cost=None) -> dict:
     """What the runtime's work stealing runs with: the owners' lists it builds with ``cost``
     (None: the schedule layer's default), as ``train_step(..., balance="work_stealing",
-    cost=cost)`` does, and its steal guard (no overhead, no splitting)."""
+    cost=cost)`` does, and its policy's guard and tolerance."""
     from odcfn.schedule.cost import DEFAULT_COST
-    from odcfn.schedule.steal import steal_plan
+    from odcfn.schedule.steal import WorkStealing, steal_plan
 
-    return {"plan": steal_plan(lengths, world, cap, cost=cost or DEFAULT_COST), "overhead": 0.0}
+    ws = WorkStealing()
+    sp = steal_plan(lengths, world, cap, cost=cost or DEFAULT_COST, split_cost=ws.split_cost)
+    return {"plan": sp, "overhead": ws.overhead, "tolerance": ws.tolerance}
 
 
 def _simulate_step(recs, policy, cost, sim_w, comm, cap, slowdown=None, run_cost=None) -> float:

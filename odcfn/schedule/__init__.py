@@ -25,7 +25,7 @@ from odcfn.schedule.plan import (
 )
 from odcfn.schedule.simmodel import A100_COMM, ZERO_COMM, CommModel, SimResult, Workload, lower_bound_makespan
 from odcfn.schedule.simulate import compile_plans, simulate, simulate_work_stealing
-from odcfn.schedule.steal import StealPlan, steal_plan
+from odcfn.schedule.steal import StealPlan, WorkStealing, steal_plan
 
 __all__ = [
     "A100_COMM",
@@ -49,6 +49,7 @@ __all__ = [
     "StealPlan",
     "Sync",
     "TokenCost",
+    "WorkStealing",
     "Workload",
     "aime_rl",
     "calibrate",

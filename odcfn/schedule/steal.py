@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -39,6 +39,7 @@ from odcfn.schedule.plan import Action, Assignment
 
 __all__ = [
     "DEFAULT_TOLERANCE",
+    "WorkStealing",
     "Action",
     "ArrayCounters",
     "Shared",
@@ -55,6 +56,34 @@ __all__ = [
 
 DEFAULT_TOLERANCE = 0.1
 _QUANTUM = 1 << 20
+
+
+@dataclass(frozen=True)
+class WorkStealing:
+    """``train_step(..., balance=WorkStealing(...))``; ``balance="work_stealing"`` is the default.
+
+    ``split_cost``: an LB-Mini microbatch whose samples each cost at least this much (in the
+    cost model's units) runs sample by sample. The default, 0, runs every list sample by sample:
+    a slow rank then holds at most one sample that others cannot take, for one more round of
+    gathers per extra microbatch (hidden behind compute when samples are long; the simulator
+    splits exactly where it is: ``simulate_work_stealing(split_cost=None)``). ``math.inf``
+    keeps LB-Mini's microbatches: equal to LB-Mini when nobody is slow, but a slow rank has
+    claimed most of its list before anyone can tell.
+    ``tolerance``: how far behind a rank must be before others help it (None: only idle ranks
+    steal). ``overhead``: what a steal costs beyond the sample's compute, in cost units.
+    """
+
+    split_cost: float = 0.0
+    tolerance: float | None = DEFAULT_TOLERANCE
+    overhead: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.split_cost >= 0:
+            raise ValueError(f"WorkStealing.split_cost must be >= 0, got {self.split_cost!r}")
+        if self.tolerance is not None and not self.tolerance >= 0:
+            raise ValueError(f"WorkStealing.tolerance must be >= 0 or None, got {self.tolerance!r}")
+        if not self.overhead >= 0:
+            raise ValueError(f"WorkStealing.overhead must be >= 0, got {self.overhead!r}")
 
 
 class Shared(Protocol):
@@ -97,6 +126,16 @@ class StealPlan:
 
     lists: Assignment  # rank -> its own microbatches, in the order it runs them
     costs: tuple[float, ...]  # per sample, the cost model's estimate
+    # derived from the two above
+    order: tuple[tuple[int, ...], ...] = field(init=False, repr=False)  # rank -> position -> sample
+    ends: tuple[tuple[int, ...], ...] = field(init=False, repr=False)  # ... -> end of its microbatch
+    _n: np.ndarray = field(init=False, repr=False)  # list lengths
+    _starts: np.ndarray = field(init=False, repr=False)  # where each list starts in _flat
+    _flat: np.ndarray = field(init=False, repr=False)  # all lists, concatenated
+    _cum: np.ndarray = field(init=False, repr=False)  # per list: 0 and prefix sums of costs
+    _cum_starts: np.ndarray = field(init=False, repr=False)
+    _cost: np.ndarray = field(init=False, repr=False)
+    _quanta: np.ndarray = field(init=False, repr=False)  # costs as counter increments
 
     def __post_init__(self) -> None:
         order = [[s for mb in mbs for s in mb] for mbs in self.lists]
@@ -104,7 +143,6 @@ class StealPlan:
         starts = np.concatenate([[0], np.cumsum(n)])[:-1]
         flat = np.array([s for o in order for s in o], dtype=np.int64)
         c = np.asarray(self.costs, dtype=np.float64)
-        # prefix sums of costs over each rank's positions, n_v + 1 entries per rank, flattened
         cum = np.concatenate([np.concatenate([[0.0], np.cumsum(c[o])]) for o in order] or [np.zeros(0)])
         top = float(c.max()) if len(c) else 1.0
         ends = []
@@ -114,8 +152,8 @@ class StealPlan:
                 e += [len(e) + len(mb)] * len(mb)
             ends.append(tuple(e))
         for name, value in dict(
-            order=tuple(tuple(o) for o in order),  # rank -> position -> sample
-            ends=tuple(ends),  # rank -> position -> end of its microbatch
+            order=tuple(tuple(o) for o in order),
+            ends=tuple(ends),
             _n=n, _starts=starts, _flat=flat, _cum=cum, _cum_starts=starts + np.arange(len(n)),
             _cost=c, _quanta=np.rint(c / (top or 1.0) * _QUANTUM).astype(np.int64),
         ).items():
@@ -145,7 +183,7 @@ class StealPlan:
         return 4 * self.world_size + s
 
     def quantum(self, samples: Sequence[int]) -> int:
-        return int(sum(self._quanta[s] for s in samples))  # type: ignore[attr-defined]
+        return int(sum(self._quanta[s] for s in samples))
 
     def block(self, shared: Shared, first: Callable[[int], int]) -> np.ndarray:
         """One counter of every rank, e.g. ``sp.block(shared, sp.done)``."""
@@ -182,7 +220,7 @@ def claim_own(sp: StealPlan, shared: Shared, rank: int, lo: int, hi: int) -> tup
     """The owner takes positions [lo, hi) of its list: announce them, then take every sample
     no thief has taken. An empty result means the rest of the list is stolen."""
     shared.fetch_add(sp.head(rank), hi - lo)
-    order = sp.order[rank]  # type: ignore[attr-defined]
+    order = sp.order[rank]
     return tuple(s for s in (order[p] for p in range(lo, hi)) if shared.fetch_add(sp.taken(s), 1) == 0)
 
 
@@ -199,14 +237,14 @@ def pick_victim(
     the work it is running, if known) is at least ``overhead`` (a steal's cost beyond its
     compute), so the thief finishes the sample before the owner would have reached it. Ties:
     the lowest rank."""
-    hi = np.maximum(sp._n - stolen, 0)  # type: ignore[attr-defined]
+    hi = np.maximum(sp._n - stolen, 0)
     lo = np.minimum(heads, hi)
     ok = allowed & (hi > lo)
     if not ok.any():
         return None
-    cum, at = sp._cum, sp._cum_starts  # type: ignore[attr-defined]
+    cum, at = sp._cum, sp._cum_starts
     left = cum[at + hi] - cum[at + lo] + residual
-    tail = sp._cost[sp._flat[np.maximum(sp._starts + hi - 1, 0)]]  # type: ignore[attr-defined]
+    tail = sp._cost[sp._flat[np.maximum(sp._starts + hi - 1, 0)]]
     ok &= left - tail >= overhead
     if not ok.any():
         return None
@@ -250,10 +288,10 @@ def steal(
         v = pick_victim(sp, heads, stolen, allowed, overhead, residual)
         if v is None:
             return None
-        pos = len(sp.order[v]) - 1 - shared.fetch_add(sp.stolen(v), 1)  # type: ignore[attr-defined]
+        pos = len(sp.order[v]) - 1 - shared.fetch_add(sp.stolen(v), 1)
         # a position the owner has announced is the owner's (it may not have flagged it yet)
         if pos >= 0 and pos >= shared.fetch_add(sp.head(v), 0):
-            s = sp.order[v][pos]  # type: ignore[attr-defined]
+            s = sp.order[v][pos]
             if shared.fetch_add(sp.taken(s), 1) == 0:
                 return s
         allowed[v] = False  # the owner got there first: the rest of v's list is taken
@@ -296,7 +334,7 @@ def rank_program(
     def pace(check: Callable[..., np.ndarray]) -> np.ndarray:
         return check(sp, shared, rank, tolerance) if tolerance is not None else none
 
-    ends = sp.ends[rank]  # type: ignore[attr-defined]
+    ends = sp.ends[rank]
     pos, n, held = 0, len(ends), True  # the prefix's gathers are held
     while pos < n:
         finish()
