@@ -382,15 +382,18 @@ def test_a_peer_that_never_publishes_times_out_instead_of_hanging():
     def body(rank, box):
         mesh = odcfn.Mesh(2, rank)
         tr = cuda_ipc_transport(mesh, store, LocalCollectives(world, rank), device="cpu", timeout=0.5)
-        layout = make_layout(MODEL, mesh)
-        tr.begin_step(layout, odcfn.shard(FULL, MODEL, mesh), torch.float32)
-        if rank == 1:
-            tr.step = 5  # rank 1 now waits for a version rank 0 never publishes
-            t0 = time.monotonic()
-            try:
-                tr.gather(layout.units[0].name, torch.empty(layout.units[0].padded_numel))
-            except TransportError as e:
-                box.append((str(e), time.monotonic() - t0))
+        try:
+            layout = make_layout(MODEL, mesh)
+            tr.begin_step(layout, odcfn.shard(FULL, MODEL, mesh), torch.float32)
+            if rank == 1:
+                tr.step = 5  # rank 1 now waits for a version rank 0 never publishes
+                t0 = time.monotonic()
+                try:
+                    tr.gather(layout.units[0].name, torch.empty(layout.units[0].padded_numel))
+                except TransportError as e:
+                    box.append((str(e), time.monotonic() - t0))
+        finally:  # stop the landing drain thread: one left running at exit aborts the interpreter
+            tr.close()
 
     box: list = []
     ts = [threading.Thread(target=body, args=(r, box)) for r in range(2)]

@@ -17,9 +17,11 @@ protocol of ``kernels/base.py`` with the same semantics as ``LocalTransport``:
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import threading
 import time
+import weakref
 from collections.abc import Mapping
 from typing import Any, Protocol
 
@@ -187,6 +189,10 @@ class ArenaTransport:
                 target=self._drain_loop, name=f"odcfn-drain-{self.mesh.rank}", daemon=True
             )
             self._drain.start()
+            # a drain thread still inside a torch op while the interpreter exits aborts it
+            # ("terminate called without an active exception"): stop it first if close() was not
+            me = weakref.ref(self)
+            atexit.register(lambda: (t := me()) is not None and t._stop_drain())
 
     def _wait(self, pred, what: str) -> None:
         deadline = time.monotonic() + self.timeout
