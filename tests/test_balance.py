@@ -272,15 +272,22 @@ def _ws_grad_steps(world, lengths, steps=2, ranks_per_node=None, sharding="full"
         (4, [6, 10], 2, "hybrid"),  # two ranks never get a sample: they still meet at the sync
     ],
 )
-def test_runtime_work_stealing_matches_the_reference_and_runs_each_sample_once(world, lengths, rpn, sharding):
+@pytest.mark.parametrize("packed", [False, True])
+def test_runtime_work_stealing_matches_the_reference_and_runs_each_sample_once(
+    world, lengths, rpn, sharding, packed
+):
+    import math
+
     import odcfn
 
+    # packed: LB-Mini's microbatches and no helping; else the default (sample by sample)
+    policy = odcfn.WorkStealing(split_cost=math.inf, tolerance=None) if packed else "work_stealing"
     model, full, batch, out = _ws_grad_steps(
         world,
         lengths,
         ranks_per_node=rpn,
         sharding=sharding,
-        balance="work_stealing",
+        balance=policy,
         max_tokens_per_microbatch=12,
     )
     loss_ref, g_ref = odcfn.reference_value_and_grad(model, full, batch)
@@ -331,6 +338,27 @@ def test_runtime_work_stealing_rejects_collective_and_oversized_samples():
         _ws_grad_steps(2, [3, 4], steps=1, balance="work_stealing", comm="collective")
     with pytest.raises(ValueError, match="sample 1 has 9 tokens"):
         _ws_grad_steps(2, [3, 9], steps=1, balance="work_stealing", max_tokens_per_microbatch=8)
+    import odcfn
+
+    def too_few_counters(rank, tr):
+        tr.max_counters = 5  # a transport with room for fewer counters than 2 ranks x 3 samples need
+        mesh = odcfn.Mesh(2, rank)
+        p = odcfn.shard(init_params(cfg, seed=0), model, mesh)
+        batch = odcfn.random_batch([3, 4, 5], cfg.vocab_size, seed=1)
+        before = tr.counters.copy()
+        with pytest.raises(ValueError, match="needs 11 shared counters.*has 5"):
+            odcfn.grad_step(p, batch, model=model, mesh=mesh, transport=tr, balance="work_stealing")
+        return (tr.counters - before).as_dict()
+
+    from odcfn.models import QwenConfig, init_params, qwen_model
+
+    cfg = QwenConfig(vocab_size=37, d_model=16, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=24)
+    model = qwen_model(cfg)
+    assert all(not any(c.values()) for c in odcfn.run_local(too_few_counters, 2, timeout=30))
+    with pytest.raises(ValueError, match="WorkStealing.tolerance"):
+        odcfn.WorkStealing(tolerance=-1.0)
+    with pytest.raises(ValueError, match="WorkStealing.split_cost"):
+        odcfn.WorkStealing(split_cost=float("nan"))
 
 
 def shm_stealing_worker(lengths, cap, slow_rank):
