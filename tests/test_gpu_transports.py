@@ -338,6 +338,7 @@ def test_fetch_add_counters_are_shared_independent_and_fresh_each_step(kind):
     from odcfn.sharding import make_layout
 
     got: list = [[], []]
+    kept: list = [None, None]
     phase = threading.Barrier(2, timeout=30)
 
     def body(rank):
@@ -359,6 +360,13 @@ def test_fetch_add_counters_are_shared_independent_and_fresh_each_step(kind):
             got[rank].append((fresh, took, totals))
             tr.flush()
             tr.sync(torch.zeros(2, dtype=torch.float64))
+        if kind != "local":  # the next begin_step drops the keys of this step's counters
+            keys = [tr._counter_key(tr.step, c) for c in (0, 1, 2)]
+            phase.wait()
+            before = store.check(keys)
+            tr.begin_step(layout, odcfn.shard(FULL, MODEL, mesh), torch.float32)
+            phase.wait()
+            kept[rank] = (before, [store.check([k]) for k in keys])
         tr.close()
 
     ts = [threading.Thread(target=body, args=(r,)) for r in range(2)]
@@ -373,6 +381,8 @@ def test_fetch_add_counters_are_shared_independent_and_fresh_each_step(kind):
             fresh, _, totals = got[rank][step]
             assert fresh == [0, 0, 0]  # step 2 starts from 0 although step 1 left values
             assert totals == [total, total, 11, -3, 0]
+    if kind != "local":  # the store does not keep a key per counter per step forever
+        assert kept == [(True, [False, False, False])] * 2
 
 
 def test_a_peer_that_never_publishes_times_out_instead_of_hanging():

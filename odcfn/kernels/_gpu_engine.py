@@ -130,6 +130,7 @@ class ArenaTransport:
         self.me = mesh.shard_index
         self.sig = SignalLayout(len(self.group), slots)
         self.step = 0
+        self._touched: set[int] = set()  # counters this rank used this step (their keys go next step)
         self.layout: Layout | None = None
         self.arena_layout: ArenaLayout | None = None
         self.generation = 0
@@ -174,6 +175,11 @@ class ArenaTransport:
         self._raise_if_failed()
         self._ensure_arena(layout, compute_dtype)
         self.layout = layout
+        # every rank has passed the last step's sync, after its last fetch_add of that step:
+        # drop the store keys this rank touched then, or they pile up (N + 4W per step)
+        for counter in self._touched:
+            self.store.delete_key(self._counter_key(self.step, counter))
+        self._touched.clear()
         self.step += 1
         al = self.arena_layout
         self.fabric.arena[al.params_end : al.acc_end].zero_()  # accumulators first ...
@@ -393,9 +399,13 @@ class ArenaTransport:
             return self._host
         return {name: acc for name, (_, acc) in self._views.items()}
 
+    def _counter_key(self, step: int, counter: int) -> str:
+        return f"{self.prefix}/c/{step}/{counter}"
+
     def fetch_add(self, counter: int, n: int = 1) -> int:
         # store.add returns the value after the add; a missing key counts as 0 (fresh each step)
-        return int(self.store.add(f"{self.prefix}/c/{self.step}/{counter}", n)) - n
+        self._touched.add(counter)
+        return int(self.store.add(self._counter_key(self.step, counter), n)) - n
 
     def close(self) -> None:
         self._stop_drain()
