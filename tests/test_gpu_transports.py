@@ -364,6 +364,7 @@ def test_fetch_add_counters_are_shared_independent_and_fresh_each_step(kind):
             keys = [tr._counter_key(tr.step, c) for c in (0, 1, 2)]
             phase.wait()
             before = store.check(keys)
+            phase.wait()  # both have looked before either deletes
             tr.begin_step(layout, odcfn.shard(FULL, MODEL, mesh), torch.float32)
             phase.wait()
             kept[rank] = (before, [store.check([k]) for k in keys])
