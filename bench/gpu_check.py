@@ -221,19 +221,17 @@ def _transport_bandwidth(mesh, store, coll, device) -> dict:
     return out
 
 
-def check_ipc(dev: torch.device, world: int) -> None:
+def _spawn(target, world: int, label: str, *args) -> list | None:
+    """Run ``target(rank, world, port, *args, queue)`` in ``world`` spawned processes; each puts
+    one tuple on the queue. Returns the tuples, or None (after a failed row) if some never came."""
     import torch.multiprocessing as mp
 
-    ndev = torch.cuda.device_count() if dev.type == "cuda" else 0
-    backend = "nccl" if dev.type == "cuda" and ndev >= world else "gloo"
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [
-        ctx.Process(target=_rank_main, args=(r, world, port, dev.type, backend, q)) for r in range(world)
-    ]
+    procs = [ctx.Process(target=target, args=(r, world, port, *args, q)) for r in range(world)]
     for p in procs:
         p.start()
     got = []
@@ -241,12 +239,19 @@ def check_ipc(dev: torch.device, world: int) -> None:
         for _ in range(world):
             got.append(q.get(timeout=240))
     except Exception as e:  # noqa: BLE001
-        row(f"CUDA-IPC W={world}", False, f"no answer from all ranks: {e!r}")
+        row(label, False, f"no answer from all ranks: {e!r}")
     for p in procs:
         p.join(timeout=30)
         if p.is_alive():
             p.kill()
-    if len(got) < world:
+    return got if len(got) == world else None
+
+
+def check_ipc(dev: torch.device, world: int) -> None:
+    ndev = torch.cuda.device_count() if dev.type == "cuda" else 0
+    backend = "nccl" if dev.type == "cuda" and ndev >= world else "gloo"
+    got = _spawn(_rank_main, world, f"CUDA-IPC W={world}", dev.type, backend)
+    if got is None:
         return
     errs = [g for g in got if g[1]]
     where = f"{world} procs on {ndev or 'cpu'} device(s), collectives over {backend}"
@@ -356,8 +361,6 @@ def _nvshmem_rank_main(rank: int, world: int, port: int, q) -> None:
 
 
 def check_nvshmem(dev: torch.device) -> None:
-    import torch.multiprocessing as mp
-
     if dev.type != "cuda":
         row("NVSHMEM", None, "needs CUDA; not run")
         return
@@ -368,25 +371,8 @@ def check_nvshmem(dev: torch.device) -> None:
         return
     ndev = torch.cuda.device_count()
     for world in sorted({1, min(ndev, 4)}):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        ctx = mp.get_context("spawn")
-        q = ctx.Queue()
-        procs = [ctx.Process(target=_nvshmem_rank_main, args=(r, world, port, q)) for r in range(world)]
-        for p in procs:
-            p.start()
-        got = []
-        try:
-            for _ in range(world):
-                got.append(q.get(timeout=240))
-        except Exception as e:  # noqa: BLE001
-            row(f"NVSHMEM W={world}", False, f"no answer from all ranks: {e!r}")
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-        if len(got) < world:
+        got = _spawn(_nvshmem_rank_main, world, f"NVSHMEM W={world}")
+        if got is None:
             continue
         errs = [g for g in got if g[1]]
         if errs:
