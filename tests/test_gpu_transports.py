@@ -205,6 +205,26 @@ def _run_threads(world_size, comm, steps=2, ranks_per_node=None, sharding="full"
     return out
 
 
+def _in_threads(body, world_size):
+    """Run ``body(rank)`` on ``world_size`` threads; re-raise the first error (an assertion in a
+    thread would otherwise only be printed)."""
+    errors: list = []
+
+    def run(rank):
+        try:
+            body(rank)
+        except BaseException as e:  # noqa: BLE001 - re-raised below, in the test's thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(world_size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+
+
 def _assert_grads(out, world_size, ranks_per_node=None, sharding="full"):
     mesh = odcfn.Mesh(world_size, 0, ranks_per_node, sharding)
     for r in range(world_size):
@@ -274,11 +294,7 @@ def test_gathers_deliver_the_compute_dtype_and_a_dtype_change_re_lays_the_arena(
         got[rank] = res
         tr.close()
 
-    ts = [threading.Thread(target=body, args=(r,)) for r in range(2)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
+    _in_threads(body, 2)
     layout = make_layout(MODEL, odcfn.Mesh(2, 0))
     u = layout.units[1]
     full_flat = u.flatten(FULL[u.name])
@@ -322,11 +338,7 @@ def test_landing_pushes_complete_while_the_owner_computes_something_else():
         tr.sync(torch.zeros(2, dtype=torch.float64))
         tr.close()
 
-    ts = [threading.Thread(target=body, args=(r,)) for r in range(2)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
+    _in_threads(body, 2)
     assert times["pushed"] < times["owner_back"]
     assert torch.equal(acc_after[0], grad[u.shard_size : 2 * u.shard_size])
 
@@ -370,11 +382,7 @@ def test_fetch_add_counters_are_shared_independent_and_fresh_each_step(kind):
             kept[rank] = (before, [store.check([k]) for k in keys])
         tr.close()
 
-    ts = [threading.Thread(target=body, args=(r,)) for r in range(2)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
+    _in_threads(body, 2)
     for step in range(2):
         total = 4 + 6 + 2 * step
         assert sorted(got[0][step][1] + got[1][step][1]) == list(range(total))
@@ -407,11 +415,7 @@ def test_a_peer_that_never_publishes_times_out_instead_of_hanging():
             tr.close()
 
     box: list = []
-    ts = [threading.Thread(target=body, args=(r, box)) for r in range(2)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
+    _in_threads(lambda r: body(r, box), 2)
     ((msg, waited),) = box
     assert "rank 0 to publish step 5" in msg and waited < 5
 
