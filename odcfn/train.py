@@ -94,7 +94,7 @@ def grad_step(
     if isinstance(balance, str) and balance == WORK_STEALING:
         balance = WorkStealing()
     stealing = isinstance(balance, WorkStealing)
-    if stealing:  # dynamic: ranks claim work items from a shared counter (ODC only)
+    if stealing:  # dynamic: samples move between ranks at run time (ODC only)
         if comm != "odc":
             raise ValueError(
                 f"balance='work_stealing' needs comm='odc' (got comm={comm!r}): collectives need "

@@ -203,13 +203,11 @@ def _hoist_gathers(steps: list[Step], depth: int) -> list[Step]:
 
 
 def stealing_fragment(
-    units: Sequence[str], sample_ids: Sequence[int], mb: int, options: ScheduleOptions | None = None
+    units: Sequence[str], mb: int, options: ScheduleOptions | None = None
 ) -> tuple[Step, ...]:
-    """The steps a work-stealing rank runs for one claimed item: microbatch ``mb``'s forward and
-    backward with their gathers prefetched inside it, and no Sync. Used by the runtime and the
-    simulator alike."""
-    if not sample_ids:
-        raise ValueError("a work item needs at least one sample")
+    """The steps a work-stealing rank runs for one stolen sample: microbatch ``mb``'s forward
+    and backward with their gathers prefetched inside it, and no Sync. Used by the runtime and
+    the simulator alike."""
     return _fragment(tuple(units), mb, options or ScheduleOptions())
 
 
@@ -277,7 +275,7 @@ def owner_steps(units: Sequence[str], options: ScheduleOptions | None = None) ->
 
 @lru_cache(maxsize=64)
 def _owner_steps(units: tuple[str, ...], options: ScheduleOptions) -> OwnerSteps:
-    def cut(n: int) -> list[int]:
+    def cut(n: int) -> tuple[tuple[Step, ...], list[int]]:
         steps = compile_plan(units, (tuple((0,) for _ in range(n)),), 0, "odc", options).steps[:-1]
         return steps, [i for i, s in enumerate(steps) if isinstance(s, Forward) and s.unit == units[0]]
 
@@ -315,7 +313,7 @@ def action_steps(
         return _renumber(o.middle if flag else o.last, mb)
     if kind == "stop":
         return o.held if flag else ()
-    frag = stealing_fragment(units, (0,), mb, options)
+    frag = stealing_fragment(units, mb, options)
     if kind == "steal":
         return frag
     return (*o.held, *frag, *o.prefix)  # help: free what it holds, run it, re-gather

@@ -165,7 +165,7 @@ def simulate_work_stealing(
     options = options or ScheduleOptions()
     mesh = mesh_for(mesh, world_size)
     eng = Engine(workload, mesh, comm, record)
-    frag = eng.codes(stealing_fragment(workload.units, (0,), 0, options))
+    frag = eng.codes(stealing_fragment(workload.units, 0, options))
     split = eng.hiding_cost() if split_cost is None else split_cost
     sp = plan or steal_plan(lengths, world_size, max_tokens or max(lengths), cost=cost, split_cost=split)
     if sp.world_size != world_size or len(sp.costs) != len(lengths):
@@ -176,7 +176,7 @@ def simulate_work_stealing(
     shared = ArrayCounters(sp.num_counters)
     clock = np.zeros(world_size)  # each rank's compute clock: when its running work ends
 
-    def program(r: int):  # noqa: ANN202 - a generator of steal.Action
+    def program(r: int):  # noqa: ANN202 - a generator of plan.Action
         st = ranks[r]
         ovh = (lambda: base) if overhead is not None else (lambda: base + max(st.push - st.t, 0.0))
         left = lambda: np.maximum(clock - st.t, 0.0)

@@ -40,7 +40,6 @@ from odcfn.schedule.plan import Action, Assignment
 __all__ = [
     "DEFAULT_TOLERANCE",
     "WorkStealing",
-    "Action",
     "ArrayCounters",
     "Shared",
     "StealPlan",
