@@ -18,6 +18,7 @@ from typing import Literal, Union
 
 __all__ = [
     "Action",
+    "action_pieces",
     "AllGather",
     "Assignment",
     "Backward",
@@ -302,21 +303,29 @@ def _renumber(steps: Sequence[Step], mb: int) -> tuple[Step, ...]:
     return tuple(replace(s, mb=mb) if isinstance(s, (Forward, Backward)) else s for s in steps)
 
 
+def action_pieces(
+    units: Sequence[str], action: Action, options: ScheduleOptions | None = None
+) -> tuple[tuple[Step, ...], ...]:
+    """The plan pieces one work-stealing action runs, in order, with ``mb=0`` (cached tuples,
+    so the simulator can key its decoded steps on them)."""
+    o = owner_steps(units, options)
+    kind, _, flag = action
+    if kind == "own":
+        return (o.middle if flag else o.last,)
+    if kind == "stop":
+        return (o.held,) if flag else ()
+    frag = stealing_fragment(units, 0, options)
+    if kind == "steal":
+        return (frag,)
+    return (o.held, frag, o.prefix)  # help: free what it holds, run it, re-gather
+
+
 def action_steps(
     units: Sequence[str], action: Action, mb: int, options: ScheduleOptions | None = None
 ) -> tuple[Step, ...]:
     """The plan steps of one work-stealing action; the microbatch it runs (if any) is numbered
     ``mb`` (the rank's count of microbatches so far)."""
-    o = owner_steps(units, options)
-    kind, _, flag = action
-    if kind == "own":
-        return _renumber(o.middle if flag else o.last, mb)
-    if kind == "stop":
-        return o.held if flag else ()
-    frag = stealing_fragment(units, mb, options)
-    if kind == "steal":
-        return frag
-    return (*o.held, *frag, *o.prefix)  # help: free what it holds, run it, re-gather
+    return tuple(s for piece in action_pieces(units, action, options) for s in _renumber(piece, mb))
 
 
 def realised_plan(

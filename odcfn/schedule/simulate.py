@@ -22,6 +22,7 @@ from odcfn.schedule.plan import (
     Comm,
     Plan,
     ScheduleOptions,
+    action_pieces,
     compile_plan,
     owner_steps,
     realised_plan,
@@ -182,8 +183,7 @@ def simulate_work_stealing(
         left = lambda: np.maximum(clock - st.t, 0.0)
         return rank_program(sp, shared, r, tolerance=tolerance, overhead=ovh, residual=left)
 
-    o = owner_steps(workload.units, options)
-    prefix, middle, last, held = (eng.codes(x) for x in (o.prefix, o.middle, o.last, o.held))
+    prefix = eng.codes(owner_steps(workload.units, options).prefix)
     programs = [program(r) for r in range(world_size)]
     done: list[list] = [[] for _ in range(world_size)]  # the actions each rank ran
     n_mb = [0] * world_size  # microbatches each rank has run so far
@@ -198,20 +198,11 @@ def simulate_work_stealing(
         action = next(programs[r], None)
         if action is None:
             continue  # nothing left worth taking: this rank waits at the sync
-        st, (kind, samples, flag) = ranks[r], action
+        st, samples = ranks[r], action[1]
         done[r].append(action)
         c = (sum(sp.costs[i] for i in samples),)
-        if kind == "own":
-            eng.run(r, st, middle if flag else last, 0, c, mb_shift=n_mb[r])
-        elif kind == "stop":
-            if flag:
-                eng.run(r, st, held, 0, ())
-        else:
-            if kind == "help":
-                eng.run(r, st, held, 0, ())
-            eng.run(r, st, frag, 0, c, mb_shift=n_mb[r])
-            if kind == "help":
-                eng.run(r, st, prefix, 0, ())
+        for piece in action_pieces(workload.units, action, options):
+            eng.run(r, st, eng.codes(piece), 0, c, mb_shift=n_mb[r])
         n_mb[r] += bool(samples)
         clock[r] = st.t
         heapq.heappush(heap, (st.t, r))
