@@ -40,7 +40,7 @@ import os
 import shutil
 import sys
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -85,16 +85,8 @@ def _build_model(cfg: SFTConfig, mesh=None):
             return qcfg, qwen_model(qcfg), None
         qcfg, shards = shard_from_hf(m.hf_path, mesh)
         return qcfg, qwen_model(qcfg), shards
-    qcfg = QwenConfig(
-        vocab_size=m.vocab_size,
-        d_model=m.d_model,
-        n_layers=m.n_layers,
-        n_heads=m.n_heads,
-        n_kv_heads=m.n_kv_heads,
-        d_ff=m.d_ff,
-        rope_theta=m.rope_theta,
-        qkv_bias=m.qkv_bias,
-    )
+    # [model] names QwenConfig's fields (plus hf_path and seed): pass over the ones it has
+    qcfg = QwenConfig(**{f.name: getattr(m, f.name) for f in fields(QwenConfig) if hasattr(m, f.name)})
     model = qwen_model(qcfg)
     return qcfg, model, None if mesh is None else shard(init_params(qcfg, seed=m.seed), model, mesh)
 
