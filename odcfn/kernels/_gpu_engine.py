@@ -38,7 +38,7 @@ from odcfn.kernels._gpu_protocol import (
     pack_fin,
     unpack_fin,
 )
-from odcfn.kernels.base import Counters, Done, Handle, TransportError
+from odcfn.kernels.base import Counters, Done, Handle, TransportError, all_reduce_flat
 from odcfn.sharding import Layout, Mesh
 
 __all__ = ["ArenaTransport", "Collectives", "Fabric", "MODES"]
@@ -381,13 +381,9 @@ class ArenaTransport:
         group = self.mesh.replica_group
         if len(group) == 1:
             return
-        names = sorted(grads)
-        flat = torch.cat([grads[n] for n in names])
-        total = self.coll.all_reduce(group, flat)
-        for n, piece in zip(names, total.split([grads[n].numel() for n in names])):
-            grads[n].copy_(piece)
+        moved = all_reduce_flat(grads, lambda flat: self.coll.all_reduce(group, flat))
         self.counters.collectives += 1
-        self.counters.collective_bytes += flat.numel() * flat.element_size()
+        self.counters.collective_bytes += moved
 
     def sync(self, stats: torch.Tensor) -> torch.Tensor:
         out = self.coll.all_reduce(tuple(range(self.mesh.world_size)), stats)

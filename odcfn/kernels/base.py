@@ -17,7 +17,7 @@ Semantics every implementation keeps (DESIGN.md):
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Protocol, runtime_checkable
 
@@ -25,7 +25,7 @@ import torch
 
 from odcfn.sharding import Layout, Mesh
 
-__all__ = ["Counters", "Done", "Handle", "Transport", "TransportError"]
+__all__ = ["Counters", "Done", "Handle", "Transport", "TransportError", "all_reduce_flat"]
 
 
 class TransportError(RuntimeError):
@@ -41,6 +41,18 @@ class Done:
 
     def wait(self) -> None:
         return None
+
+
+def all_reduce_flat(grads: Mapping[str, torch.Tensor], reduce: Callable[[torch.Tensor], torch.Tensor]) -> int:
+    """Sum ``grads`` in place over a group through one flat buffer (names sorted, so every rank
+    lays it out alike): ``reduce`` takes the flat tensor and returns the group's sum. Returns
+    the bytes moved."""
+    names = sorted(grads)
+    flat = torch.cat([grads[n].reshape(-1) for n in names])
+    total = reduce(flat)
+    for n, piece in zip(names, total.split([grads[n].numel() for n in names])):
+        grads[n].copy_(piece.view_as(grads[n]))
+    return flat.numel() * flat.element_size()
 
 
 @dataclass

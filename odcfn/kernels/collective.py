@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from odcfn.kernels.base import Counters, Done, Handle, TransportError
+from odcfn.kernels.base import Counters, Done, Handle, TransportError, all_reduce_flat
 from odcfn.sharding import Layout, Mesh
 
 __all__ = ["CollectiveTransport", "DistOps", "ensure_process_group"]
@@ -122,12 +122,13 @@ class DistOps:
         """Sum gradient shards over the replica group in place; returns the bytes moved."""
         if self.replica_group is None or len(self.mesh.replica_group) == 1:
             return 0
-        names = sorted(grads)
-        flat = self._dev(torch.cat([grads[n].reshape(-1) for n in names]))
-        self._call("replica_all_reduce", dist.all_reduce, flat, group=self.replica_group)
-        for n, piece in zip(names, flat.split([grads[n].numel() for n in names])):
-            grads[n].copy_(piece.view_as(grads[n]))
-        return flat.numel() * flat.element_size()
+
+        def reduce(flat: torch.Tensor) -> torch.Tensor:
+            flat = self._dev(flat)
+            self._call("replica_all_reduce", dist.all_reduce, flat, group=self.replica_group)
+            return flat
+
+        return all_reduce_flat(grads, reduce)
 
     def all_reduce(self, stats: torch.Tensor) -> torch.Tensor:
         out = self._dev(stats.detach().clone())

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from odcfn.kernels.base import Counters, Done, Handle, TransportError
+from odcfn.kernels.base import Counters, Done, Handle, TransportError, all_reduce_flat
 from odcfn.sharding import Layout, Mesh
 
 __all__ = ["LocalTransport", "LocalWorld", "run_local"]
@@ -186,13 +186,10 @@ class LocalTransport:
         group = self.mesh.replica_group
         if len(group) == 1:
             return
-        names = sorted(grads)
-        flat = torch.cat([grads[n] for n in names])
-        total = torch.stack(self.world.exchange(group, self.mesh.rank, flat.clone())).sum(0)
-        for n, piece in zip(names, total.split([grads[n].numel() for n in names])):
-            grads[n].copy_(piece)
+        exchange = self.world.exchange
+        moved = all_reduce_flat(grads, lambda flat: torch.stack(exchange(group, self.mesh.rank, flat)).sum(0))
         self.counters.collectives += 1
-        self.counters.collective_bytes += flat.numel() * flat.element_size()
+        self.counters.collective_bytes += moved
 
     def sync(self, stats: torch.Tensor) -> torch.Tensor:
         parts = self.world.exchange(range(self.world.world_size), self.mesh.rank, stats.clone())
