@@ -67,6 +67,16 @@ def check_kernels(dev: torch.device) -> None:
 
 
 # --- 2. bandwidth ----------------------------------------------------------------------------
+def make_state(params, model, transport, **config):
+    """A TrainState over ``transport`` (plain SGD: the checks read gradients, not updates)."""
+    import odcfn
+
+    return odcfn.TrainState.create(
+        params=params, model=model, optimizer=odcfn.sgd(0.0), transport=transport,
+        config=odcfn.StepConfig(balance="round_robin", **config),
+    )
+
+
 def _time(fn, reps: int) -> float:
     if torch.cuda.is_available():
         fn()
@@ -159,9 +169,8 @@ def _rank_main(rank: int, world: int, port: int, dev_kind: str, backend: str, q)
             for comm in ("odc", "collective"):
                 p = odcfn.shard(full, model, mesh)
                 t0 = time.perf_counter()
-                g, m = odcfn.grad_step(
-                    p, batch, model=model, mesh=mesh, transport=tr, comm=comm, max_tokens_per_microbatch=24
-                )
+                state = make_state(p, model, tr, comm=comm, max_tokens_per_microbatch=24)
+                g, m = odcfn.grad_step(state, batch)
                 dt = time.perf_counter() - t0
                 err = max(
                     float((g[k].float().cpu() - ref[k]).abs().max() / (ref[k].abs().max() + 1e-12))
@@ -339,15 +348,8 @@ def _nvshmem_rank_main(rank: int, world: int, port: int, q) -> None:
                 mesh, store, TorchCollectives(mesh, device), slot_elems=1024, host_grads=True
             )
             for comm in ("odc", "collective"):
-                g, m = odcfn.grad_step(
-                    odcfn.shard(full, model, mesh),
-                    batch,
-                    model=model,
-                    mesh=mesh,
-                    transport=tr,
-                    comm=comm,
-                    max_tokens_per_microbatch=24,
-                )
+                state = make_state(full, model, tr, comm=comm, max_tokens_per_microbatch=24)
+                g, m = odcfn.grad_step(state, batch)
                 err = max(
                     float((g[k].float().cpu() - ref[k]).abs().max() / (ref[k].abs().max() + 1e-12))
                     for k in ref

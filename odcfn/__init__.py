@@ -1,7 +1,6 @@
 """odcfn: FSDP training with On-Demand Communication, JAX-style over PyTorch."""
 
 from odcfn.batch import Batch, Microbatch, Sample, pack, random_batch
-from odcfn.checkpoint import load, save
 from odcfn.kernels import (
     CollectiveTransport,
     Counters,
@@ -12,13 +11,15 @@ from odcfn.kernels import (
     run_local,
 )
 from odcfn.launch import LaunchError, launch
+from odcfn.metrics import StepMetrics
 from odcfn.model import Model, Unit, check_params, reference_loss
 from odcfn.optim import Optimizer, adamw, clip_scale, sgd
 from odcfn.reference import reference_value_and_grad
-from odcfn.schedule import Plan, ScheduleOptions, WorkStealing, compile_plan, get_balancer
+from odcfn.schedule import POLICIES, Plan, ScheduleOptions, WorkStealing, compile_plan, get_balancer
 from odcfn.sharding import Layout, Mesh, make_layout, shard, unshard
+from odcfn.state import StepConfig, TrainState, load, save
 from odcfn.trace import Event, bubble_rate, chrome_trace, plot_timeline, save_chrome_trace
-from odcfn.train import StepMetrics, grad_step, train_step
+from odcfn.train import grad_step, train_step
 from odcfn.tree import tree_allclose, tree_assert_allclose, tree_map
 
 __version__ = "0.1.0"
@@ -35,11 +36,14 @@ __all__ = [
     "Microbatch",
     "Model",
     "Optimizer",
+    "POLICIES",
     "Plan",
     "Sample",
     "ScheduleOptions",
     "ShmTransport",
+    "StepConfig",
     "StepMetrics",
+    "TrainState",
     "Transport",
     "TransportError",
     "Unit",

@@ -11,7 +11,7 @@ comes out already flat and padded, ready to scatter.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,28 +19,25 @@ import torch
 
 from odcfn.batch import Batch, Microbatch, pack
 from odcfn.kernels.base import Handle, Transport
+from odcfn.metrics import Event
 from odcfn.model import Model
 from odcfn.schedule.plan import (
     AllGather,
     Backward,
     Forward,
     Gather,
+    Piece,
     Plan,
     ReduceScatter,
     Release,
     ScatterAccumulate,
-    ScheduleOptions,
     Step,
     Sync,
-    action_steps,
-    owner_steps,
-    realised_plan,
+    assemble_plan,
 )
-from odcfn.schedule.steal import StealPlan, TransportCounters, WorkStealing, rank_program
 from odcfn.sharding import Layout
-from odcfn.trace import Event
 
-__all__ = ["ExecResult", "execute", "execute_stealing"]
+__all__ = ["ExecResult", "execute"]
 
 _KIND = {
     Gather: "gather",
@@ -71,24 +68,23 @@ class _Saved:
 class _Executor:
     def __init__(
         self,
-        plan: Plan,
         model: Model,
         layout: Layout,
         batch: Batch,
         transport: Transport,
         compute_dtype: torch.dtype,
-        slowdown: float,
         device: torch.device,
     ) -> None:
-        self.plan, self.model, self.layout, self.batch = plan, model, layout, batch
-        self.t, self.dtype, self.slowdown, self.device = transport, compute_dtype, slowdown, device
+        self.model, self.layout, self.batch = model, layout, batch
+        self.t, self.dtype, self.device = transport, compute_dtype, device
+        self.rank, self.last = transport.mesh.rank, model.unit_names[-1]
         self.units = {u.name: u for u in model.units}
         self.prev = {u: (model.units[i - 1].name if i else None) for i, u in enumerate(model.unit_names)}
         self.bufs: dict[str, torch.Tensor] = {}
         self.wbufs: dict[str, torch.Tensor] = {}
         self.pending: dict[str, Handle] = {}
         self.pushes: list[Handle] = []
-        self.microbatches = list(plan.microbatches)  # work stealing appends as it claims
+        self.microbatches: list[tuple[int, ...]] = []  # grows as the program's pieces arrive
         self.packed: dict[int, Microbatch] = {}
         self.outs: dict[tuple[str, int], Any] = {}  # (unit, mb) -> detached output
         self.saved: dict[tuple[str, int], _Saved] = {}
@@ -145,7 +141,7 @@ class _Executor:
             with torch.enable_grad():
                 y = fwd(params, x, data)
             self.saved[(s.unit, s.mb)] = _Saved(x, flat, y)
-        if s.unit == self.plan.units[-1]:
+        if s.unit == self.last:
             self.loss_sum += y.detach().double()
         else:
             self.outs[(s.unit, s.mb)] = y.detach()
@@ -176,17 +172,10 @@ class _Executor:
             self.grad_out[s.mb] = grads[1]
 
     # --- the loop ---------------------------------------------------------------------------
-    def run(self, t0: float) -> tuple[list[Event], torch.Tensor]:
-        events: list[Event] = []
-        stats = self.run_steps(self.plan.steps, t0, events)
-        if stats is None:
-            raise ValueError("plan has no Sync step")
-        return events, stats
-
     def run_steps(self, steps: Sequence[Step], t0: float, events: list[Event]) -> Any:
-        """Run ``steps`` (all of the plan, or a work-stealing fragment), appending their events;
-        returns the synced stats if a Sync was among them."""
-        rank = self.plan.rank
+        """Run one piece's steps, appending their events; returns the synced stats if a Sync
+        was among them."""
+        rank = self.rank
         stats = None
         for s in steps:
             start = time.perf_counter()
@@ -218,13 +207,8 @@ class _Executor:
             else:  # pragma: no cover - the IR is closed
                 raise TypeError(f"unknown step {s!r}")
             end = time.perf_counter()
-            kind = _KIND[type(s)]
             unit, mb = getattr(s, "unit", ""), getattr(s, "mb", -1)
-            events.append(Event(rank, kind, unit, start - t0, end - t0, mb))
-            if kind in ("forward", "backward") and self.slowdown > 1.0:
-                # emulate a slower device: idle for (slowdown - 1) x the step's compute time
-                time.sleep((self.slowdown - 1.0) * (end - start))
-                events.append(Event(rank, "straggle", s.unit, end - t0, time.perf_counter() - t0, s.mb))
+            events.append(Event(rank, _KIND[type(s)], unit, start - t0, end - t0, mb))
         return stats
 
     def sync(self) -> torch.Tensor:
@@ -242,61 +226,30 @@ class _Executor:
 
 
 def execute(
-    plan: Plan,
+    program: Iterable[Piece],
     *,
     model: Model,
     layout: Layout,
     batch: Batch,
     transport: Transport,
     compute_dtype: torch.dtype,
-    slowdown: float = 1.0,
-    device: torch.device | str = "cpu",
-) -> ExecResult:
-    """Run ``plan`` (including its Sync); the transport then holds this rank's gradient shards."""
-    t0 = time.perf_counter()
-    ex = _Executor(plan, model, layout, batch, transport, compute_dtype, slowdown, torch.device(device))
-    events, stats = ex.run(t0)
-    return _result(stats, events)
-
-
-def _result(stats: torch.Tensor, events: list[Event]) -> ExecResult:
-    """The synced [loss sum, grad-norm^2] as an ExecResult."""
-    return ExecResult(float(stats[0]), float(stats[1].clamp_min(0).sqrt()), events)
-
-
-def execute_stealing(
-    sp: StealPlan,
-    *,
-    model: Model,
-    layout: Layout,
-    batch: Batch,
-    transport: Transport,
-    compute_dtype: torch.dtype,
-    options: ScheduleOptions | None = None,
-    policy: WorkStealing | None = None,
-    slowdown: float = 1.0,
+    comm: str = "odc",
     device: torch.device | str = "cpu",
 ) -> tuple[ExecResult, Plan]:
-    """Work stealing (ODC only): run ``steal.rank_program``'s actions on ``transport.fetch_add``
-    (this rank's own LB-Mini list piece by piece, stolen samples as one-microbatch fragments),
-    then the one Sync. Returns the result and the plan this rank actually ran."""
+    """Run a rank's program (``odcfn.schedule.policy.prepare_program``: a static plan is one
+    piece, work stealing one piece per decision) up to and including its one Sync; the
+    transport then holds this rank's gradient shards. Returns the result and the plan that ran."""
     t0 = time.perf_counter()
-    rank, units = transport.mesh.rank, model.unit_names
+    ex = _Executor(model, layout, batch, transport, compute_dtype, torch.device(device))
     events: list[Event] = []
-    ex = _Executor(
-        Plan(rank, "odc", units, (), ()), model, layout, batch, transport, compute_dtype, slowdown,
-        torch.device(device),
-    )
-    actions = []
-    ex.run_steps(owner_steps(units, options).prefix, t0, events)
-    shared = TransportCounters(transport.fetch_add)
-    policy = policy or WorkStealing()
-    program = rank_program(sp, shared, rank, tolerance=policy.tolerance, overhead=lambda: policy.overhead)
-    for action in program:
-        steps = action_steps(units, action, len(ex.microbatches), options)
-        if action[1]:
-            ex.microbatches.append(action[1])
-        actions.append(action)
-        ex.run_steps(steps, t0, events)
-    stats = ex.run_steps((Sync(),), t0, events)
-    return _result(stats, events), realised_plan(units, rank, actions, options)
+    ran: list[Piece] = []
+    stats = None
+    for piece in program:
+        ex.microbatches.extend(piece.microbatches)
+        ran.append(piece)
+        got = ex.run_steps(piece.steps, t0, events)
+        stats = got if got is not None else stats
+    if stats is None:
+        raise ValueError("the program has no Sync step")
+    plan = assemble_plan(ex.rank, comm, model.unit_names, ran)
+    return ExecResult(float(stats[0]), float(stats[1].clamp_min(0).sqrt()), events), plan

@@ -190,14 +190,21 @@ def train_rank(cfg: SFTConfig, rank: int, transport) -> dict[str, Any]:
         if t.optimizer == "adamw"
         else odcfn.sgd(lr, weight_decay=t.weight_decay)
     )
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[t.compute_dtype]
+    step_config = odcfn.StepConfig(
+        comm=t.comm, balance=t.balance, max_tokens_per_microbatch=t.max_tokens_per_microbatch,
+        compute_dtype=dtype, max_grad_norm=t.max_grad_norm,
+    )
     start, resumed = 0, None
     if ck is not None:
         params, opt_state, start = load(ck, model=model, mesh=mesh)
         resumed = str(ck)
     else:
-        params = initial
-        opt_state = optimizer.init(params)
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[t.compute_dtype]
+        params, opt_state = initial, None
+    state = odcfn.TrainState.create(
+        params=params, model=model, optimizer=optimizer, transport=transport, config=step_config,
+        opt_state=opt_state, step=start,
+    )
     if rank == 0 and cfg.checkpoint_dir.exists():
         # Everything past the step we start from is stale: a fresh run's predecessors, or the
         # uncommitted remains of an interrupted save (whose rank files would otherwise pass
@@ -211,20 +218,7 @@ def train_rank(cfg: SFTConfig, rank: int, transport) -> dict[str, Any]:
     try:
         for step in range(start, t.steps):
             batch = batch_at(data, step, cfg.data.batch_size, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
-            params, opt_state, m = odcfn.train_step(
-                params,
-                batch,
-                opt_state=opt_state,
-                model=model,
-                optimizer=optimizer,
-                mesh=mesh,
-                transport=transport,
-                comm=t.comm,
-                balance=t.balance,
-                max_tokens_per_microbatch=t.max_tokens_per_microbatch,
-                compute_dtype=dtype,
-                max_grad_norm=t.max_grad_norm,
-            )
+            state, m = odcfn.train_step(state, batch)
             last = m.loss
             done = step + 1
             if logger is not None:
@@ -254,8 +248,8 @@ def train_rank(cfg: SFTConfig, rank: int, transport) -> dict[str, Any]:
             if every and (done % every == 0 or done == t.steps):
                 save(
                     cfg.checkpoint_dir / f"step-{done:08d}",
-                    params,
-                    opt_state,
+                    state.params,
+                    state.opt_state,
                     done,
                     model=model,
                     mesh=mesh,
@@ -277,7 +271,7 @@ def train_rank(cfg: SFTConfig, rank: int, transport) -> dict[str, Any]:
     if cfg.checkpoint.export_hf:
         # numpy: torch would send tensors to the launcher as shared-memory handles that die
         # with this rank's process
-        out["shards"] = {k: v.detach().numpy().copy() for k, v in params.items()}
+        out["shards"] = {k: v.detach().numpy().copy() for k, v in state.params.items()}
     return out
 
 

@@ -1,8 +1,7 @@
-"""Per-rank event traces, recorded by the runtime and by the simulator in the same format.
-
-From them: makespan, bubble rate (1 - busy compute / (ranks x step time)), samples/s, tokens/s,
-a Chrome trace (``chrome://tracing`` / https://ui.perfetto.dev: one process per rank, a compute
-and a communication lane each) and a matplotlib timeline like the ODC paper's figure 1.
+"""Exports of per-rank event traces (``odcfn.metrics.Event``, recorded by the runtime and by
+the simulator in the same format): a Chrome trace (``chrome://tracing`` /
+https://ui.perfetto.dev: one process per rank, a compute and a communication lane each) and a
+matplotlib timeline like the ODC paper's figure 1.
 """
 
 from __future__ import annotations
@@ -10,8 +9,9 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
+
+from odcfn.metrics import COMM_KINDS, COMPUTE_KINDS, Event, bubble_rate, makespan, samples_per_s, tokens_per_s
 
 __all__ = [
     "COMM_KINDS",
@@ -26,71 +26,12 @@ __all__ = [
     "tokens_per_s",
 ]
 
-COMPUTE_KINDS = ("forward", "backward")
-COMM_KINDS = ("gather", "scatter", "collective", "sync")
-
-
-@dataclass(frozen=True)
-class Event:
-    rank: int
-    kind: str  # forward | backward | gather | scatter | collective | release | sync | straggle
-    name: str  # the unit (or "" for sync)
-    start: float  # seconds, from the start of the step on this rank's clock
-    end: float
-    mb: int = -1
-
-    @property
-    def duration(self) -> float:
-        return self.end - self.start
-
-
-def makespan(events: Sequence[Event]) -> float:
-    return max((e.end for e in events), default=0.0) - min((e.start for e in events), default=0.0)
-
-
-def bubble_rate(events_per_rank: Sequence[Sequence[Event]], step_time: float | None = None) -> float:
-    """1 - (sum over ranks of busy compute time) / (ranks x step time)."""
-    if not events_per_rank:
-        raise ValueError("bubble_rate needs at least one rank's events")
-    if step_time is None:
-        step_time = max(makespan(evs) for evs in events_per_rank)
-    if step_time <= 0:
-        return 0.0
-    busy = sum(e.duration for evs in events_per_rank for e in evs if e.kind in COMPUTE_KINDS)
-    return 1.0 - busy / (len(events_per_rank) * step_time)
-
-
-def _step_time(events_per_rank: Sequence[Sequence[Event]], step_time: float | None) -> float:
-    if step_time is not None:
-        return step_time
-    if not events_per_rank:
-        raise ValueError("need at least one rank's events (or an explicit step_time)")
-    return max(makespan(evs) for evs in events_per_rank)
-
-
-def samples_per_s(
-    num_samples: int, events_per_rank: Sequence[Sequence[Event]] = (), step_time: float | None = None
-) -> float:
-    """Minibatch samples over the step time (the slowest rank's makespan unless given)."""
-    t = _step_time(events_per_rank, step_time)
-    return num_samples / t if t > 0 else float("inf")
-
-
-def tokens_per_s(
-    num_tokens: int, events_per_rank: Sequence[Sequence[Event]] = (), step_time: float | None = None
-) -> float:
-    t = _step_time(events_per_rank, step_time)
-    return num_tokens / t if t > 0 else float("inf")
-
-
 # --- Chrome / Perfetto ----------------------------------------------------------------------
 
 
 def _lane(kind: str) -> int:
-    """Thread id inside a rank's process: 0 compute, 1 communication, 2 idle emulation."""
-    if kind in COMPUTE_KINDS or kind == "release":
-        return 0
-    return 2 if kind == "straggle" else 1
+    """Thread id inside a rank's process: 0 compute, 1 communication."""
+    return 0 if kind in COMPUTE_KINDS or kind == "release" else 1
 
 
 def chrome_trace(events_per_rank: Sequence[Sequence[Event]], *, label: str = "odcfn") -> dict[str, Any]:
@@ -99,7 +40,7 @@ def chrome_trace(events_per_rank: Sequence[Sequence[Event]], *, label: str = "od
     for r, evs in enumerate(events_per_rank):
         out.append({"ph": "M", "name": "process_name", "pid": r, "args": {"name": f"rank {r}"}})
         out.append({"ph": "M", "name": "process_sort_index", "pid": r, "args": {"sort_index": r}})
-        for tid, lane in enumerate(("compute", "communication", "straggle")):
+        for tid, lane in enumerate(("compute", "communication")):
             out.append({"ph": "M", "name": "thread_name", "pid": r, "tid": tid, "args": {"name": lane}})
         for e in evs:
             name = f"{e.kind} {e.name}".strip() + (f" mb{e.mb}" if e.mb >= 0 else "")
@@ -134,7 +75,6 @@ COLORS = {
     "scatter": "#E07A5F",
     "collective": "#C0392B",
     "sync": "#7D3C98",
-    "straggle": "#B0B0B0",
     "idle": "#FFFFFF",
 }
 
@@ -158,7 +98,7 @@ def plot_timeline(
 
     if not events_per_rank:
         raise ValueError("plot_timeline needs at least one rank's events")
-    t_end = _step_time(events_per_rank, step_time)
+    t_end = step_time if step_time is not None else max(makespan(evs) for evs in events_per_rank)
     fig = None
     if ax is None:
         fig, ax = plt.subplots(figsize=(10, min(0.45 * len(events_per_rank) + 1.2, 40.0)))
@@ -169,7 +109,7 @@ def plot_timeline(
             if e.duration > 0 and e.kind in COLORS:
                 lanes.setdefault(e.kind, []).append((e.start, e.duration))
         for kind, spans in lanes.items():
-            if kind in COMPUTE_KINDS or kind == "straggle":
+            if kind in COMPUTE_KINDS:
                 ax.broken_barh(spans, (r - 0.4, 0.55), facecolors=COLORS[kind])
             else:
                 ax.broken_barh(spans, (r + 0.17, 0.23), facecolors=COLORS[kind])

@@ -14,10 +14,12 @@ import optree
 import torch
 
 PyTree = Any
+NAMESPACE = "odcfn"  # odcfn's own registered node types (TrainState) flatten under this namespace
 
 __all__ = [
     "PyTree",
     "key_path_str",
+    "register_dataclass",
     "tree_allclose",
     "tree_assert_allclose",
     "tree_flatten",
@@ -31,15 +33,15 @@ __all__ = [
 
 
 def tree_map(fn: Callable[..., Any], tree: PyTree, *rest: PyTree) -> PyTree:
-    return optree.tree_map(fn, tree, *rest)
+    return optree.tree_map(fn, tree, *rest, namespace=NAMESPACE)
 
 
 def tree_leaves(tree: PyTree) -> list[Any]:
-    return optree.tree_leaves(tree)
+    return optree.tree_leaves(tree, namespace=NAMESPACE)
 
 
 def tree_flatten(tree: PyTree) -> tuple[list[Any], Any]:
-    return optree.tree_flatten(tree)
+    return optree.tree_flatten(tree, namespace=NAMESPACE)
 
 
 def tree_unflatten(treedef: Any, leaves: list[Any]) -> PyTree:
@@ -47,7 +49,21 @@ def tree_unflatten(treedef: Any, leaves: list[Any]) -> PyTree:
 
 
 def tree_structure(tree: PyTree) -> Any:
-    return optree.tree_structure(tree)
+    return optree.tree_structure(tree, namespace=NAMESPACE)
+
+
+def register_dataclass(cls: type, children: tuple[str, ...], static: tuple[str, ...]) -> type:
+    """Register a frozen dataclass as a pytree node: ``children`` are subtrees, ``static`` fields
+    ride in the tree definition (compared by identity/equality, never traversed)."""
+
+    def flatten(obj: Any) -> tuple[tuple[Any, ...], tuple[Any, ...], tuple[str, ...]]:
+        return tuple(getattr(obj, f) for f in children), tuple(getattr(obj, f) for f in static), children
+
+    def unflatten(meta: tuple[Any, ...], kids: tuple[Any, ...]) -> Any:
+        return cls(**dict(zip(children, kids)), **dict(zip(static, meta)))
+
+    optree.register_pytree_node(cls, flatten, unflatten, namespace=NAMESPACE)
+    return cls
 
 
 def key_path_str(path: tuple[Any, ...]) -> str:
@@ -57,7 +73,7 @@ def key_path_str(path: tuple[Any, ...]) -> str:
 
 def tree_flatten_with_path(tree: PyTree) -> tuple[list[str], list[Any], Any]:
     """Leaves with dotted key paths, in optree's (sorted-key) order."""
-    paths, leaves, treedef = optree.tree_flatten_with_path(tree)
+    paths, leaves, treedef = optree.tree_flatten_with_path(tree, namespace=NAMESPACE)
     return [key_path_str(p) for p in paths], leaves, treedef
 
 

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from odcfn.bench.slow import slow_model
 from odcfn.schedule.balance import (
     BALANCERS,
     get_balancer,
@@ -31,6 +32,7 @@ from odcfn.schedule.cost import (
 )
 from odcfn.schedule.lengths import DATASETS, aime_rl, get_dataset, longalign
 from tests.mp_pool import mp_pool  # noqa: F401 - the session fixture (multi-process test)
+from tests.util import make_state
 
 COSTS = [DEFAULT_COST, TokenCost(), QuadraticCost(1.0, 0.0)]
 
@@ -254,9 +256,9 @@ def _ws_grad_steps(world, lengths, steps=2, ranks_per_node=None, sharding="full"
         mesh = odcfn.Mesh(world, rank, ranks_per_node, sharding)
         p = odcfn.shard(full, model, mesh)
         out = []
-        kws = kw if slowdown_of is None else dict(kw, slowdown=slowdown_of(rank))  # per thread
+        mine = model if slowdown_of is None else slow_model(model, slowdown_of(rank))  # per thread
         for _ in range(steps):  # the counters are fresh every step
-            g, m = odcfn.grad_step(p, batch, model=model, mesh=mesh, transport=tr, **kws)
+            g, m = odcfn.grad_step(make_state(p, mine, tr, **kw), batch)
             out.append(({k: v.clone() for k, v in g.items()}, m))
         return out
 
@@ -314,7 +316,7 @@ def test_runtime_work_stealing_takes_work_from_a_slow_rank():
     from odcfn.schedule import steal_plan
 
     lengths = [9, 8, 7, 6, 5, 4, 3, 2]
-    kw = dict(balance="work_stealing", max_tokens_per_microbatch=9, slowdown=1.0)
+    kw = dict(balance="work_stealing", max_tokens_per_microbatch=9)
 
     def slow(rank: int) -> float:
         return 8.0 if rank == 1 else 1.0
@@ -347,7 +349,7 @@ def test_runtime_work_stealing_rejects_collective_and_oversized_samples():
         batch = odcfn.random_batch([3, 4, 5], cfg.vocab_size, seed=1)
         before = tr.counters.copy()
         with pytest.raises(ValueError, match="needs 11 shared counters.*has 5"):
-            odcfn.grad_step(p, batch, model=model, mesh=mesh, transport=tr, balance="work_stealing")
+            odcfn.grad_step(make_state(p, model, tr, balance="work_stealing"), batch)
         return (tr.counters - before).as_dict()
 
     from odcfn.models import QwenConfig, init_params, qwen_model
@@ -374,16 +376,9 @@ def shm_stealing_worker(lengths, cap, slow_rank):
     out = []
     with ShmTransport(mesh, timeout=30) as tr:
         for _ in range(2):
-            g, m = odcfn.grad_step(
-                odcfn.shard(full, model, mesh),
-                batch,
-                model=model,
-                mesh=mesh,
-                transport=tr,
-                balance="work_stealing",
-                max_tokens_per_microbatch=cap,
-                slowdown=2.0 if mesh.rank == slow_rank else 1.0,
-            )
+            mine = slow_model(model, 2.0 if mesh.rank == slow_rank else 1.0)
+            state = make_state(full, mine, tr, balance="work_stealing", max_tokens_per_microbatch=cap)
+            g, m = odcfn.grad_step(state, batch)
             grads = {k: v.detach().clone().numpy() for k, v in g.items()}
             out.append((grads, m.loss, m.plan.microbatches, m.counters.syncs))
     return out

@@ -29,7 +29,7 @@ def _rec(policy, step, rank, wall, loss=1.0, events=(), samples=4, syncs=1, warm
 def test_policy_summary_matches_hand_computation():
     # two timed minibatches, the slowest rank sets each step's wall time; a warm-up is ignored
     ev0 = [("forward", "u", 0.0, 1.0, 0), ("backward", "u", 1.0, 3.0, 0), ("sync", "", 3.0, 4.0, -1)]
-    ev1 = [("forward", "u", 0.0, 1.0, 0), ("straggle", "u", 1.0, 1.5, 0), ("sync", "", 3.5, 4.0, -1)]
+    ev1 = [("forward", "u", 0.0, 1.5, 0), ("gather", "u", 1.5, 2.0, -1), ("sync", "", 3.5, 4.0, -1)]
     per_rank = [
         [_rec("odc+lb-mini", 0, 0, 99.0, warmup=True),
          _rec("odc+lb-mini", 1, 0, 2.0, 3.0, ev0), _rec("odc+lb-mini", 2, 0, 1.0, 2.0, ev0)],
@@ -41,7 +41,7 @@ def test_policy_summary_matches_hand_computation():
     assert s["step_time_s"] == [3.0, 1.0]
     assert s["samples_per_s"] == pytest.approx(8 / 4.0)
     assert s["tokens_per_s"] == pytest.approx(80 / 4.0)
-    # busy = 3 (rank 0) + 1.5 (rank 1, straggle counts as busy) over 2 ranks x 4 s
+    # busy = 3 (rank 0) + 1.5 (rank 1; a gather is not compute) over 2 ranks x 4 s
     assert s["bubble_rate"] == pytest.approx(1 - 4.5 / 8)
     assert s["losses"] == [3.0, 2.0]
     assert s["syncs_per_minibatch"] == 1
@@ -286,9 +286,10 @@ def test_run_hands_train_step_the_policy_balancer_and_the_cost_model(monkeypatch
 
     real, seen = odcfn.train.train_step, []
 
-    def spy(*a, **kw):
-        seen.append((kw["comm"], kw["balance"], kw["cost"]))
-        return real(*a, **kw)
+    def spy(state, batch):
+        cfg = state.config
+        seen.append((cfg.comm, cfg.balance, cfg.cost))
+        return real(state, batch)
 
     monkeypatch.setattr(odcfn.train, "train_step", spy)
     cost = QuadraticCost(1e-6, 1e-3)

@@ -27,20 +27,13 @@ def _batch(step: int) -> odcfn.Batch:
 
 
 def _train(params, opt_state, steps, rank, tr, W, comm="odc"):
-    opt = odcfn.adamw(1e-2)
-    mesh = odcfn.Mesh(W, rank)
+    state = odcfn.TrainState.create(
+        params=params, opt_state=opt_state, model=MODEL, optimizer=odcfn.adamw(1e-2), transport=tr,
+        config=odcfn.StepConfig(comm=comm, balance="round_robin"),
+    )
     for step in steps:
-        params, opt_state, _ = odcfn.train_step(
-            params,
-            _batch(step),
-            opt_state=opt_state,
-            model=MODEL,
-            optimizer=opt,
-            mesh=mesh,
-            transport=tr,
-            comm=comm,
-        )
-    return params, opt_state
+        state, _ = odcfn.train_step(state, _batch(step))
+    return state.params, state.opt_state
 
 
 def _trained_state(W: int, steps: int = 2):
@@ -134,11 +127,12 @@ def test_hybrid_mesh_saves_node0_and_loads_full(tmp_path):
 
 
 def _train_h(p, rank, tr, mesh):
-    opt = odcfn.sgd(0.1)
-    p, o, _ = odcfn.train_step(
-        p, _batch(0), opt_state=opt.init(p), model=MODEL, optimizer=opt, mesh=mesh, transport=tr
+    state = odcfn.TrainState.create(
+        params=p, model=MODEL, optimizer=odcfn.sgd(0.1), transport=tr,
+        config=odcfn.StepConfig(balance="round_robin"),
     )
-    return p, o
+    state, _ = odcfn.train_step(state, _batch(0))
+    return state.params, state.opt_state
 
 
 @pytest.mark.parametrize("comm", ["odc", "collective"])

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 import odcfn
 from odcfn.models import QwenConfig, init_params, qwen_model
 from odcfn.schedule import ScheduleOptions
-from tests.util import TINY, fixed_balancer, ref_shards, run_grad_step, tiny
+from tests.util import TINY, fixed_balancer, make_state, ref_shards, run_grad_step, tiny
 
 RTOL, ATOL = 2e-4, 2e-6  # fp32, different summation orders
 
@@ -126,16 +126,13 @@ def test_params_after_adamw_steps_match_torch_adamw():
     for comm in ("odc", "collective"):
 
         def fn(rank, tr, comm=comm):
-            mesh = odcfn.Mesh(world, rank)
-            p = odcfn.shard(full, model, mesh)
-            optimizer = odcfn.adamw(lr, weight_decay=0.1)
-            state = optimizer.init(p)
+            state = make_state(
+                full, model, tr, odcfn.adamw(lr, weight_decay=0.1),
+                comm=comm, max_tokens_per_microbatch=12, max_grad_norm=0.5,
+            )
             for b in batches:
-                p, state, _ = odcfn.train_step(
-                    p, b, opt_state=state, model=model, optimizer=optimizer, mesh=mesh,
-                    transport=tr, comm=comm, max_tokens_per_microbatch=12, max_grad_norm=0.5,
-                )
-            return p
+                state, _ = odcfn.train_step(state, b)
+            return state.params
 
         shards = odcfn.run_local(fn, world)
         got = odcfn.unshard(shards, model, odcfn.Mesh(world))

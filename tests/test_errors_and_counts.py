@@ -8,7 +8,7 @@ import torch
 
 import odcfn
 from odcfn.schedule import ScheduleOptions
-from tests.util import run_grad_step, tiny
+from tests.util import make_state, run_grad_step, tiny
 
 
 def _grad_on_all(full, batch, model, world=2, params_fn=None, **kw):
@@ -16,10 +16,9 @@ def _grad_on_all(full, batch, model, world=2, params_fn=None, **kw):
     counters = []
 
     def fn(rank, tr):
-        mesh = odcfn.Mesh(world, rank)
-        p = odcfn.shard(full, model, mesh) if params_fn is None else params_fn(mesh)
+        p = full if params_fn is None else params_fn(tr.mesh)
         try:
-            odcfn.grad_step(p, batch, model=model, mesh=mesh, transport=tr, **kw)
+            odcfn.grad_step(make_state(p, model, tr, **kw), batch)
         finally:
             counters.append(tr.counters.copy())
 
@@ -104,16 +103,11 @@ def test_empty_and_malformed_batches():
     assert "unknown balancer" in _grad_on_all(full, batch, model, balance="magic")
 
 
-def test_transport_for_another_mesh_is_refused():
+def test_shards_of_another_mesh_are_refused():
     cfg, model, full = tiny()
     batch = odcfn.random_batch([3, 4], cfg.vocab_size)
-
-    def fn(rank, tr):
-        mesh = odcfn.Mesh(3, rank)  # the world has 2 ranks
-        odcfn.grad_step(odcfn.shard(full, model, mesh), batch, model=model, mesh=mesh, transport=tr)
-
-    with pytest.raises(ValueError, match="transport serves"):
-        odcfn.run_local(fn, 2, timeout=10)
+    msg = _grad_on_all(full, batch, model, params_fn=lambda mesh: odcfn.shard(full, model, odcfn.Mesh(3, 0)))
+    assert "has shape" in msg  # sharded for 3 ranks, the transport serves 2
 
 
 def test_dead_peer_times_out_instead_of_hanging():
@@ -121,10 +115,9 @@ def test_dead_peer_times_out_instead_of_hanging():
     batch = odcfn.random_batch([3, 4, 5], cfg.vocab_size)
 
     def fn(rank, tr):
-        mesh = odcfn.Mesh(2, rank)
         if rank == 1:
             return None  # never publishes, never syncs
-        odcfn.grad_step(odcfn.shard(full, model, mesh), batch, model=model, mesh=mesh, transport=tr)
+        odcfn.grad_step(make_state(full, model, tr), batch)
 
     with pytest.raises(odcfn.TransportError, match="timed out after 1.0s"):
         odcfn.run_local(fn, 2, timeout=1.0)
@@ -151,14 +144,9 @@ def test_train_step_counts_one_sync_per_minibatch_over_several_steps():
     batches = [odcfn.random_batch([3, 5, 8], cfg.vocab_size, seed=s) for s in range(3)]
 
     def fn(rank, tr):
-        mesh = odcfn.Mesh(2, rank)
-        p = odcfn.shard(full, model, mesh)
-        opt = odcfn.sgd(0.1)
-        st = opt.init(p)
+        state = make_state(full, model, tr, odcfn.sgd(0.1))
         for b in batches:
-            p, st, _ = odcfn.train_step(
-                p, b, opt_state=st, model=model, optimizer=opt, mesh=mesh, transport=tr
-            )
+            state, _ = odcfn.train_step(state, b)
         return tr.counters
 
     for c in odcfn.run_local(fn, 2):

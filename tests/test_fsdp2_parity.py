@@ -34,17 +34,15 @@ def parity_worker(lengths, seed):
     out = {}
     with ShmTransport(mesh, timeout=60) as tr:  # also initialises the default (gloo) group
         for comm in ("collective", "odc"):
-            opt = odcfn.adamw(LR)
-            params = odcfn.shard(full, model, mesh)
-            state = opt.init(params)
+            state = odcfn.TrainState.create(
+                params=full, model=model, optimizer=odcfn.adamw(LR), transport=tr,
+                config=odcfn.StepConfig(comm=comm, balance="round_robin"),
+            )
             for step in range(STEPS):
-                params, state, _ = odcfn.train_step(
-                    params, batch, opt_state=state, model=model, optimizer=opt, mesh=mesh,
-                    transport=tr, comm=comm,
-                )
+                state, _ = odcfn.train_step(state, batch)
                 if step == 0:
                     grads = {k: v.clone() for k, v in tr.grad_shards().items()}
-            out[comm] = (grads, {k: v.clone() for k, v in params.items()})
+            out[comm] = (grads, {k: v.clone() for k, v in state.params.items()})
 
     module = QwenModule(CFG)
     module.load_params(full)

@@ -34,7 +34,7 @@ from odcfn.kernels.base import TransportError
 from odcfn.kernels.cuda_ipc import LocalCollectives, TorchCollectives, cuda_ipc_transport
 from odcfn.kernels.local import LocalWorld
 from tests.mp_pool import mp_pool  # noqa: F401 - the session fixture (multi-process test)
-from tests.util import tiny
+from tests.util import make_state, tiny
 
 # --- request ids ------------------------------------------------------------------------------
 
@@ -185,9 +185,8 @@ def _run_threads(world_size, comm, steps=2, ranks_per_node=None, sharding="full"
             p = odcfn.shard(FULL, MODEL, mesh)
             per_step = []
             for _ in range(steps):
-                g, m = odcfn.grad_step(
-                    p, BATCH, model=MODEL, mesh=mesh, transport=tr, comm=comm, max_tokens_per_microbatch=12
-                )
+                state = make_state(p, MODEL, tr, comm=comm, max_tokens_per_microbatch=12)
+                g, m = odcfn.grad_step(state, BATCH)
                 per_step.append(({k: v.clone() for k, v in g.items()}, m))
             out[rank] = per_step
             tr.close()
@@ -560,15 +559,8 @@ def ipc_process_worker(ranks_per_node: int | None, sharding: str) -> list:
     )
     out = []
     for comm in ("odc", "collective"):
-        g, m = odcfn.grad_step(
-            odcfn.shard(FULL, MODEL, mesh),
-            BATCH,
-            model=MODEL,
-            mesh=mesh,
-            transport=tr,
-            comm=comm,
-            max_tokens_per_microbatch=12,
-        )
+        state = make_state(FULL, MODEL, tr, comm=comm, max_tokens_per_microbatch=12)
+        g, m = odcfn.grad_step(state, BATCH)
         out.append(({k: v.clone().numpy() for k, v in g.items()}, m.counters.syncs, m.counters.collectives))
     tr.close()
     return out

@@ -19,6 +19,7 @@ import torch
 import odcfn
 from odcfn.models import QwenConfig, init_params, qwen_model
 from odcfn.tree import tree_leaves
+from tests.util import make_state
 
 CFG = QwenConfig(vocab_size=61, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48)
 MODEL = qwen_model(CFG)
@@ -29,20 +30,10 @@ LOSS_RTOL, GRAD_RTOL = 1e-3, 3e-2
 
 def _grads(W: int, comm: str, dtype: torch.dtype, cap: int = 24, **kw):
     def fn(rank, tr):
-        mesh = odcfn.Mesh(W, rank)
-        p = odcfn.shard(FULL, MODEL, mesh)
-        g, m = odcfn.grad_step(
-            p,
-            BATCH,
-            model=MODEL,
-            mesh=mesh,
-            transport=tr,
-            comm=comm,
-            max_tokens_per_microbatch=cap,
-            compute_dtype=dtype,
-            **kw,
+        state = make_state(
+            FULL, MODEL, tr, comm=comm, max_tokens_per_microbatch=cap, compute_dtype=dtype, **kw
         )
-        return {k: v.clone() for k, v in g.items()}, m
+        return odcfn.grad_step(state, BATCH)
 
     out = odcfn.run_local(fn, W)
     return [o[0] for o in out], [o[1] for o in out]
@@ -130,24 +121,12 @@ def test_bf16_training_tracks_fp32_and_keeps_fp32_masters():
 
     def run(dtype):
         def fn(rank, tr):
-            mesh = odcfn.Mesh(W, rank)
-            opt = odcfn.adamw(lr)
-            p = odcfn.shard(FULL, MODEL, mesh)
-            o = opt.init(p)
+            state = make_state(FULL, MODEL, tr, odcfn.adamw(lr), compute_dtype=dtype)
             losses = []
             for b in batches:
-                p, o, m = odcfn.train_step(
-                    p,
-                    b,
-                    opt_state=o,
-                    model=MODEL,
-                    optimizer=opt,
-                    mesh=mesh,
-                    transport=tr,
-                    compute_dtype=dtype,
-                )
+                state, m = odcfn.train_step(state, b)
                 losses.append(m.loss)
-            return p, o, losses
+            return state.params, state.opt_state, losses
 
         return odcfn.run_local(fn, W)
 
@@ -171,17 +150,9 @@ def _shm_bytes_worker(cfg_seed: int) -> dict:
     mesh = odcfn.Mesh.from_env()
     out = {}
     with ShmTransport(mesh, timeout=60) as tr:
-        p = odcfn.shard(FULL, MODEL, mesh)
         for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-            g, m = odcfn.grad_step(
-                p,
-                BATCH,
-                model=MODEL,
-                mesh=mesh,
-                transport=tr,
-                max_tokens_per_microbatch=24,
-                compute_dtype=dtype,
-            )
+            state = make_state(FULL, MODEL, tr, max_tokens_per_microbatch=24, compute_dtype=dtype)
+            g, m = odcfn.grad_step(state, BATCH)
             # numpy, not tensors: torch pickles tensors between processes as shared-memory
             # handles that die with this process
             out[name] = (m.counters.as_dict(), m.loss, {k: v.numpy().copy() for k, v in g.items()})

@@ -22,6 +22,7 @@ from odcfn.launch import LaunchError
 from odcfn.models import QwenConfig, init_params, qwen_model
 from odcfn.tree import tree_named_leaves
 from tests.mp_pool import mp_pool  # noqa: F401 - the session fixture
+from tests.util import make_state
 
 CFG = QwenConfig(vocab_size=37, d_model=16, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=24)
 LR = 1e-2
@@ -49,10 +50,8 @@ def grads_worker(lengths, cap, seed, comms):
     with ShmTransport(mesh, timeout=30) as tr:
         for comm in comms:
             calls = tr.dist.calls.copy()
-            g, m = odcfn.grad_step(
-                params, batch, model=model, mesh=mesh, transport=tr, comm=comm,
-                max_tokens_per_microbatch=cap,
-            )
+            state = make_state(params, model, tr, comm=comm, max_tokens_per_microbatch=cap)
+            g, m = odcfn.grad_step(state, batch)
             out.append({
                 "comm": comm, "grads": _copy(g), "loss": m.loss, "syncs": m.counters.syncs,
                 "collectives": m.counters.collectives, "wire": dict(tr.dist.calls - calls),
@@ -60,8 +59,8 @@ def grads_worker(lengths, cap, seed, comms):
             })
         # the plain torch.distributed baseline, on its own group next to the shm transport's
         with CollectiveTransport(mesh, timeout=30) as ct:
-            g, m = odcfn.grad_step(params, batch, model=model, mesh=mesh, transport=ct,
-                                   comm="collective", max_tokens_per_microbatch=cap)
+            state = make_state(params, model, ct, comm="collective", max_tokens_per_microbatch=cap)
+            g, m = odcfn.grad_step(state, batch)
             out.append({"comm": "gloo-only", "grads": _copy(g), "loss": m.loss})
     return out
 
@@ -75,8 +74,8 @@ def hybrid_worker(lengths, cap, seed):
     out = []
     with ShmTransport(mesh, timeout=30) as tr:
         for comm in ("odc", "collective"):
-            g, m = odcfn.grad_step(params, batch, model=model, mesh=mesh, transport=tr, comm=comm,
-                                   max_tokens_per_microbatch=cap)
+            state = make_state(params, model, tr, comm=comm, max_tokens_per_microbatch=cap)
+            g, m = odcfn.grad_step(state, batch)
             out.append((_copy(g), m.loss))
     return out
 
@@ -85,19 +84,15 @@ def adamw_worker(lengths, cap, seed, comms):
     """Several AdamW train_steps, the comm mode switching per step as ``comms`` says."""
     model, full, batch = _setup(lengths, seed)
     mesh = odcfn.Mesh.from_env()
-    opt = odcfn.adamw(LR)
-    params = odcfn.shard(full, model, mesh)
-    state = opt.init(params)
     wire = []
     with ShmTransport(mesh, timeout=30) as tr:
+        state = make_state(full, model, tr, odcfn.adamw(LR), max_tokens_per_microbatch=cap)
         for comm in comms:
             calls = tr.dist.calls.copy()
-            params, state, m = odcfn.train_step(
-                params, batch, opt_state=state, model=model, optimizer=opt, mesh=mesh,
-                transport=tr, comm=comm, max_tokens_per_microbatch=cap,
-            )
+            state = state.replace(config=state.config.replace(comm=comm))
+            state, m = odcfn.train_step(state, batch)
             wire.append((comm, dict(tr.dist.calls - calls), m.counters.syncs))
-    return _copy(params), wire
+    return _copy(state.params), wire
 
 
 def _trap(model, rank_calls, action):
@@ -129,8 +124,7 @@ def killed_worker(victim, timeout):
         with ShmTransport(mesh, timeout=timeout) as tr:
             for i in range(3):
                 step, t0 = i, time.monotonic()
-                odcfn.grad_step(params, batch, model=model, mesh=mesh, transport=tr, comm="odc",
-                                max_tokens_per_microbatch=6)
+                odcfn.grad_step(make_state(params, model, tr, comm="odc", max_tokens_per_microbatch=6), batch)
         outcome = "finished"
     except TransportError as e:
         outcome = f"TransportError: {e}"
@@ -149,9 +143,9 @@ def stuck_worker(timeout, stall):
     t0 = time.monotonic()
     try:
         with ShmTransport(mesh, timeout=timeout) as tr:
-            odcfn.grad_step(params, batch, model=model, mesh=mesh, transport=tr, comm="odc")
+            odcfn.grad_step(make_state(params, model, tr, comm="odc"), batch)
             t0 = time.monotonic()
-            odcfn.grad_step(params, batch, model=model, mesh=mesh, transport=tr, comm="odc")
+            odcfn.grad_step(make_state(params, model, tr, comm="odc"), batch)
         return "finished", time.monotonic() - t0
     except TransportError as e:
         return f"TransportError: {e}", time.monotonic() - t0
@@ -174,7 +168,7 @@ def setup_killed_worker():
         shm.Segment = Dying
     try:
         with ShmTransport(mesh, timeout=20) as tr:
-            odcfn.grad_step(odcfn.shard(full, model, mesh), batch, model=model, mesh=mesh, transport=tr)
+            odcfn.grad_step(make_state(odcfn.shard(full, model, mesh), model, tr), batch)
         return "finished", os.environ["ODCFN_SHM_PREFIX"], []
     except TransportError as e:
         prefix = os.environ["ODCFN_SHM_PREFIX"]

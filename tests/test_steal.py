@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from odcfn.schedule.balance import lb_mini
 from odcfn.schedule.cost import TokenCost
 from odcfn.schedule.plan import (
+    Action,
     Forward,
     Gather,
     ScheduleOptions,
@@ -102,7 +103,7 @@ def test_owner_steps_compose_to_the_static_plan(n_units, prefetch, reshard):
         opts = ScheduleOptions(prefetch=prefetch, reshard_after_forward=reshard, remat=remat)
         o = owner_steps(units, opts)
         for n in range(1, 5):
-            acts = [("own", (k,), k < n - 1) for k in range(n)] + [("stop", (), False)]
+            acts = [Action("own", (k,), k < n - 1) for k in range(n)] + [Action("stop", (), False)]
             got = realised_plan(units, 0, acts, opts)
             want = compile_plan(units, (tuple((k,) for k in range(n)),), 0, "odc", opts)
             assert got == want

@@ -17,14 +17,21 @@ def fixed_balancer(assignment):
     return lambda lengths, world, cap: assignment
 
 
-def run_grad_step(full, batch, model, world, *, ranks_per_node=None, sharding="full", **kw):
-    """grad_step on every in-process rank; returns [(grad shards copy, metrics)] by rank."""
+def make_state(full, model, transport, optimizer=None, **config):
+    """A TrainState for this rank from the full params, with ``StepConfig(**config)`` (the
+    balance round_robin unless given: the tests below were sized for it)."""
+    config.setdefault("balance", "round_robin")
+    return odcfn.TrainState.create(
+        params=full, model=model, optimizer=optimizer or odcfn.sgd(0.0), transport=transport,
+        config=odcfn.StepConfig(**config),
+    )
+
+
+def run_grad_step(full, batch, model, world, *, ranks_per_node=None, sharding="full", **config):
+    """grad_step on every in-process rank; returns [(grad shards, metrics)] by rank."""
 
     def fn(rank, tr):
-        mesh = odcfn.Mesh(world, rank, ranks_per_node, sharding)
-        p = odcfn.shard(full, model, mesh)
-        g, m = odcfn.grad_step(p, batch, model=model, mesh=mesh, transport=tr, **kw)
-        return {k: v.clone() for k, v in g.items()}, m
+        return odcfn.grad_step(make_state(full, model, tr, **config), batch)
 
     return odcfn.run_local(fn, world, ranks_per_node=ranks_per_node, sharding=sharding, timeout=30)
 

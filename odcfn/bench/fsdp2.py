@@ -75,7 +75,8 @@ def fsdp2_worker(spec: Fsdp2Spec) -> list[dict]:
     from odcfn.models import init_params, qwen_model
     from odcfn.optim import adamw
     from odcfn.schedule.balance import get_balancer
-    from odcfn.sharding import Mesh, shard
+    from odcfn.sharding import Mesh
+    from odcfn.state import StepConfig, TrainState
     from odcfn.train import train_step
 
     torch.set_num_threads(1)
@@ -90,9 +91,12 @@ def fsdp2_worker(spec: Fsdp2Spec) -> list[dict]:
         topt = torch.optim.AdamW(module.parameters(), lr=w.lr, betas=(b1, b2), eps=eps,
                                  weight_decay=wd)
         model = qwen_model(w.model)
-        opt = adamw(w.lr, b1=b1, b2=b2, eps=eps, weight_decay=wd)
-        params = shard(init_params(w.model, seed=w.seed), model, mesh)
-        opt_state = opt.init(params)
+        state = TrainState.create(
+            params=init_params(w.model, seed=w.seed), model=model, transport=tr,
+            optimizer=adamw(w.lr, b1=b1, b2=b2, eps=eps, weight_decay=wd),
+            config=StepConfig(comm="collective", balance="lb_micro", cost=spec.cost,
+                              max_tokens_per_microbatch=w.max_tokens_per_microbatch),
+        )
         lb_micro = get_balancer("lb_micro", cost=spec.cost)  # FSDP2 runs odcfn's microbatches
         cap = w.max_tokens_per_microbatch
         out = []
@@ -103,11 +107,7 @@ def fsdp2_worker(spec: Fsdp2Spec) -> list[dict]:
                 dist.barrier()
                 t0 = time.perf_counter()
                 if which == "odcfn":
-                    params, opt_state, m = train_step(
-                        params, batch, opt_state=opt_state, model=model, optimizer=opt,
-                        mesh=mesh, transport=tr, comm="collective", balance="lb_micro",
-                        cost=spec.cost, max_tokens_per_microbatch=cap,
-                    )
+                    state, m = train_step(state, batch)
                     loss = m.loss
                 else:
                     assignment = lb_micro(batch.lengths, mesh.world_size, cap)

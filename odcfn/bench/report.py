@@ -9,7 +9,7 @@ from pathlib import Path
 
 from odcfn.bench.runner import step_records
 from odcfn.bench.workload import POLICIES
-from odcfn.trace import Event
+from odcfn.metrics import Event, bubble_rate
 
 __all__ = [
     "shared_cores_warning",
@@ -22,22 +22,18 @@ __all__ = [
     "write_timeline_png",
 ]
 
-# Emulated slow compute ("straggle") is busy time of the slow device, not a bubble.
-BUSY_KINDS = ("forward", "backward", "straggle")
-
-
 def _events(rec: dict) -> list[Event]:
     return [Event(rec["rank"], k, n, s, e, mb) for k, n, s, e, mb in rec["events"]]
 
 
 def step_bubble_rate(recs: Sequence[dict]) -> float:
-    """1 - busy compute / (ranks x step makespan), from the runtime's per-rank traces."""
+    """``odcfn.metrics.bubble_rate`` of one minibatch from the runtime's per-rank traces, over
+    the step's span (every rank's clock starts at its step's start)."""
     per_rank = [_events(r) for r in recs]
     span = max((max(e.end for e in evs) for evs in per_rank if evs), default=0.0)
     if span <= 0:
         return float("nan")
-    busy = sum(e.duration for evs in per_rank for e in evs if e.kind in BUSY_KINDS)
-    return 1.0 - busy / (len(per_rank) * span)
+    return bubble_rate(per_rank, span)
 
 
 def policy_summary(per_rank: Sequence[Sequence[dict]], policy: str) -> dict:

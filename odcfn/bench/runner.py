@@ -82,37 +82,38 @@ class _Progress:
 
 def _rank_loop(spec: RunSpec, mesh: Mesh, transport, barrier: Callable[[], None]) -> list[dict]:
     """One rank's side of a run: returns one record per (minibatch, policy)."""
-    from odcfn.train import train_step
+    from odcfn import train
+    from odcfn.bench.slow import slow_model
+    from odcfn.state import StepConfig, TrainState
 
     w = spec.workload
-    model = qwen_model(w.model)
+    model = slow_model(qwen_model(w.model), spec.slowdown_of(mesh.rank))
     full = init_params(w.model, seed=w.seed)
-    opt = adamw(w.lr)
     state = {}
     for name in spec.policies:
-        p = shard(full, model, mesh)
-        state[name] = (p, opt.init(p))
+        pol = POLICIES[name]
+        # every rank binds the same cost model, so every rank computes the same assignment
+        # (static balancers) or the same work-stealing lists
+        config = StepConfig(
+            comm=pol.comm, balance=pol.balance, cost=spec.cost,
+            max_tokens_per_microbatch=w.max_tokens_per_microbatch,
+        )
+        state[name] = TrainState.create(
+            params=shard(full, model, mesh), model=model, optimizer=adamw(w.lr), transport=transport,
+            config=config,
+        )
     total = (spec.warmup + spec.steps) * len(spec.policies)
     bar = _Progress(total) if spec.progress and mesh.rank == 0 else None
     records: list[dict] = []
-    slow = spec.slowdown_of(mesh.rank)
     for step in range(spec.warmup + spec.steps):
         batch = make_batch(w, step)
         k = step % len(spec.policies)
         for name in spec.policies[k:] + spec.policies[:k]:
             pol: Policy = POLICIES[name]
-            params, opt_state = state[name]
             barrier()
             t0, c0 = time.perf_counter(), time.process_time()
-            # every rank binds the same cost model, so every rank computes the same assignment
-            # (static balancers) or the same work-stealing queue
-            params, opt_state, m = train_step(
-                params, batch, opt_state=opt_state, model=model, optimizer=opt, mesh=mesh,
-                transport=transport, comm=pol.comm, balance=pol.balance, cost=spec.cost,
-                max_tokens_per_microbatch=w.max_tokens_per_microbatch, slowdown=slow,
-            )
+            state[name], m = train.train_step(state[name], batch)
             wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-            state[name] = (params, opt_state)
             records.append({
                 "policy": name,
                 "balancer": pol.balance,

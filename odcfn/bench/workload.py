@@ -35,7 +35,12 @@ class Policy:
 
     name: str  # stable key in reports, e.g. "odc+lb-mini"
     comm: str  # "odc" | "collective"
-    balance: str  # a balancer name train_step takes: odcfn.schedule.balance's, or "work_stealing"
+    balance: str  # a policy name of odcfn.schedule.POLICIES (the registry train_step reads)
+
+    def __post_init__(self) -> None:
+        from odcfn.schedule.policy import resolve_policy
+
+        resolve_policy(self.balance, self.comm)  # unknown, or not able to serve this comm: refused
 
 
 POLICIES: dict[str, Policy] = {

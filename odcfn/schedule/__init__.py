@@ -10,11 +10,13 @@ from odcfn.schedule.balance import (
 from odcfn.schedule.cost import QuadraticCost, TokenCost, calibrate, flops_cost
 from odcfn.schedule.lengths import DATASETS, aime_rl, longalign, swe_smith
 from odcfn.schedule.plan import (
+    Action,
     AllGather,
     Assignment,
     Backward,
     Forward,
     Gather,
+    Piece,
     Plan,
     ReduceScatter,
     Release,
@@ -23,12 +25,14 @@ from odcfn.schedule.plan import (
     Sync,
     compile_plan,
 )
+from odcfn.schedule.policy import POLICIES, PolicyInfo, prepare_program
 from odcfn.schedule.simmodel import A100_COMM, ZERO_COMM, CommModel, SimResult, Workload, lower_bound_makespan
 from odcfn.schedule.simulate import compile_plans, simulate, simulate_work_stealing
 from odcfn.schedule.steal import StealPlan, WorkStealing, steal_plan
 
 __all__ = [
     "A100_COMM",
+    "Action",
     "BALANCERS",
     "DATASETS",
     "WORK_STEALING",
@@ -39,7 +43,10 @@ __all__ = [
     "CommModel",
     "Forward",
     "Gather",
+    "POLICIES",
+    "Piece",
     "Plan",
+    "PolicyInfo",
     "QuadraticCost",
     "ReduceScatter",
     "Release",
@@ -60,6 +67,7 @@ __all__ = [
     "lb_micro",
     "lb_mini",
     "local_sort",
+    "prepare_program",
     "longalign",
     "lower_bound_makespan",
     "round_robin",

@@ -11,14 +11,16 @@ group issues in the same order, so ranks with fewer microbatches run empty ones.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
-from typing import Literal, Union
+from typing import Literal, NamedTuple, Union
 
 __all__ = [
     "Action",
+    "Piece",
     "action_pieces",
+    "assemble_plan",
     "AllGather",
     "Assignment",
     "Backward",
@@ -39,6 +41,7 @@ __all__ = [
     "owner_steps",
     "realised_plan",
     "stealing_fragment",
+    "stealing_pieces",
 ]
 
 Comm = Literal["odc", "collective"]
@@ -291,12 +294,27 @@ def _owner_steps(units: tuple[str, ...], options: ScheduleOptions) -> OwnerSteps
     return OwnerSteps(tuple(one[:a]), tuple(two[a:b]), tuple(one[a:]), tuple(Release(u) for u in live))
 
 
-# What a work-stealing rank does next, as (kind, samples, flag) (``odcfn.schedule.steal``):
-# ("own", samples, more): run the next piece of its own list (``more``: its list goes on);
-# ("help", (s,), _): leave its list for a moment to run a slow rank's sample, then come back;
-# ("stop", (), held): its list is over (``held``: free the units kept for a next microbatch);
-# ("steal", (s,), _): run a sample stolen once its own list was over.
-Action = tuple[Literal["own", "help", "stop", "steal"], tuple[int, ...], bool]
+class Action(NamedTuple):
+    """What a work-stealing rank does next (decided by ``odcfn.schedule.steal.rank_program``):
+
+    - ``own``: run the next piece of its own list (``more``: its list goes on after it);
+    - ``help``: leave its list for a moment to run a slow rank's sample, then come back;
+    - ``stop``: its list is over (``more``: free the units kept for a next microbatch);
+    - ``steal``: run a sample stolen once its own list was over.
+    """
+
+    kind: Literal["own", "help", "stop", "steal"]
+    samples: tuple[int, ...]
+    more: bool
+
+
+class Piece(NamedTuple):
+    """A slice of a rank's program: plan steps, and the microbatches (sample ids) they start,
+    numbered after the rank's earlier microbatches. A static plan is one piece; a work-stealing
+    rank's program is one piece per decision."""
+
+    steps: tuple[Step, ...]
+    microbatches: tuple[tuple[int, ...], ...] = ()
 
 
 def _renumber(steps: Sequence[Step], mb: int) -> tuple[Step, ...]:
@@ -309,7 +327,7 @@ def action_pieces(
     """The plan pieces one work-stealing action runs, in order, with ``mb=0`` (cached tuples,
     so the simulator can key its decoded steps on them)."""
     o = owner_steps(units, options)
-    kind, _, flag = action
+    kind, flag = action.kind, action.more
     if kind == "own":
         return (o.middle if flag else o.last,)
     if kind == "stop":
@@ -328,14 +346,30 @@ def action_steps(
     return tuple(s for piece in action_pieces(units, action, options) for s in _renumber(piece, mb))
 
 
+def assemble_plan(rank: int, comm: Comm, units: Sequence[str], pieces: Sequence[Piece]) -> Plan:
+    """The plan a rank ran, from the pieces of its program in order."""
+    steps = tuple(s for p in pieces for s in p.steps)
+    mbs = tuple(m for p in pieces for m in p.microbatches)
+    return Plan(rank, comm, tuple(units), mbs, steps)
+
+
+def stealing_pieces(
+    units: Sequence[str], actions: Iterable[Action], options: ScheduleOptions | None = None
+) -> Iterator[Piece]:
+    """A work-stealing rank's program: the owner's prefix, one piece per action (its
+    microbatch numbered in execution order), then the Sync. Lazy: each action is taken from
+    ``actions`` only when the previous piece has been run."""
+    yield Piece(owner_steps(units, options).prefix)
+    n = 0
+    for a in actions:
+        mbs = (a.samples,) if a.samples else ()
+        yield Piece(action_steps(units, a, n, options), mbs)
+        n += len(mbs)
+    yield Piece((Sync(),))
+
+
 def realised_plan(
     units: Sequence[str], rank: int, actions: Sequence[Action], options: ScheduleOptions | None = None
 ) -> Plan:
     """The plan a work-stealing rank actually ran, microbatches numbered in execution order."""
-    steps = list(owner_steps(units, options).prefix)
-    mbs: list[tuple[int, ...]] = []
-    for a in actions:
-        steps += action_steps(units, a, len(mbs), options)
-        if a[1]:
-            mbs.append(a[1])
-    return Plan(rank, "odc", tuple(units), tuple(mbs), (*steps, Sync()))
+    return assemble_plan(rank, "odc", units, tuple(stealing_pieces(units, actions, options)))

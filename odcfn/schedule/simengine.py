@@ -8,9 +8,8 @@ all-gathers and reduce-scatters on separate streams):
   inter-node bandwidth when the group spans nodes). Owners do nothing and nobody waits for them.
 - ``Forward``/``Backward`` of a unit start when the compute clock is free and the unit's latest
   gather has landed; they take ``cost(microbatch) * unit share * (fwd_fraction | 1 -
-  fwd_fraction)`` (backward of a remat unit adds its forward again). A rank slowed by ``F`` idles
-  ``(F - 1) x`` each compute step afterwards, recorded as a ``straggle`` event, as the runtime's
-  ``slowdown`` does.
+  fwd_fraction)`` (backward of a remat unit adds its forward again). A rank slowed by ``F``
+  computes ``F x`` as long (busy time), as ``odcfn.bench.slow_model`` makes a runtime rank do.
 - ``AllGather``/``ReduceScatter``: a collective cannot start before every rank of the shard group
   has issued it (max of arrivals); it then occupies every member's stream for the same time.
 - ``Sync``: every rank's pushes must have landed; ends ``2 log2(W)`` latencies after the last
@@ -24,6 +23,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from odcfn.metrics import Event
 from odcfn.schedule.plan import (
     AllGather,
     Backward,
@@ -37,7 +37,6 @@ from odcfn.schedule.plan import (
 )
 from odcfn.schedule.simmodel import CommModel, SimResult, Workload
 from odcfn.sharding import Mesh
-from odcfn.trace import Event
 
 _GATHER, _FWD, _BWD, _SCATTER, _RELEASE, _AG, _RS, SYNC = range(8)
 __all__ = ["SYNC", "Engine", "RankClock", "mesh_for", "sim_result"]
@@ -125,13 +124,11 @@ class Engine:
                     st.remat[u] = remat
                 else:
                     dur = c * self.bwd_share[u] + (c * self.fwd_share[u] if st.remat[u] else 0.0)
-                end = start + dur
+                dur *= slow  # a slow device computes longer: busy time, not a bubble
+                st.t = end = start + dur
                 st.busy += dur
-                st.t = end + (slow - 1.0) * dur
                 if ev is not None:
                     ev.append(Event(r, _KIND[code], self.work.units[u], start, end, mb + mb_shift))
-                    if slow > 1.0:
-                        ev.append(Event(r, "straggle", self.work.units[u], end, st.t, mb + mb_shift))
             elif code == _GATHER:
                 start = st.t if st.t >= st.pull else st.pull
                 st.pull = st.ready[u] = end = start + self.gather_time[u]

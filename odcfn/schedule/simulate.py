@@ -198,7 +198,7 @@ def simulate_work_stealing(
         action = next(programs[r], None)
         if action is None:
             continue  # nothing left worth taking: this rank waits at the sync
-        st, samples = ranks[r], action[1]
+        st, samples = ranks[r], action.samples
         done[r].append(action)
         c = (sum(sp.costs[i] for i in samples),)
         for piece in action_pieces(workload.units, action, options):
@@ -213,7 +213,7 @@ def simulate_work_stealing(
     plans = tuple(
         realised_plan(workload.units, r, done[r], options)
         if record
-        else Plan(r, "odc", workload.units, tuple(a[1] for a in done[r] if a[1]), ())
+        else Plan(r, "odc", workload.units, tuple(a.samples for a in done[r] if a.samples), ())
         for r in range(world_size)
     )
     return sim_result(plans, ranks, lengths)

@@ -341,7 +341,7 @@ def rank_program(
         s = steal(sp, shared, rank, overhead(), late, residual()) if late.any() else None
         if s is not None:
             begin((s,))
-            yield ("help", (s,), True)
+            yield Action("help", (s,), True)
             continue
         end = ends[pos]
         if end - pos > 1 and pace(ahead).any():
@@ -352,11 +352,11 @@ def rank_program(
             break  # the rest of its list was stolen
         begin(got)
         held = pos < n
-        yield ("own", got, held)
+        yield Action("own", got, held)
     finish()
     victims = ~pace(ahead)
-    yield ("stop", (), held)
+    yield Action("stop", (), held)
     while (s := steal(sp, shared, rank, overhead(), victims, residual())) is not None:
         begin((s,))
-        yield ("steal", (s,), False)
+        yield Action("steal", (s,), False)
         finish()

@@ -1,0 +1,177 @@
+"""``StepConfig`` (how a minibatch is run) and ``TrainState`` (what a step transforms).
+
+``TrainState`` is a frozen dataclass registered as a pytree: its children are the arrays a step
+changes (``params``, ``opt_state``, ``step``), its static fields the things it runs with
+(``model``, ``optimizer``, ``transport``, ``config``). ``train_step(state, batch)`` returns a
+new state; nothing is mutated but the transport's buffers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from odcfn import checkpoint
+from odcfn.kernels.base import Transport
+from odcfn.model import Model, check_params
+from odcfn.optim import Optimizer
+from odcfn.schedule.cost import CostModel
+from odcfn.schedule.plan import Comm, ScheduleOptions
+from odcfn.schedule.policy import Policy, policy_info, resolve_policy
+from odcfn.sharding import Mesh, make_layout, shard
+from odcfn.sharding.layout import check_shards
+from odcfn.tree import register_dataclass
+
+__all__ = ["StepConfig", "TrainState", "load", "save"]
+
+
+@dataclass(frozen=True)
+class StepConfig:
+    """How ``train_step`` runs a minibatch. Every rank must use the same config.
+
+    ``comm``: "odc" (point-to-point, one sync) or "collective" (the FSDP baseline).
+    ``balance``: a policy name (``odcfn.schedule.POLICIES``), a balancer callable or
+    ``odcfn.WorkStealing(...)``. ``max_tokens_per_microbatch``: the packing cap (None: the
+    longest sample of each minibatch). ``compute_dtype``: what gathers deliver and units compute
+    in (master shards and accumulators stay fp32). ``max_grad_norm``: clip by the global norm the
+    one sync carries. ``cost``: the cost model balancers use. ``loss``: the per-token loss the
+    head unit applies (None: token cross-entropy).
+    """
+
+    comm: Comm = "odc"
+    balance: Policy = "lb_mini"
+    max_tokens_per_microbatch: int | None = None
+    options: ScheduleOptions = field(default_factory=ScheduleOptions)
+    compute_dtype: torch.dtype | None = None
+    max_grad_norm: float | None = None
+    cost: CostModel | None = None
+    loss: Any = None
+
+    def __post_init__(self) -> None:
+        if self.comm not in ("odc", "collective"):
+            raise ValueError(f"StepConfig.comm must be 'odc' or 'collective', got {self.comm!r}")
+        policy_info(self.balance)  # a TypeError/ValueError naming a bad policy
+        resolve_policy(self.balance, self.comm)  # work stealing cannot serve collectives
+        cap = self.max_tokens_per_microbatch
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
+            raise ValueError(f"StepConfig.max_tokens_per_microbatch must be an int >= 1 or None, got {cap!r}")
+        if self.options is None:
+            object.__setattr__(self, "options", ScheduleOptions())
+        elif not isinstance(self.options, ScheduleOptions):
+            raise TypeError(
+                f"StepConfig.options must be a ScheduleOptions, got {type(self.options).__name__}"
+            )
+        dt = self.compute_dtype
+        if dt is not None and not (isinstance(dt, torch.dtype) and dt.is_floating_point):
+            raise TypeError(f"StepConfig.compute_dtype must be a floating torch.dtype or None, got {dt!r}")
+        g = self.max_grad_norm
+        bad = isinstance(g, bool) or not isinstance(g, (int, float)) or not 0 < g < math.inf
+        if g is not None and bad:
+            raise ValueError(f"StepConfig.max_grad_norm must be a finite number > 0 or None, got {g!r}")
+        if self.cost is not None and not callable(self.cost):
+            raise TypeError(
+                f"StepConfig.cost must be a cost model (length -> cost), got {type(self.cost).__name__}"
+            )
+
+    def replace(self, **changes: Any) -> StepConfig:
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class TrainState:
+    """This rank's training state. Build it with ``TrainState.create``."""
+
+    params: dict[str, torch.Tensor]  # this rank's flat fp32 shards, one per unit
+    opt_state: Any
+    step: int
+    model: Model
+    optimizer: Optimizer
+    transport: Transport
+    config: StepConfig
+
+    @classmethod
+    def create(
+        cls,
+        *,
+        params: Mapping[str, Any],
+        model: Model,
+        optimizer: Optimizer,
+        transport: Transport,
+        config: StepConfig | None = None,
+        opt_state: Any = None,
+        step: int = 0,
+    ) -> TrainState:
+        """``params``: this rank's shards (``odcfn.shard``), or the full unsharded params tree,
+        which is sharded here for ``transport.mesh``. ``opt_state``: None calls
+        ``optimizer.init`` (pass one to resume)."""
+        if not isinstance(model, Model):
+            raise TypeError(f"TrainState.create: model must be an odcfn.Model, got {type(model).__name__}")
+        if not isinstance(optimizer, Optimizer):
+            raise TypeError(
+                f"TrainState.create: optimizer must be an odcfn.Optimizer (odcfn.adamw, odcfn.sgd), "
+                f"got {type(optimizer).__name__}"
+            )
+        mesh = getattr(transport, "mesh", None)
+        if not isinstance(mesh, Mesh):
+            raise TypeError(
+                "TrainState.create: transport must be an odcfn transport with a .mesh, "
+                f"got {type(transport).__name__}"
+            )
+        config = StepConfig() if config is None else config
+        if not isinstance(config, StepConfig):
+            raise TypeError(
+                f"TrainState.create: config must be an odcfn.StepConfig, got {type(config).__name__}"
+            )
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"TrainState.create: step must be an int >= 0, got {step!r}")
+        if not isinstance(params, Mapping):
+            raise TypeError(
+                f"TrainState.create: params must be a dict keyed by unit name, got {type(params).__name__}"
+            )
+        if not all(isinstance(v, torch.Tensor) for v in params.values()):
+            check_params(model, params)  # the full tree: shard it for this rank
+            params = shard(params, model, mesh)
+        params = dict(params)
+        check_shards(params, make_layout(model, mesh), model.dtype)
+        if opt_state is None:
+            opt_state = optimizer.init(params)
+        return cls(params, opt_state, step, model, optimizer, transport, config)
+
+    @property
+    def mesh(self) -> Mesh:
+        return self.transport.mesh
+
+    def replace(self, **changes: Any) -> TrainState:
+        return dataclasses.replace(self, **changes)
+
+
+register_dataclass(
+    TrainState, children=("params", "opt_state", "step"), static=("model", "optimizer", "transport", "config")
+)
+
+
+def save(
+    path: str | os.PathLike, state: TrainState, *, extra: Mapping[str, Any] | None = None
+) -> os.PathLike:
+    """Write ``state``'s params, optimizer state and step as a sharded checkpoint (every rank
+    calls it; returns once it is committed). ``extra``: JSON metadata kept in the manifest."""
+    if not isinstance(state, TrainState):
+        raise TypeError(f"odcfn.save(path, state): state must be a TrainState, got {type(state).__name__}")
+    return checkpoint.save(
+        path, state.params, state.opt_state, state.step, model=state.model, mesh=state.mesh, extra=extra
+    )
+
+
+def load(path: str | os.PathLike, state: TrainState) -> TrainState:
+    """``state`` with the params, optimizer state and step of checkpoint ``path``, resharded for
+    this state's mesh (the checkpoint may come from another world size or sharding)."""
+    if not isinstance(state, TrainState):
+        raise TypeError(f"odcfn.load(path, state): state must be a TrainState, got {type(state).__name__}")
+    params, opt_state, step = checkpoint.load(path, model=state.model, mesh=state.mesh)
+    return state.replace(params=params, opt_state=opt_state, step=step)
