@@ -123,12 +123,12 @@ class _Executor:
         return self.packed[mb]
 
     # --- compute ----------------------------------------------------------------------------
-    def forward(self, s: Forward) -> None:
-        data = self._mb(s.mb)
+    def forward(self, s: Forward, mb: int) -> None:
+        data = self._mb(mb)
         if data.empty:
             return
         prev = self.prev[s.unit]
-        x = None if prev is None else self.outs.pop((prev, s.mb))
+        x = None if prev is None else self.outs.pop((prev, mb))
         if isinstance(x, torch.Tensor) and x.is_floating_point():
             x = x.detach().requires_grad_()
         fwd = self.units[s.unit].fwd
@@ -136,22 +136,22 @@ class _Executor:
         if s.remat:
             with torch.no_grad():
                 y = fwd(params, x, data)
-            self.saved[(s.unit, s.mb)] = _Saved(x, None, None)
+            self.saved[(s.unit, mb)] = _Saved(x, None, None)
         else:
             with torch.enable_grad():
                 y = fwd(params, x, data)
-            self.saved[(s.unit, s.mb)] = _Saved(x, flat, y)
+            self.saved[(s.unit, mb)] = _Saved(x, flat, y)
         if s.unit == self.last:
             self.loss_sum += y.detach().double()
         else:
-            self.outs[(s.unit, s.mb)] = y.detach()
+            self.outs[(s.unit, mb)] = y.detach()
 
-    def backward(self, s: Backward) -> None:
-        data = self._mb(s.mb)
+    def backward(self, s: Backward, mb: int) -> None:
+        data = self._mb(mb)
         if data.empty:
             self.grads[s.unit] = None
             return
-        sv = self.saved.pop((s.unit, s.mb))
+        sv = self.saved.pop((s.unit, mb))
         flat, y = sv.flat, sv.y
         if flat is None:  # rematerialise
             flat, params = self._params(s.unit)
@@ -159,7 +159,7 @@ class _Executor:
                 y = self.units[s.unit].fwd(params, sv.x_in, data)
         else:
             self._wait(s.unit)  # a re-gather refills the storage the graph saved views of
-        gy = self.grad_out.pop(s.mb, None)
+        gy = self.grad_out.pop(mb, None)
         if gy is None:
             gy = torch.full_like(y, self.scale)
         inputs = [flat]
@@ -169,12 +169,12 @@ class _Executor:
         grads = torch.autograd.grad(y, inputs, gy)
         self.grads[s.unit] = grads[0]
         if has_x:
-            self.grad_out[s.mb] = grads[1]
+            self.grad_out[mb] = grads[1]
 
     # --- the loop ---------------------------------------------------------------------------
-    def run_steps(self, steps: Sequence[Step], t0: float, events: list[Event]) -> Any:
-        """Run one piece's steps, appending their events; returns the synced stats if a Sync
-        was among them."""
+    def run_steps(self, steps: Sequence[Step], offset: int, t0: float, events: list[Event]) -> Any:
+        """Run one piece's steps (its microbatch ``k`` is the rank's ``offset + k``), appending
+        their events; returns the synced stats if a Sync was among them."""
         rank = self.rank
         stats = None
         for s in steps:
@@ -187,9 +187,9 @@ class _Executor:
                     else:
                         self.t.all_gather(s.unit, buf)
             elif isinstance(s, Forward):
-                self.forward(s)
+                self.forward(s, s.mb + offset)
             elif isinstance(s, Backward):
-                self.backward(s)
+                self.backward(s, s.mb + offset)
             elif isinstance(s, (ScatterAccumulate, ReduceScatter)):
                 g = self.grads.pop(s.unit)
                 if g is None:  # an empty microbatch still joins the collective
@@ -207,7 +207,7 @@ class _Executor:
             else:  # pragma: no cover - the IR is closed
                 raise TypeError(f"unknown step {s!r}")
             end = time.perf_counter()
-            unit, mb = getattr(s, "unit", ""), getattr(s, "mb", -1)
+            unit, mb = getattr(s, "unit", ""), getattr(s, "mb", -1 - offset) + offset
             events.append(Event(rank, _KIND[type(s)], unit, start - t0, end - t0, mb))
         return stats
 
@@ -245,9 +245,10 @@ def execute(
     ran: list[Piece] = []
     stats = None
     for piece in program:
+        offset = len(ex.microbatches)
         ex.microbatches.extend(piece.microbatches)
         ran.append(piece)
-        got = ex.run_steps(piece.steps, t0, events)
+        got = ex.run_steps(piece.steps, offset, t0, events)
         stats = got if got is not None else stats
     if stats is None:
         raise ValueError("the program has no Sync step")

@@ -34,7 +34,7 @@ __all__ = [
     "ScheduleOptions",
     "Step",
     "Sync",
-    "action_steps",
+    "action_piece",
     "compile_plan",
     "microbatch_steps",
     "OwnerSteps",
@@ -309,23 +309,25 @@ class Action(NamedTuple):
 
 
 class Piece(NamedTuple):
-    """A slice of a rank's program: plan steps, and the microbatches (sample ids) they start,
-    numbered after the rank's earlier microbatches. A static plan is one piece; a work-stealing
-    rank's program is one piece per decision."""
+    """A slice of a rank's program: plan steps and the microbatches (sample ids) they run,
+    numbered from 0 *within the piece* (the runtime and the simulator add the rank's count of
+    earlier microbatches). A static plan is one piece; a work-stealing rank's program is one
+    piece per decision, each a cached tuple (so the simulator decodes it once)."""
 
     steps: tuple[Step, ...]
     microbatches: tuple[tuple[int, ...], ...] = ()
 
 
-def _renumber(steps: Sequence[Step], mb: int) -> tuple[Step, ...]:
-    return tuple(replace(s, mb=mb) if isinstance(s, (Forward, Backward)) else s for s in steps)
+def _shift(steps: Sequence[Step], offset: int) -> tuple[Step, ...]:
+    if not offset:
+        return tuple(steps)
+    return tuple(replace(s, mb=s.mb + offset) if isinstance(s, (Forward, Backward)) else s for s in steps)
 
 
 def action_pieces(
     units: Sequence[str], action: Action, options: ScheduleOptions | None = None
 ) -> tuple[tuple[Step, ...], ...]:
-    """The plan pieces one work-stealing action runs, in order, with ``mb=0`` (cached tuples,
-    so the simulator can key its decoded steps on them)."""
+    """The plan pieces one work-stealing action runs, in order, with ``mb=0``."""
     o = owner_steps(units, options)
     kind, flag = action.kind, action.more
     if kind == "own":
@@ -338,33 +340,38 @@ def action_pieces(
     return (o.held, frag, o.prefix)  # help: free what it holds, run it, re-gather
 
 
-def action_steps(
-    units: Sequence[str], action: Action, mb: int, options: ScheduleOptions | None = None
+@lru_cache(maxsize=256)
+def _action_steps(
+    units: tuple[str, ...], kind: str, more: bool, options: ScheduleOptions
 ) -> tuple[Step, ...]:
-    """The plan steps of one work-stealing action; the microbatch it runs (if any) is numbered
-    ``mb`` (the rank's count of microbatches so far)."""
-    return tuple(s for piece in action_pieces(units, action, options) for s in _renumber(piece, mb))
+    return tuple(s for p in action_pieces(units, Action(kind, (), more), options) for s in p)
+
+
+def action_piece(units: Sequence[str], action: Action, options: ScheduleOptions | None = None) -> Piece:
+    """One work-stealing action as a program piece (its sample, if any, is the piece's mb 0)."""
+    steps = _action_steps(tuple(units), action.kind, action.more, options or ScheduleOptions())
+    return Piece(steps, (action.samples,) if action.samples else ())
 
 
 def assemble_plan(rank: int, comm: Comm, units: Sequence[str], pieces: Sequence[Piece]) -> Plan:
-    """The plan a rank ran, from the pieces of its program in order."""
-    steps = tuple(s for p in pieces for s in p.steps)
-    mbs = tuple(m for p in pieces for m in p.microbatches)
-    return Plan(rank, comm, tuple(units), mbs, steps)
+    """The plan a rank ran, from the pieces of its program in order (microbatches numbered in
+    execution order)."""
+    steps: list[Step] = []
+    mbs: list[tuple[int, ...]] = []
+    for p in pieces:
+        steps += _shift(p.steps, len(mbs))
+        mbs += p.microbatches
+    return Plan(rank, comm, tuple(units), tuple(mbs), tuple(steps))
 
 
 def stealing_pieces(
     units: Sequence[str], actions: Iterable[Action], options: ScheduleOptions | None = None
 ) -> Iterator[Piece]:
-    """A work-stealing rank's program: the owner's prefix, one piece per action (its
-    microbatch numbered in execution order), then the Sync. Lazy: each action is taken from
-    ``actions`` only when the previous piece has been run."""
+    """A work-stealing rank's program: the owner's prefix, one piece per action, then the Sync.
+    Lazy: each action is taken from ``actions`` only when the previous piece has been run."""
     yield Piece(owner_steps(units, options).prefix)
-    n = 0
     for a in actions:
-        mbs = (a.samples,) if a.samples else ()
-        yield Piece(action_steps(units, a, n, options), mbs)
-        n += len(mbs)
+        yield action_piece(units, a, options)
     yield Piece((Sync(),))
 
 

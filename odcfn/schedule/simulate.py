@@ -11,8 +11,7 @@ The timing rules are in ``odcfn.schedule.simengine``.
 from __future__ import annotations
 
 import heapq
-from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -20,13 +19,13 @@ from odcfn.schedule.cost import DEFAULT_COST, CostModel
 from odcfn.schedule.plan import (
     Assignment,
     Comm,
+    Piece,
     Plan,
     ScheduleOptions,
-    action_pieces,
+    assemble_plan,
     compile_plan,
-    owner_steps,
-    realised_plan,
     stealing_fragment,
+    stealing_pieces,
 )
 from odcfn.schedule.simengine import SYNC, Engine, RankClock, mesh_for, sim_result
 from odcfn.schedule.simmodel import (
@@ -49,9 +48,85 @@ __all__ = [
     "SimResult",
     "Workload",
     "lower_bound_makespan",
+    "run_programs",
     "simulate",
     "simulate_work_stealing",
 ]
+
+
+def run_programs(
+    eng: Engine,
+    ranks: Sequence[RankClock],
+    programs: Sequence[Iterator[Piece]],
+    piece_cost: Callable[[tuple[int, ...]], float],
+    clock: np.ndarray | None = None,
+) -> list[list[Piece]]:
+    """THE simulator loop: every rank runs its program piece by piece; ranks are advanced in
+    time order (ties: lowest rank), each asking its program for the next piece when its compute
+    is free (so a work-stealing decision sees the counters as they are then); a collective or
+    the sync starts when its whole group has arrived. Returns the pieces each rank ran.
+    ``clock`` (optional) is kept at each rank's compute clock, for programs that read it."""
+    world = len(ranks)
+    mesh = eng.mesh
+    groups: list[tuple[int, ...]] = [tuple(range(world))]  # small int ids: hashing a 1024-tuple
+    gid_of: dict[tuple[int, ...], int] = {groups[0]: 0}  # per step would dominate the run time
+    shard_gid = []
+    for r in range(world):
+        g = mesh.with_rank(r).shard_group
+        if g not in gid_of:
+            gid_of[g] = len(groups)
+            groups.append(g)
+        shard_gid.append(gid_of[g])
+    ran: list[list[Piece]] = [[] for _ in range(world)]
+    cur: list[tuple | None] = [None] * world  # (codes, pc, mb costs, mb shift)
+    n_mb = [0] * world
+    arrived: dict[int, list[int]] = {}  # group id -> ranks parked at its next collective
+    heap = [(0.0, r) for r in range(world)]
+    while heap:
+        _, r = heapq.heappop(heap)
+        st = ranks[r]
+        if cur[r] is None:
+            piece = next(programs[r], None)
+            if piece is None:
+                continue  # its program is over (after its Sync)
+            ran[r].append(piece)
+            costs = [piece_cost(mb) for mb in piece.microbatches]
+            cur[r] = (eng.codes(piece.steps), 0, costs, n_mb[r])
+            n_mb[r] += len(piece.microbatches)
+        codes, pc, costs, shift = cur[r]
+        pc = eng.run(r, st, codes, pc, costs, mb_shift=shift)
+        if pc == len(codes):
+            cur[r] = None
+            if clock is not None:
+                clock[r] = st.t
+            heapq.heappush(heap, (st.t, r))
+            continue
+        cur[r] = (codes, pc, costs, shift)
+        gid = 0 if codes[pc][0] == SYNC else shard_gid[r]
+        parked = arrived.setdefault(gid, [])
+        parked.append(r)
+        if len(parked) < len(groups[gid]):
+            continue
+        members = sorted(arrived.pop(gid))
+        step = [cur[m][0][cur[m][1]][:2] for m in members]
+        if any(s != step[0] for s in step):
+            stuck = {m: ran[m][-1].steps[cur[m][1]] for m in members}
+            raise ValueError(
+                f"plans disagree: ranks {list(groups[gid])} meet at different collectives {stuck}; "
+                "collective plans must issue the same collectives in the same order"
+            )
+        code, u = step[0]
+        arrivals = [eng.arrive(ranks[m], code) for m in members]
+        start = max(arrivals)
+        for m, t in zip(members, arrivals):
+            eng.finish(m, ranks[m], code, u, start, t)
+            codes_m, pc_m, costs_m, shift_m = cur[m]
+            cur[m] = (codes_m, pc_m + 1, costs_m, shift_m)
+            heapq.heappush(heap, (ranks[m].t, m))
+    if arrived:
+        stuck = {r: ran[r][-1].steps[cur[r][1]] for rs in arrived.values() for r in rs}
+        raise ValueError(f"plans deadlock: ranks wait forever at {stuck} (a peer never issues it)")
+    return ran
 
 
 def simulate(
@@ -65,7 +140,8 @@ def simulate(
     slowdown: Sequence[float] | None = None,
     record: bool = True,
 ) -> SimResult:
-    """Time one minibatch: ``plans[r]`` is rank r's plan (as from ``compile_plan``)."""
+    """Time one minibatch: ``plans[r]`` is rank r's plan (as from ``compile_plan``), run as a
+    program of one piece."""
     if not plans:
         raise ValueError("simulate needs at least one plan")
     for r, p in enumerate(plans):
@@ -75,59 +151,11 @@ def simulate(
                 f"for rank {getattr(p, 'rank', '?')}"
             )
     world = len(plans)
-    mesh = mesh_for(mesh, world)
     work = workload or Workload(plans[0].units)
-    eng = Engine(work, mesh, comm, record)
+    eng = Engine(work, mesh_for(mesh, world), comm, record)
     ranks = [RankClock(len(work.units), f, record) for f in check_slowdowns(slowdown, world)]
-    codes = [eng.codes(p.steps) for p in plans]
-    mb_costs = [[sum(cost(lengths[i]) for i in mb) for mb in p.microbatches] for p in plans]
-    # groups by small int ids (hashing a 1024-tuple per step would dominate the run time)
-    groups: list[tuple[int, ...]] = [tuple(range(world))]
-    gid_of: dict[tuple[int, ...], int] = {groups[0]: 0}
-    shard_gid = []
-    for r in range(world):
-        g = mesh.with_rank(r).shard_group
-        if g not in gid_of:
-            gid_of[g] = len(groups)
-            groups.append(g)
-        shard_gid.append(gid_of[g])
-    pcs = [0] * world
-    arrived: dict[int, list[int]] = {}  # group id -> ranks parked at its next collective
-    full: deque[int] = deque()
-
-    def advance(r: int, pc: int) -> None:
-        pcs[r] = pc = eng.run(r, ranks[r], codes[r], pc, mb_costs[r])
-        if pc < len(codes[r]):  # parked at a collective or the sync
-            gid = 0 if codes[r][pc][0] == SYNC else shard_gid[r]
-            parked = arrived.get(gid)
-            if parked is None:
-                parked = arrived[gid] = []
-            parked.append(r)
-            if len(parked) == len(groups[gid]):
-                full.append(gid)
-
-    for r in range(world):
-        advance(r, 0)
-    while full:
-        gid = full.popleft()
-        group = groups[gid]
-        members = sorted(arrived.pop(gid))
-        code, u = codes[members[0]][pcs[members[0]]][:2]
-        if any(codes[m][pcs[m]][:2] != (code, u) for m in members):
-            stuck = {m: plans[m].steps[pcs[m]] for m in members}
-            raise ValueError(
-                f"plans disagree: ranks {list(group)} meet at different collectives {stuck}; "
-                "collective plans must issue the same collectives in the same order"
-            )
-        arrivals = [eng.arrive(ranks[m], code) for m in members]
-        start = max(arrivals)
-        for m, t in zip(members, arrivals):
-            eng.finish(m, ranks[m], code, u, start, t)
-        for m in members:
-            advance(m, pcs[m] + 1)
-    if arrived:
-        stuck = {r: plans[r].steps[pcs[r]] for rs in arrived.values() for r in rs}
-        raise ValueError(f"plans deadlock: ranks wait forever at {stuck} (a peer never issues it)")
+    programs = [iter((Piece(p.steps, p.microbatches),)) for p in plans]
+    run_programs(eng, ranks, programs, lambda mb: sum(cost(lengths[i]) for i in mb))
     return sim_result(plans, ranks, lengths)
 
 
@@ -148,9 +176,9 @@ def simulate_work_stealing(
     slowdown: Sequence[float] | None = None,
     record: bool = True,
 ) -> SimResult:
-    """Work stealing as the runtime runs it: every rank follows ``steal.rank_program`` (the same
-    code) on counters that behave like a transport's ``fetch_add``; decisions are taken in time
-    order (ties: lowest rank), each rank's when its compute is free.
+    """Work stealing as the runtime runs it: every rank's program is the runtime's own
+    (``plan.stealing_pieces`` over ``steal.rank_program``) on counters that behave like a
+    transport's ``fetch_add``, run by the same loop as static plans.
 
     ``overhead`` (seconds; default: what one stolen fragment's transfers add on an idle rank
     under ``comm``, plus the thief's pushes still in flight) is ``steal``'s guard; ``split_cost``
@@ -164,8 +192,7 @@ def simulate_work_stealing(
     if not lengths:
         raise ValueError("cannot simulate an empty minibatch")
     options = options or ScheduleOptions()
-    mesh = mesh_for(mesh, world_size)
-    eng = Engine(workload, mesh, comm, record)
+    eng = Engine(workload, mesh_for(mesh, world_size), comm, record)
     frag = eng.codes(stealing_fragment(workload.units, 0, options))
     split = eng.hiding_cost() if split_cost is None else split_cost
     sp = plan or steal_plan(lengths, world_size, max_tokens or max(lengths), cost=cost, split_cost=split)
@@ -177,44 +204,21 @@ def simulate_work_stealing(
     shared = ArrayCounters(sp.num_counters)
     clock = np.zeros(world_size)  # each rank's compute clock: when its running work ends
 
-    def program(r: int):  # noqa: ANN202 - a generator of plan.Action
+    def program(r: int) -> Iterator[Piece]:
         st = ranks[r]
         ovh = (lambda: base) if overhead is not None else (lambda: base + max(st.push - st.t, 0.0))
-        left = lambda: np.maximum(clock - st.t, 0.0)
-        return rank_program(sp, shared, r, tolerance=tolerance, overhead=ovh, residual=left)
+        left = lambda: np.maximum(clock - st.t, 0.0)  # noqa: E731
+        actions = rank_program(sp, shared, r, tolerance=tolerance, overhead=ovh, residual=left)
+        return stealing_pieces(workload.units, actions, options)
 
-    prefix = eng.codes(owner_steps(workload.units, options).prefix)
     programs = [program(r) for r in range(world_size)]
-    done: list[list] = [[] for _ in range(world_size)]  # the actions each rank ran
-    n_mb = [0] * world_size  # microbatches each rank has run so far
-    heap = []
-    for r, st in enumerate(ranks):
-        eng.run(r, st, prefix, 0, ())
-        clock[r] = st.t
-        heap.append((st.t, r))
-    heapq.heapify(heap)
-    while heap:
-        _, r = heapq.heappop(heap)
-        action = next(programs[r], None)
-        if action is None:
-            continue  # nothing left worth taking: this rank waits at the sync
-        st, samples = ranks[r], action.samples
-        done[r].append(action)
-        c = (sum(sp.costs[i] for i in samples),)
-        for piece in action_pieces(workload.units, action, options):
-            eng.run(r, st, eng.codes(piece), 0, c, mb_shift=n_mb[r])
-        n_mb[r] += bool(samples)
-        clock[r] = st.t
-        heapq.heappush(heap, (st.t, r))
-    arrivals = [eng.arrive(st, SYNC) for st in ranks]
-    start = max(arrivals)
-    for r, (st, a) in enumerate(zip(ranks, arrivals)):
-        eng.finish(r, st, SYNC, -1, start, a)
+    ran = run_programs(eng, ranks, programs, lambda mb: sum(sp.costs[i] for i in mb), clock)
+    units = workload.units
     plans = tuple(
-        realised_plan(workload.units, r, done[r], options)
+        assemble_plan(r, "odc", units, pieces)
         if record
-        else Plan(r, "odc", workload.units, tuple(a.samples for a in done[r] if a.samples), ())
-        for r in range(world_size)
+        else Plan(r, "odc", units, tuple(m for p in pieces for m in p.microbatches), ())
+        for r, pieces in enumerate(ran)
     )
     return sim_result(plans, ranks, lengths)
 
