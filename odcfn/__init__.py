@@ -11,6 +11,7 @@ from odcfn.kernels import (
     run_local,
 )
 from odcfn.launch import LaunchError, launch
+from odcfn.measure import calibrate
 from odcfn.metrics import StepMetrics
 from odcfn.model import Model, Unit, check_params, reference_loss
 from odcfn.optim import Optimizer, adamw, clip_scale, sgd
@@ -50,6 +51,7 @@ __all__ = [
     "WorkStealing",
     "adamw",
     "bubble_rate",
+    "calibrate",
     "check_params",
     "chrome_trace",
     "clip_scale",

@@ -197,8 +197,8 @@ def test_fit_quadratic_recovers_coefficients():
 
 
 def test_calibrate_on_the_real_model_is_positive_and_grows_with_length():
+    from odcfn.measure import calibrate
     from odcfn.models import QwenConfig, init_params, qwen_model
-    from odcfn.schedule.cost import calibrate
 
     cfg = QwenConfig(vocab_size=37, d_model=16, n_layers=1, n_heads=4, n_kv_heads=2, d_ff=24)
     cost, fwd = calibrate(qwen_model(cfg), init_params(cfg), (32, 64, 128), vocab_size=37, repeats=1)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 from odcfn.batch import Batch, random_batch
 from odcfn.models import QwenConfig
 from odcfn.schedule.lengths import LONGALIGN_MAX, longalign
+from odcfn.schedule.policy import SCHEDULES, Schedule
 
 __all__ = [
     "POLICIES",
@@ -29,29 +30,10 @@ __all__ = [
 LONGALIGN_MEAN = 16500
 
 
-@dataclass(frozen=True)
-class Policy:
-    """One way to run a minibatch: ``comm`` mode and the balancer that splits it."""
+# The registry of (comm, balance) pairs lives in the schedule layer; the bench reads it.
+Policy = Schedule
+POLICIES = SCHEDULES
 
-    name: str  # stable key in reports, e.g. "odc+lb-mini"
-    comm: str  # "odc" | "collective"
-    balance: str  # a policy name of odcfn.schedule.POLICIES (the registry train_step reads)
-
-    def __post_init__(self) -> None:
-        from odcfn.schedule.policy import resolve_policy
-
-        resolve_policy(self.balance, self.comm)  # unknown, or not able to serve this comm: refused
-
-
-POLICIES: dict[str, Policy] = {
-    p.name: p
-    for p in (
-        Policy("collective+lb-micro", "collective", "lb_micro"),
-        Policy("odc+lb-mini", "odc", "lb_mini"),
-        Policy("odc+work-stealing", "odc", "work_stealing"),
-        Policy("odc+lb-micro", "odc", "lb_micro"),
-    )
-}
 
 def model_config(d_model: int = 128, n_layers: int = 4, vocab_size: int = 512) -> QwenConfig:
     """The benchmark model family: 4 query heads, 2 KV heads (GQA), SwiGLU width 3 x d_model."""

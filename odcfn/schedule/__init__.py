@@ -7,7 +7,7 @@ from odcfn.schedule.balance import (
     local_sort,
     round_robin,
 )
-from odcfn.schedule.cost import QuadraticCost, TokenCost, calibrate, flops_cost
+from odcfn.schedule.cost import QuadraticCost, TokenCost, flops_cost
 from odcfn.schedule.lengths import DATASETS, aime_rl, longalign, swe_smith
 from odcfn.schedule.plan import (
     Action,
@@ -59,7 +59,6 @@ __all__ = [
     "WorkStealing",
     "Workload",
     "aime_rl",
-    "calibrate",
     "compile_plan",
     "compile_plans",
     "flops_cost",

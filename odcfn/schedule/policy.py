@@ -17,7 +17,17 @@ from odcfn.schedule.cost import DEFAULT_COST, CostModel
 from odcfn.schedule.plan import Comm, Piece, ScheduleOptions, compile_plan, owner_steps, stealing_pieces
 from odcfn.schedule.steal import StealPlan, TransportCounters, WorkStealing, rank_program, steal_plan
 
-__all__ = ["POLICIES", "Policy", "PolicyInfo", "policy_info", "prepare_program", "resolve_policy"]
+__all__ = [
+    "BASELINE",
+    "POLICIES",
+    "SCHEDULES",
+    "Policy",
+    "PolicyInfo",
+    "Schedule",
+    "policy_info",
+    "prepare_program",
+    "resolve_policy",
+]
 
 Policy = str | Balancer | WorkStealing
 
@@ -42,6 +52,22 @@ POLICIES: dict[str, PolicyInfo] = {
     ),
 }
 assert set(POLICIES) == set(BALANCERS) | {WORK_STEALING}, "a balancer is missing from POLICIES"
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """A way to run a minibatch that reports compare: a comm mode and a policy of POLICIES."""
+
+    name: str  # stable key in reports, e.g. "odc+lb-mini"
+    comm: Comm
+    balance: str
+
+    def __post_init__(self) -> None:
+        resolve_policy(self.balance, self.comm)  # unknown, or unable to serve this comm: refused
+
+
+def _schedules(*specs: tuple[str, Comm, str]) -> dict[str, Schedule]:
+    return {name: Schedule(name, comm, balance) for name, comm, balance in specs}
 
 
 def policy_info(policy: Policy) -> PolicyInfo | None:
@@ -123,3 +149,13 @@ def _stealing(
     shared = TransportCounters(fetch_add)
     actions = rank_program(sp, shared, rank, tolerance=policy.tolerance, overhead=lambda: policy.overhead)
     return stealing_pieces(units, actions, options)
+
+
+# What the demo, ``odcfn bench`` and ``odcfn simulate`` compare, by these names.
+SCHEDULES: dict[str, Schedule] = _schedules(
+    ("collective+lb-micro", "collective", "lb_micro"),  # what collective FSDP users run today
+    ("odc+lb-mini", "odc", "lb_mini"),
+    ("odc+work-stealing", "odc", WORK_STEALING),
+    ("odc+lb-micro", "odc", "lb_micro"),
+)
+BASELINE = "collective+lb-micro"

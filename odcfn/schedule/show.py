@@ -11,10 +11,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from odcfn.schedule.balance import BALANCERS, WORK_STEALING, get_balancer
+from odcfn.schedule.balance import WORK_STEALING, get_balancer
 from odcfn.schedule.cost import DEFAULT_COST, TokenCost
 from odcfn.schedule.lengths import DATASETS, get_dataset
 from odcfn.schedule.plan import ScheduleOptions
+from odcfn.schedule.policy import POLICIES, resolve_policy
 from odcfn.schedule.simulate import (
     A100_COMM,
     ZERO_COMM,
@@ -35,7 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dataset", choices=sorted(DATASETS), default="longalign")
     p.add_argument("--devices", type=int, default=4)
     p.add_argument("--samples-per-device", type=int, default=4)
-    p.add_argument("--balance", choices=sorted(BALANCERS) + [WORK_STEALING], default="lb_mini")
+    p.add_argument("--balance", choices=sorted(POLICIES), default="lb_mini")
     p.add_argument("--comm", choices=("odc", "collective"), default="odc", help="plan mode")
     p.add_argument("--network", choices=("zero", "a100"), default="zero", help="simulated comm costs")
     p.add_argument("--units", type=int, default=4, help="FSDP units of the simulated model")
@@ -50,8 +51,7 @@ def render(args: argparse.Namespace) -> str:
     """The report as text (``main`` prints it)."""
     if args.devices < 1 or args.samples_per_device < 1 or args.units < 1:
         raise ValueError("--devices, --samples-per-device and --units must be >= 1")
-    if args.balance == WORK_STEALING and args.comm != "odc":
-        raise ValueError("work stealing needs --comm odc")
+    resolve_policy(args.balance, args.comm)  # e.g. work stealing cannot serve --comm collective
     if args.straggler < 1.0:
         raise ValueError(f"--straggler must be >= 1.0, got {args.straggler}")
     ds = get_dataset(args.dataset)
