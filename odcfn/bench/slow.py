@@ -26,31 +26,25 @@ class _Clock:
         self.factor, self.inputs, self.seen, self.start = factor, inputs, 0, 0.0
 
 
-class _Out(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, y: torch.Tensor, clock: _Clock) -> torch.Tensor:
-        ctx.clock = clock
-        return y.view_as(y)
+class _Mark(torch.autograd.Function):
+    """Identity; in backward, the output's mark starts the unit's backward clock and the last
+    input's mark sleeps for the unit's slowness."""
 
     @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
-        ctx.clock.start, ctx.clock.seen = time.perf_counter(), 0
-        return g, None
-
-
-class _In(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, clock: _Clock) -> torch.Tensor:
-        ctx.clock = clock
+    def forward(ctx: Any, x: torch.Tensor, clock: _Clock, output: bool) -> torch.Tensor:
+        ctx.clock, ctx.output = clock, output
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         c = ctx.clock
-        c.seen += 1
-        if c.seen == c.inputs:
-            time.sleep((c.factor - 1.0) * (time.perf_counter() - c.start))
-        return g, None
+        if ctx.output:
+            c.start, c.seen = time.perf_counter(), 0
+        else:
+            c.seen += 1
+            if c.seen == c.inputs:
+                time.sleep((c.factor - 1.0) * (time.perf_counter() - c.start))
+        return g, None, None
 
 
 def _slow_fwd(unit: Unit, factor: float):  # noqa: ANN202 - a UnitFn
@@ -61,12 +55,12 @@ def _slow_fwd(unit: Unit, factor: float):  # noqa: ANN202 - a UnitFn
             wants = [p for p in tree_leaves(params) if p.requires_grad]
             has_x = isinstance(x, torch.Tensor) and x.requires_grad
             clock = _Clock(factor, len(wants) + has_x)
-            params = tree_map(lambda p: _In.apply(p, clock) if p.requires_grad else p, params)
+            params = tree_map(lambda p: _Mark.apply(p, clock, False) if p.requires_grad else p, params)
             if has_x:
-                x = _In.apply(x, clock)
+                x = _Mark.apply(x, clock, False)
         y = unit.fwd(params, x, mb)
         if track and isinstance(y, torch.Tensor) and y.requires_grad and clock.inputs:
-            y = _Out.apply(y, clock)
+            y = _Mark.apply(y, clock, True)
         time.sleep((factor - 1.0) * (time.perf_counter() - t0))
         return y
 
