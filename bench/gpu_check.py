@@ -351,7 +351,7 @@ def main() -> int:
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--world", type=int, nargs="*", default=[2, 4], help="CUDA-IPC process counts, in order")
     ap.add_argument("--json", default=None, help="write the results here (rewritten after each section)")
-    ap.add_argument("--budget", type=float, default=420.0, help="seconds; sections past it are skipped")
+    ap.add_argument("--budget", type=float, default=360.0, help="seconds; sections past it are skipped")
     args = ap.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         print(f"gpu_check: no CUDA GPU visible to torch {torch.__version__}: skipped (exit 0)")

@@ -43,7 +43,8 @@ class Ranks:
         self.q = ctx.Queue()
         self.world = world
         self.got: dict[str, dict[int, Any]] = {}
-        self.procs = [ctx.Process(target=target, args=(r, world, port, *args, self.q)) for r in range(world)]
+        args_of = [(r, world, port, *args, self.q) for r in range(world)]
+        self.procs = [ctx.Process(target=target, args=a, daemon=True) for a in args_of]
         for p in self.procs:
             p.start()
 
@@ -74,8 +75,9 @@ class Ranks:
         return self.got[phase]
 
     def close(self) -> None:
+        deadline = time.monotonic() + 10  # for the whole group: a hung W=4 costs 10 s, not 40
         for p in self.procs:
-            p.join(timeout=10)
+            p.join(timeout=max(0.1, deadline - time.monotonic()))
         for p in self.procs:
             if p.is_alive():
                 p.kill()
