@@ -84,13 +84,16 @@ class Ranks:
                 p.join(timeout=5)
 
 
-def _grads(params, batch, *, model, mesh, transport, comm):
-    """One gradient step through ``transport`` (the only call of odcfn's step API in this file)."""
+def _grads(params, batch, *, model, transport, comm):
+    """One gradient step through ``transport`` (the only call of odcfn's step API in this file).
+    Plain SGD: the checks read gradients, not updates; round-robin balance, a 24-token cap."""
     import odcfn
 
-    return odcfn.grad_step(
-        params, batch, model=model, mesh=mesh, transport=transport, comm=comm, max_tokens_per_microbatch=24
+    config = odcfn.StepConfig(comm=comm, balance="round_robin", max_tokens_per_microbatch=24)
+    state = odcfn.TrainState.create(
+        params=params, model=model, optimizer=odcfn.sgd(0.0), transport=transport, config=config
     )
+    return odcfn.grad_step(state, batch)
 
 
 def _rel_err(g: dict, ref: dict) -> float:
@@ -145,9 +148,7 @@ def ipc_rank_main(rank: int, world: int, port: int, dev_kind: str, backend: str,
             got = {}
             for comm in ("odc", "collective"):
                 t0 = time.perf_counter()
-                g, m = _grads(
-                    odcfn.shard(full, model, mesh), batch, model=model, mesh=mesh, transport=tr, comm=comm
-                )
+                g, m = _grads(full, batch, model=model, transport=tr, comm=comm)
                 ms = (time.perf_counter() - t0) * 1e3
                 got[comm] = g
                 rows[f"{mode}/{comm}"] = {
@@ -294,7 +295,7 @@ def _nvshmem_grads(mesh, store, coll) -> dict:
     tr = nvshmem_transport(mesh, store, coll, slot_elems=1024, host_grads=True)
     rows = {}
     for comm in ("odc", "collective"):
-        g, m = _grads(odcfn.shard(full, model, mesh), batch, model=model, mesh=mesh, transport=tr, comm=comm)
+        g, m = _grads(full, batch, model=model, transport=tr, comm=comm)
         rows[comm] = {"err_vs_reference": _rel_err(g, ref), "syncs": m.counters.syncs}
     tr.close()
     return rows
