@@ -39,10 +39,10 @@ SIGNAL_ADD = tl.constexpr(5)  # NVSHMEM_SIGNAL_ADD
 def device_bitcode(arch: int = 90) -> str:
     """Path of NVSHMEM's device bitcode for ``sm_{arch}`` from an nvidia-nvshmem wheel.
 
-    NVSHMEM >= 3.5 ships one file per architecture (``libnvshmem_device_sm_90.bc``); 3.4.x (what
-    torch 2.11 pins, as nvidia-nvshmem-cu13 3.4.5) ships a single ``libnvshmem_device.bc`` for all.
-    The per-architecture file wins where both exist. The cu12 and cu13 wheels both install into
-    ``nvidia/nvshmem``."""
+    nvidia-nvshmem 3.8.0 ships one file per architecture (``libnvshmem_device_sm_90.bc``); 3.4.5
+    (torch 2.11's pin, as nvidia-nvshmem-cu13) a single ``libnvshmem_device.bc`` for all, and it
+    is the one triton 3.6's LLVM can read. The per-architecture file wins where both exist. The
+    cu12 and cu13 wheels both install into ``nvidia/nvshmem``."""
     try:
         import nvidia.nvshmem as pkg  # type: ignore[import-not-found]
     except ImportError as e:
