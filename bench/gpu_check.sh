@@ -1,43 +1,72 @@
 #!/usr/bin/env bash
-# ONE command for a GPU machine (under 8 minutes): make sure torch(CUDA)+triton+odcfn import,
-# then run bench/gpu_check.py: Triton kernels vs torch references on the GPU, the CUDA-IPC
-# transport with W=2 and W=4 processes (sharing one GPU if that is all there is; nccl for the
-# collective path when there is a GPU per rank, else gloo), gradient parity with the
-# single-process reference and the collective path, NVSHMEM where >= 2 GPUs exist, and kernel
-# bandwidth against the device's own copy_ bandwidth. The summary table is printed last.
-# Without a GPU it says so and exits 0.
-#   usage: bench/gpu_check.sh [--world 2 4]        log: $OUT/gpu_check.log when OUT is set
+# ONE command for a GPU machine (well inside 8 minutes): put the carried wheels (bench/gpu_wheels.sh)
+# on PYTHONPATH without touching the image's torch/triton, then run bench/gpu_check.py: kernels
+# vs references, CUDA-IPC gradient parity at W=2 (processes sharing the one GPU if that is all
+# there is), its transport bandwidth, kernel bandwidth vs copy_, W=4, NVSHMEM. Writes
+# gpu_check.log and gpu_check.json under $OUT (else ./gpu-check-out). Without a GPU it says so
+# and exits 0.
+#   usage: bench/gpu_check.sh [--cpu] [gpu_check.py args, e.g. --world 2]
+#     --cpu   dry run on this CPU machine: TRITON_INTERPRET=1, --device cpu, no wheel install
+#   device: run(carry=[".gpu-wheels"], timeout_s=540, command="bench/gpu_check.sh")
 set -uo pipefail
 cd "$(dirname "$0")/.."
+REPO=$PWD
 PY=${PYTHON:-python3}
-[ -x .venv/bin/python ] && PY=.venv/bin/python
-
-if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L >/dev/null 2>&1; then
-  echo "gpu_check: no NVIDIA GPU here (nvidia-smi missing or lists none): skipped"
-  exit 0
+WHEELS=${GPU_WHEELS:-$REPO/.gpu-wheels}
+LOGDIR=${OUT:-$REPO/gpu-check-out}
+mkdir -p "$LOGDIR"
+LOG=$LOGDIR/gpu_check.log
+DRY=0
+if [ "${1:-}" = "--cpu" ]; then
+  DRY=1
+  shift
 fi
-nvidia-smi -L
 
-need() {
-  "$PY" - <<'PYEOF'
-import torch, triton  # noqa: F401
-import odcfn  # noqa: F401
-assert torch.cuda.is_available(), "torch sees no GPU (CPU build?)"
-PYEOF
-}
-if ! need 2>/dev/null; then
-  echo "gpu_check: installing odcfn[gpu] (needs a CUDA torch and network or a local wheelhouse)"
-  "$PY" -m pip install -q -e '.[gpu]' ${PIP_FIND_LINKS:+--find-links "$PIP_FIND_LINKS"} || true
-  if ! need; then
-    echo "gpu_check: FAILED: torch with CUDA, triton and odcfn must import (see above)"
-    exit 1
+main() {
+  if [ "$DRY" = 1 ]; then
+    export TRITON_INTERPRET=1 PYTHONPATH=$REPO${PYTHONPATH:+:$PYTHONPATH}
+    set -- --device cpu "$@"
+  else
+    if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L >/dev/null 2>&1; then
+      echo "gpu_check: no NVIDIA GPU here (nvidia-smi missing or lists none): skipped"
+      return 0
+    fi
+    nvidia-smi -L
+    unset TRITON_INTERPRET
+    SITE=${GPU_SITE:-/tmp/odcfn-gpu-site}
+    if compgen -G "$WHEELS/*.whl" >/dev/null; then
+      # --target + --no-deps: the wheels land in SITE alone; the image's packages stay as they are
+      "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target "$SITE" "$WHEELS"/*.whl || { echo "gpu_check: FAILED: installing $WHEELS"; return 1; }
+      if ! PYTHONPATH=$SITE "$PY" -c "from cuda.core import Buffer, Device, MemoryResource, ObjectCode, system" \
+        2>/dev/null && compgen -G "$WHEELS/fallback/*.whl" >/dev/null; then
+        echo "gpu_check: the image's cuda.core is too old for nvshmem4py: adding $WHEELS/fallback"
+        "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+          --target "$SITE" "$WHEELS"/fallback/*.whl || echo "gpu_check: fallback install failed (NVSHMEM will skip)"
+      fi
+    else
+      echo "gpu_check: no wheels in $WHEELS (bench/gpu_wheels.sh makes them; carry .gpu-wheels)"
+    fi
+    export PYTHONPATH=$SITE:$REPO${PYTHONPATH:+:$PYTHONPATH}
+    export TRITON_DEFAULT_FP_FUSION=1
   fi
-fi
+  export PYTHONUNBUFFERED=1
 
-export PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=1
-unset TRITON_INTERPRET
-LOG=${OUT:-/tmp}/gpu_check.log
-timeout 470 "$PY" bench/gpu_check.py "$@" 2>&1 | tee "$LOG"
-rc=${PIPESTATUS[0]}
-[ "$rc" = 124 ] && echo "gpu_check: FAILED: ran past 470 s"
-exit "$rc"
+  "$PY" - <<'PYEOF' || { echo "gpu_check: FAILED: torch, triton, optree and odcfn must import (see above)"; return 1; }
+import os, sys
+import optree, torch, triton
+import odcfn
+print(f"python {sys.version.split()[0]} {sys.executable}; torch {torch.__version__} (cuda {torch.version.cuda}); "
+      f"triton {triton.__version__}; optree {optree.__version__}; odcfn from {os.path.dirname(odcfn.__file__)}")
+PYEOF
+
+  # the script skips sections once its 360 s budget is spent; timeout is the backstop
+  timeout 420 "$PY" bench/gpu_check.py --budget 360 --json "$LOGDIR/gpu_check.json" "$@"
+  rc=$?
+  [ "$rc" = 124 ] && echo "gpu_check: FAILED: ran past 420 s (the JSON holds the sections finished before)"
+  echo "gpu_check: exit $rc; log $LOG, results $LOGDIR/gpu_check.json"
+  return "$rc"
+}
+
+main "$@" 2>&1 | tee "$LOG"  # everything, the install included, lands in the log
+exit "${PIPESTATUS[0]}"

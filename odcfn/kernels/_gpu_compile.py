@@ -24,8 +24,10 @@ class PtxStats:
     cubin_bytes: int
     v4_loads: int  # 128-bit global loads
     v4_stores: int
-    v4_reds: int  # 128-bit atomic reductions (red.global...v4)
-    sys_reds: int  # reductions at system scope (atomic w.r.t. other GPUs writing the same owner)
+    # 128-bit atomic adds: triton 3.9 writes red.global...v4, triton 3.6 atom.global...v4 with
+    # the results unused; ptxas makes both the same REDG...F32x4 (see sass_red_v4)
+    v4_reds: int
+    sys_reds: int  # atomics at system scope (atomic w.r.t. other GPUs writing the same owner)
     local_ops: int  # ld/st.local: register spills or stack arrays
     sass_local: int  # STL/LDL in the cubin's SASS: real register spills (-1: no cuobjdump)
     sass_v128: int  # LDG/STG .128 in the SASS: 128-bit accesses survived ptxas
@@ -61,8 +63,8 @@ def ptx_stats(name: str, ptx: str, cubin: bytes) -> PtxStats:
         cubin_bytes=len(cubin),
         v4_loads=len(re.findall(r"\bld\.global[\w.]*\.v4\.", ptx)),
         v4_stores=len(re.findall(r"\bst\.global[\w.]*\.v4\.", ptx)),
-        v4_reds=len(re.findall(r"\bred\.global[\w.]*\.v4\.", ptx)),
-        sys_reds=len(re.findall(r"\bred\.global\.sys\.", ptx)),
+        v4_reds=len(re.findall(r"\b(?:red|atom)\.global[\w.]*\.v4\.", ptx)),
+        sys_reds=len(re.findall(r"\b(?:red|atom)\.global\.sys\.", ptx)),
         local_ops=len(re.findall(r"\b(?:ld|st)\.local\b", ptx)),
         sass_local=-1 if sass is None else len(re.findall(r"\b(?:STL|LDL)\b", sass)),
         sass_v128=-1 if sass is None else len(re.findall(r"\b(?:LDG|STG)\.E[\w.]*\.128\b", sass)),

@@ -1,8 +1,8 @@
 """Triton kernels that call NVSHMEM device functions (used by ``odcfn.kernels.nvshmem``).
 
 Stock Triton has no NVSHMEM bindings, so the device API is reached through
-``core.extern_elementwise`` on the bitcode nvidia-nvshmem-cu12 ships
-(``nvidia/nvshmem/lib/libnvshmem_device_sm_XX.bc``); the compiler links it into the kernel.
+``core.extern_elementwise`` on the bitcode the nvidia-nvshmem wheels ship (``device_bitcode``);
+the compiler links it into the kernel.
 Pointers cross the boundary as int64 (symmetric addresses are plain device addresses), sizes as
 uint64, PEs as int32. Functions that return void in C are declared here as returning int32 and
 the result is discarded; NVSHMEM's ``*_block`` functions must be called by every thread of the
@@ -37,20 +37,27 @@ SIGNAL_ADD = tl.constexpr(5)  # NVSHMEM_SIGNAL_ADD
 
 @functools.cache
 def device_bitcode(arch: int = 90) -> str:
-    """Path of ``libnvshmem_device_sm_{arch}.bc`` from the nvidia-nvshmem-cu12 wheel."""
+    """Path of NVSHMEM's device bitcode for ``sm_{arch}`` from an nvidia-nvshmem wheel.
+
+    nvidia-nvshmem 3.8.0 ships one file per architecture (``libnvshmem_device_sm_90.bc``); 3.4.5
+    (torch 2.11's pin, as nvidia-nvshmem-cu13) a single ``libnvshmem_device.bc`` for all, and it
+    is the one triton 3.6's LLVM can read. The per-architecture file wins where both exist. The
+    cu12 and cu13 wheels both install into ``nvidia/nvshmem``."""
     try:
         import nvidia.nvshmem as pkg  # type: ignore[import-not-found]
     except ImportError as e:
         raise RuntimeError(
             "NVSHMEM device bitcode not found: install the 'gpu' extra (nvshmem4py-cu12 pulls "
-            "nvidia-nvshmem-cu12)"
+            "nvidia-nvshmem-cu12) or nvidia-nvshmem-cu13"
         ) from e
     roots = list(getattr(pkg, "__path__", []))
-    for root in roots:
-        path = os.path.join(root, "lib", f"libnvshmem_device_sm_{arch}.bc")
-        if os.path.exists(path):
-            return path
-    raise RuntimeError(f"libnvshmem_device_sm_{arch}.bc not found under {roots}")
+    names = (f"libnvshmem_device_sm_{arch}.bc", "libnvshmem_device.bc")
+    for name in names:
+        for root in roots:
+            path = os.path.join(root, "lib", name)
+            if os.path.exists(path):
+                return path
+    raise RuntimeError(f"none of {list(names)} found under {roots}")
 
 
 _LIB = "libnvshmem_device"

@@ -1,0 +1,127 @@
+"""bench/gpu_check.sh and bench/gpu_check.py on this CPU machine: the dry run passes and its JSON
+holds every section in the order of value; one failing or hanging section does not hide the
+next; the device branch installs carried wheels into a target dir only (a fake nvidia-smi and a
+hand-made wheel stand in for the GPU machine, whose torch then sees no GPU and skips)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+
+import gpu_check as G  # noqa: E402
+from gpu_check_ranks import PhaseError  # noqa: E402
+
+
+def test_sections_run_in_order_of_value():
+    names = G.section_names([2, 4])
+    assert names == [
+        "env", "kernels", "ipc_w2_grads", "ipc_w2_bandwidth", "kernel_bandwidth",
+        "ipc_w4_grads", "ipc_w4_bandwidth", "nvshmem_w1_kernels", "nvshmem_w2_transport",
+    ]  # fmt: skip
+
+
+def test_a_failing_section_does_not_hide_the_next(tmp_path):
+    path = tmp_path / "r.json"
+    rep = G.Report(str(path), ["a", "b", "c", "d", "e"], budget=1000)
+
+    def crash():
+        raise KeyError("boom")
+
+    def hang():
+        raise PhaseError("phase 'grads': ranks [1] gave no answer within 5 s")
+
+    rep.run("a", crash)
+    rep.run("b", hang)
+    rep.run("c", lambda: ("pass", "fine", {"x": 1}))
+    rep.budget = 0  # spent: later sections are skipped, and say why
+    rep.run("d", lambda: ("pass", "never", {}))
+    doc = json.loads(path.read_text())
+    s = doc["sections"]
+    assert list(s) == ["a", "b", "c", "d", "e"]
+    assert s["a"]["status"] == "error" and "KeyError: 'boom'" in s["a"]["error"]
+    assert s["b"]["status"] == "timeout" and "gave no answer" in s["b"]["error"]
+    assert s["c"]["status"] == "pass" and s["c"]["x"] == 1 and s["c"]["error"] is None
+    assert s["d"]["status"] == "skip" and "budget" in s["d"]["detail"]
+    assert s["e"]["status"] == "skip" and s["e"]["detail"] == "not reached"
+
+
+def _env() -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "PYTHONPATH")}
+    return env | {"PYTHON": sys.executable}
+
+
+def test_cpu_dry_run_passes_and_writes_every_section(tmp_path):
+    pytest.importorskip("triton")
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        ["bash", str(ROOT / "bench" / "gpu_check.sh"), "--cpu", "--world", "2"],
+        env=_env() | {"OUT": str(out)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    log = (out / "gpu_check.log").read_text()
+    assert "=== gpu_check summary" in log and "gpu_check: exit 0" in log
+    s = json.loads((out / "gpu_check.json").read_text())["sections"]
+    assert list(s) == G.section_names([2])
+    for name in ("env", "kernels", "ipc_w2_grads", "ipc_w2_bandwidth", "kernel_bandwidth"):
+        assert s[name]["status"] == "pass", (name, s[name])
+    for name in ("nvshmem_w1_kernels", "nvshmem_w2_transport"):
+        assert s[name]["status"] == "skip" and "needs CUDA" in s[name]["detail"]
+    grads = s["ipc_w2_grads"]
+    assert grads["worst_err"] < 1e-4 and grads["syncs"] == [1]
+    rows = grads["ranks"]["0"]
+    assert set(rows) == {
+        f"{m}/{c}" for m in ("remote_add", "landing") for c in ("odc", "collective", "odc_vs_collective")
+    }
+    assert set(s["ipc_w2_bandwidth"]["modes"]) == {"remote_add", "landing"}
+
+
+def _wheel(where: Path) -> Path:
+    """A minimal pure-Python wheel (one module), written by hand: no build backend needed."""
+    name = "odcfn_probe_pkg-1.0-py3-none-any.whl"
+    dist = "odcfn_probe_pkg-1.0.dist-info"
+    with zipfile.ZipFile(where / name, "w") as z:
+        z.writestr("odcfn_probe_pkg.py", "ANSWER = 42\n")
+        z.writestr(f"{dist}/METADATA", "Metadata-Version: 2.1\nName: odcfn-probe-pkg\nVersion: 1.0\n")
+        z.writestr(
+            f"{dist}/WHEEL", "Wheel-Version: 1.0\nGenerator: hand\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+        )
+        z.writestr(f"{dist}/RECORD", "")
+    return where / name
+
+
+def test_device_branch_installs_carried_wheels_into_a_target_dir(tmp_path):
+    pytest.importorskip("triton")
+    bin_dir, wheels, site, out = (tmp_path / d for d in ("bin", "wheels", "site", "out"))
+    for d in (bin_dir, wheels):
+        d.mkdir()
+    fake = bin_dir / "nvidia-smi"
+    fake.write_text("#!/bin/sh\necho 'GPU 0: NVIDIA H200 (fake, for the test)'\n")
+    fake.chmod(0o755)
+    _wheel(wheels)
+    env = _env() | {
+        "OUT": str(out),
+        "GPU_WHEELS": str(wheels),
+        "GPU_SITE": str(site),
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+    }
+    proc = subprocess.run(
+        ["bash", str(ROOT / "bench" / "gpu_check.sh")], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert (site / "odcfn_probe_pkg.py").exists()  # installed into the target dir, nowhere else
+    log = (out / "gpu_check.log").read_text()
+    assert "GPU 0: NVIDIA H200 (fake" in log
+    assert f"odcfn from {ROOT / 'odcfn'}" in log  # the checkout's odcfn, through PYTHONPATH
+    assert "no CUDA GPU visible to torch" in log  # this torch is a CPU build: the check skips
