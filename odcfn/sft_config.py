@@ -10,6 +10,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from odcfn.optim import DECAY_MASKS
+
 __all__ = [
     "EXAMPLE_TOML",
     "CheckpointSection",
@@ -55,6 +57,7 @@ class TrainSection:
     schedule: str = "constant"
     optimizer: str = "adamw"
     weight_decay: float = 0.0
+    weight_decay_mask: str = "no_norms_biases"  # a name in odcfn.optim.DECAY_MASKS
     max_grad_norm: float | None = None
     comm: str = "odc"
     balance: str = "round_robin"
@@ -98,6 +101,7 @@ class SFTConfig:
         for key, value, allowed in [
             ("train.schedule", t.schedule, ("constant", "cosine")),
             ("train.optimizer", t.optimizer, ("adamw", "sgd")),
+            ("train.weight_decay_mask", t.weight_decay_mask, tuple(DECAY_MASKS)),
             ("train.comm", t.comm, ("odc", "collective")),
             ("train.compute_dtype", t.compute_dtype, ("float32", "bfloat16")),
             ("train.backend", t.backend, ("threads", "processes")),

@@ -183,6 +183,10 @@ def test_cli_subprocess_end_to_end_bf16_collective(tmp_path):
         ),
         ({"data": {"path": "x"}, "train": {"steps": 1}, "optim": {}}, r"unknown top-level keys \['optim'\]"),
         ({"data": {"path": "x"}, "train": {"steps": 1, "world_size": 0}}, "world_size"),
+        (
+            {"data": {"path": "x"}, "train": {"steps": 1, "weight_decay_mask": "norms"}},
+            "train.weight_decay_mask must be one of",
+        ),
     ],
 )
 def test_bad_configs_are_rejected_by_name(doc, match):
