@@ -47,6 +47,8 @@ class DataSection:
     seed: int = 0
     shuffle: bool = True
     max_length: int | None = None
+    tokenizer: str | None = None  # a local tokenizer dir: path holds chat transcripts
+    cache_dir: str | None = None  # tokenized chat shards (default: beside the data file)
 
 
 @dataclass(frozen=True)
@@ -129,7 +131,13 @@ _SECTIONS = {
     "checkpoint": CheckpointSection,
     "log": LogSection,
 }
-_PATH_KEYS = {("model", "hf_path"), ("data", "path"), ("checkpoint", "export_hf")}
+_PATH_KEYS = {
+    ("model", "hf_path"),
+    ("data", "path"),
+    ("data", "tokenizer"),
+    ("data", "cache_dir"),
+    ("checkpoint", "export_hf"),
+}
 
 
 def config_from_dict(doc: dict[str, Any], *, base_dir: str | os.PathLike = ".") -> SFTConfig:
