@@ -1,7 +1,9 @@
-"""A Qwen2/Llama-style decoder over packed variable-length sequences, as pure unit functions.
+"""A Qwen2/Qwen3/Llama-style decoder over packed variable-length sequences, as pure unit functions.
 
 Units: ``embed`` (token embedding), ``layers.{i}`` (RMSNorm -> GQA attention with RoPE ->
 RMSNorm -> SwiGLU, both residual) and ``head`` (final RMSNorm, LM head, summed cross-entropy).
+Qwen3's per-head q/k RMSNorm, Llama's o_proj bias and RoPE scalings (``models.rope``) are
+config switches; see docs/models.md.
 Parameter names follow Hugging Face's Qwen2 layout below the unit name, so that
 ``{unit}.{path}`` is also the parameter name of the ``nn.Module`` mirror ``QwenModule``.
 Attention runs per sample (causal inside it, never across samples), so its cost is
