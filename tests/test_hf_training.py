@@ -54,16 +54,15 @@ def _odcfn(path, batches) -> tuple[dict, list[float]]:
 
     def rank(r: int, transport) -> tuple[dict, list[float]]:
         cfg, shards = shard_from_hf(path, transport.mesh)
-        model = qwen_model(cfg)
-        state = optimizer.init(shards)
+        config = odcfn.StepConfig(comm="odc", balance="lb_mini", max_tokens_per_microbatch=30)
+        state = odcfn.TrainState.create(
+            params=shards, model=qwen_model(cfg), optimizer=optimizer, transport=transport, config=config
+        )
         losses = []
         for batch in batches:
-            shards, state, m = odcfn.train_step(
-                shards, batch, opt_state=state, model=model, optimizer=optimizer, mesh=transport.mesh,
-                transport=transport, comm="odc", balance="lb_mini", max_tokens_per_microbatch=30,
-            )  # fmt: skip
+            state, m = odcfn.train_step(state, batch)
             losses.append(m.loss)
-        return shards, losses
+        return state.params, losses
 
     out = odcfn.run_local(rank, W)
     cfg = from_hf(path)[0]
