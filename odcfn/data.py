@@ -12,6 +12,8 @@ token after the first is a target.
 Minibatches are a pure function of ``(dataset, step)``: epoch ``step // steps_per_epoch`` is a
 permutation seeded by ``(seed, epoch)``. Resuming at step ``k`` therefore needs nothing but
 ``k``, and every rank computes the same minibatch (and so the same balance) without talking.
+
+Chat transcripts (``{"messages": [...]}``) with a tokenizer: ``odcfn.chat_data``.
 """
 
 from __future__ import annotations
@@ -134,10 +136,24 @@ def read_parquet(
 
 
 def read_dataset(
-    path: str | os.PathLike, *, vocab_size: int | None = None, max_length: int | None = None
+    path: str | os.PathLike,
+    *,
+    vocab_size: int | None = None,
+    max_length: int | None = None,
+    tokenizer: str | os.PathLike | None = None,
+    cache_dir: str | os.PathLike | None = None,
 ) -> TokenDataset:
-    """``.jsonl``/``.json`` or ``.parquet``, by suffix."""
+    """``.jsonl``/``.json`` or ``.parquet``, by suffix. With ``tokenizer`` (a local tokenizer
+    directory) the JSONL holds chat transcripts instead (``odcfn.chat_data``)."""
     suffix = Path(path).suffix.lower()
+    if tokenizer is not None:
+        if suffix not in (".jsonl", ".json"):
+            raise ValueError(f"{path}: chat data (a tokenizer is given) must be .jsonl, got {suffix!r}")
+        from odcfn.chat_data import read_chat_jsonl
+
+        return read_chat_jsonl(
+            path, tokenizer, vocab_size=vocab_size, max_length=max_length, cache_dir=cache_dir
+        )
     if suffix in (".jsonl", ".json"):
         return read_jsonl(path, vocab_size=vocab_size, max_length=max_length)
     if suffix in (".parquet", ".pq"):

@@ -2,21 +2,50 @@
 
 Each rank updates only the shards it owns. The update matches ``torch.optim.AdamW``/``SGD``
 term for term, so torch FSDP2 with those optimizers is a valid reference.
+
+Weight decay can skip leaves (``weight_decay_mask``): a predicate on leaf names
+(``"layers.0.self_attn.q_proj.bias"``; True = decayed) or a named default from ``DECAY_MASKS``.
+The optimizer sees only flat shards, so a masked one is bound to the flat layout
+(``optimizer.for_layout(layout)``, which ``train_step`` does): the mask becomes ranges of this
+rank's shard, and the update leaves those ranges undecayed.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-__all__ = ["Optimizer", "adamw", "clip_scale", "sgd"]
+if TYPE_CHECKING:
+    from odcfn.sharding.layout import Layout
+
+__all__ = ["DECAY_MASKS", "Optimizer", "adamw", "clip_scale", "decay_ranges", "sgd"]
 
 Shards = Mapping[str, torch.Tensor]
 LR = float | Callable[[int], float]
+DecayMask = Callable[[str], bool] | str | None
+
+# Hugging Face Trainer's rule: no decay on biases and on norm weights (LayerNorm/RMSNorm, q/k norms)
+_NO_DECAY = re.compile(r"bias|layernorm|rmsnorm|(?:^|\.)norm(?:$|\.)|_norm(?:$|\.)")
+
+
+def _no_norms_biases(name: str) -> bool:
+    return _NO_DECAY.search(name.lower()) is None
+
+
+def _no_norms_biases_embeddings(name: str) -> bool:
+    return _no_norms_biases(name) and "embed_tokens" not in name
+
+
+DECAY_MASKS: dict[str, Callable[[str], bool]] = {
+    "all": lambda name: True,
+    "no_norms_biases": _no_norms_biases,
+    "no_norms_biases_embeddings": _no_norms_biases_embeddings,
+}
 
 
 @dataclass(frozen=True)
@@ -24,6 +53,79 @@ class Optimizer:
     init: Callable[[Shards], dict[str, Any]]
     update: Callable[..., tuple[dict[str, torch.Tensor], dict[str, Any]]]
     name: str = ""
+    bind: Callable[[Layout], Optimizer] | None = None  # set when the update needs the layout
+
+    def for_layout(self, layout: Layout) -> Optimizer:
+        """This optimizer for shards of ``layout`` (itself unless it has a decay mask)."""
+        return self if self.bind is None else self.bind(layout)
+
+
+def _mask_fn(mask: DecayMask) -> Callable[[str], bool] | None:
+    if mask is None:
+        return None
+    if isinstance(mask, str):
+        if mask not in DECAY_MASKS:
+            raise ValueError(f"weight_decay_mask={mask!r} is not a named mask; known: {sorted(DECAY_MASKS)}")
+        return DECAY_MASKS[mask]
+    if not callable(mask):
+        raise TypeError(
+            f"weight_decay_mask must be a predicate on leaf names or a name in {sorted(DECAY_MASKS)}, "
+            f"got {type(mask).__name__}"
+        )
+    return mask
+
+
+def decay_ranges(layout: Layout, decayed: Callable[[str], bool]) -> dict[str, tuple[tuple[int, int], ...]]:
+    """Per unit, the ``[a, b)`` ranges of THIS rank's shard holding leaves that are NOT decayed.
+
+    A leaf ``unit.path`` spans ``[off, off + numel)`` of the unit's flat padded vector; the rank's
+    shard is ``shard_range(shard_index)`` of it, so the ranges are the overlaps, shifted to the
+    shard's own coordinates. Padding belongs to no leaf: it is zero and stays zero either way.
+    """
+    out = {}
+    for u in layout.units:
+        lo, hi = u.shard_range(layout.mesh.shard_index)
+        keep, off = [], 0
+        for path, n in zip(u.paths, u.numels):
+            name = f"{u.name}.{path}"
+            flag = decayed(name)
+            if not isinstance(flag, bool):
+                raise TypeError(f"weight_decay_mask({name!r}) returned {flag!r}, expected a bool")
+            a, b = max(lo, off), min(hi, off + n)
+            if not flag and a < b:
+                if keep and keep[-1][1] == a - lo:  # adjacent undecayed leaves: one range
+                    keep[-1] = (keep[-1][0], b - lo)
+                else:
+                    keep.append((a - lo, b - lo))
+            off += n
+        out[u.name] = tuple(keep)
+    return out
+
+
+def _decayed(p: torch.Tensor, factor: float, keep: tuple[tuple[int, int], ...]) -> torch.Tensor:
+    """``p * factor`` except on the ``keep`` ranges, which stay ``p`` (bit for bit)."""
+    q = p * factor
+    for a, b in keep:
+        q[a:b] = p[a:b]
+    return q
+
+
+def _masked(make: Callable[..., Optimizer], mask: DecayMask, weight_decay: float) -> Optimizer:
+    """``make(keep=None)`` when nothing is masked, else an optimizer that must be bound first."""
+    fn = _mask_fn(mask)
+    if fn is None or not weight_decay:
+        return make(keep=None)
+
+    def bind(layout: Layout) -> Optimizer:
+        return replace(make(keep=decay_ranges(layout, fn)), bind=bind)
+
+    def unbound(*args, **kwargs):
+        raise ValueError(
+            "this optimizer has a weight_decay_mask, which needs the flat layout: use "
+            "optimizer.for_layout(make_layout(model, mesh)) (train_step does this for you)"
+        )
+
+    return replace(make(keep=None), update=unbound, bind=bind)
 
 
 def _lr(lr: LR, step: int) -> float:
@@ -39,54 +141,76 @@ def clip_scale(grad_norm: float, max_norm: float | None) -> float:
     return min(1.0, max_norm / (grad_norm + 1e-6))
 
 
-def sgd(lr: LR, *, momentum: float = 0.0, weight_decay: float = 0.0) -> Optimizer:
-    def init(params: Shards) -> dict[str, Any]:
-        state: dict[str, Any] = {"count": 0}
-        if momentum:
-            state["mu"] = {k: torch.zeros_like(v) for k, v in params.items()}
-        return state
+def sgd(
+    lr: LR, *, momentum: float = 0.0, weight_decay: float = 0.0, weight_decay_mask: DecayMask = None
+) -> Optimizer:
+    """SGD as ``torch.optim.SGD`` (decay added to the gradient, then momentum)."""
 
-    def update(grads: Shards, state: dict, params: Shards, *, grad_scale: float = 1.0):
-        step = state["count"] + 1
-        rate = _lr(lr, step)
-        new_p, new_mu = {}, {}
-        for k, p in params.items():
-            g = grads[k].to(p.dtype) * grad_scale
-            if weight_decay:
-                g = g + weight_decay * p
+    def make(keep):
+        def init(params: Shards) -> dict[str, Any]:
+            state: dict[str, Any] = {"count": 0}
             if momentum:
-                mu = g if step == 1 else momentum * state["mu"][k] + g
-                new_mu[k], g = mu, mu
-            new_p[k] = p - rate * g
-        new_state: dict[str, Any] = {"count": step}
-        if momentum:
-            new_state["mu"] = new_mu
-        return new_p, new_state
+                state["mu"] = {k: torch.zeros_like(v) for k, v in params.items()}
+            return state
 
-    return Optimizer(init, update, "sgd")
+        def update(grads: Shards, state: dict, params: Shards, *, grad_scale: float = 1.0):
+            step = state["count"] + 1
+            rate = _lr(lr, step)
+            new_p, new_mu = {}, {}
+            for k, p in params.items():
+                g = grads[k].to(p.dtype) * grad_scale
+                if weight_decay:
+                    wd_p = weight_decay * p
+                    for a, b in (keep or {}).get(k, ()):
+                        wd_p[a:b] = 0
+                    g = g + wd_p
+                if momentum:
+                    mu = g if step == 1 else momentum * state["mu"][k] + g
+                    new_mu[k], g = mu, mu
+                new_p[k] = p - rate * g
+            new_state: dict[str, Any] = {"count": step}
+            if momentum:
+                new_state["mu"] = new_mu
+            return new_p, new_state
+
+        return Optimizer(init, update, "sgd")
+
+    return _masked(make, weight_decay_mask, weight_decay)
 
 
 def adamw(
-    lr: LR, *, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, weight_decay: float = 0.01
+    lr: LR,
+    *,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 0.01,
+    weight_decay_mask: DecayMask = None,
 ) -> Optimizer:
-    def init(params: Shards) -> dict[str, Any]:
-        return {
-            "count": 0,
-            "mu": {k: torch.zeros_like(v) for k, v in params.items()},
-            "nu": {k: torch.zeros_like(v) for k, v in params.items()},
-        }
+    """AdamW as ``torch.optim.AdamW``; ``weight_decay_mask`` as a per-leaf ``weight_decay=0`` group."""
 
-    def update(grads: Shards, state: dict, params: Shards, *, grad_scale: float = 1.0):
-        step = state["count"] + 1
-        rate = _lr(lr, step)
-        bc1, bc2 = 1 - b1**step, 1 - b2**step
-        new_p, mu, nu = {}, {}, {}
-        for k, p in params.items():
-            g = grads[k].to(p.dtype) * grad_scale
-            mu[k] = torch.lerp(state["mu"][k], g, 1 - b1)
-            nu[k] = state["nu"][k] * b2 + (1 - b2) * g * g
-            denom = (nu[k].sqrt() / math.sqrt(bc2)).add_(eps)
-            new_p[k] = p * (1 - rate * weight_decay) - (rate / bc1) * mu[k] / denom
-        return new_p, {"count": step, "mu": mu, "nu": nu}
+    def make(keep):
+        def init(params: Shards) -> dict[str, Any]:
+            return {
+                "count": 0,
+                "mu": {k: torch.zeros_like(v) for k, v in params.items()},
+                "nu": {k: torch.zeros_like(v) for k, v in params.items()},
+            }
 
-    return Optimizer(init, update, "adamw")
+        def update(grads: Shards, state: dict, params: Shards, *, grad_scale: float = 1.0):
+            step = state["count"] + 1
+            rate = _lr(lr, step)
+            bc1, bc2 = 1 - b1**step, 1 - b2**step
+            new_p, mu, nu = {}, {}, {}
+            for k, p in params.items():
+                g = grads[k].to(p.dtype) * grad_scale
+                mu[k] = torch.lerp(state["mu"][k], g, 1 - b1)
+                nu[k] = state["nu"][k] * b2 + (1 - b2) * g * g
+                denom = (nu[k].sqrt() / math.sqrt(bc2)).add_(eps)
+                decayed = _decayed(p, 1 - rate * weight_decay, (keep or {}).get(k, ()))
+                new_p[k] = decayed - (rate / bc1) * mu[k] / denom
+            return new_p, {"count": step, "mu": mu, "nu": nu}
+
+        return Optimizer(init, update, "adamw")
+
+    return _masked(make, weight_decay_mask, weight_decay)

@@ -16,9 +16,12 @@ Config (TOML or JSON), every key optional except ``data.path`` and ``train.steps
     vocab_size = 256, d_model = 64, n_layers = 2, n_heads = 4, n_kv_heads = 2, d_ff = 128, seed = 0
     [data]
     path = "train.jsonl", batch_size = 8, seed = 0, shuffle = true, max_length = 4096
+    tokenizer = "path/to/tokenizer"       # optional: path holds {"messages": [...]} chat lines
+    cache_dir = "path"                    # tokenized chat shards (default: <path>.odcfn-cache)
     [train]
     steps = 100, lr = 1e-3, warmup_steps = 0, schedule = "constant" | "cosine",
     optimizer = "adamw" | "sgd", weight_decay = 0.0, max_grad_norm = 1.0,
+    weight_decay_mask = "no_norms_biases" | "no_norms_biases_embeddings" | "all",
     comm = "odc" | "collective", balance = "round_robin", max_tokens_per_microbatch = 4096,
     compute_dtype = "float32" | "bfloat16", world_size = 2, backend = "threads" | "processes"
     [checkpoint]
@@ -182,14 +185,18 @@ def train_rank(cfg: SFTConfig, rank: int, transport) -> dict[str, Any]:
         raise ValueError(f"transport serves {mesh}, but the config asks for rank {rank} of {t.world_size}")
     ck = latest(cfg.checkpoint_dir) if cfg.checkpoint.resume else None
     qcfg, model, initial = _build_model(cfg, None if ck is not None else mesh)
-    data = read_dataset(cfg.data.path, vocab_size=qcfg.vocab_size, max_length=cfg.data.max_length)
+    d = cfg.data
+    data = read_dataset(
+        d.path,
+        vocab_size=qcfg.vocab_size,
+        max_length=d.max_length,
+        tokenizer=d.tokenizer,
+        cache_dir=d.cache_dir,
+    )
     per_epoch = steps_per_epoch(data, cfg.data.batch_size)
     lr = _lr_fn(t)
-    optimizer = (
-        odcfn.adamw(lr, weight_decay=t.weight_decay)
-        if t.optimizer == "adamw"
-        else odcfn.sgd(lr, weight_decay=t.weight_decay)
-    )
+    make_opt = odcfn.adamw if t.optimizer == "adamw" else odcfn.sgd
+    optimizer = make_opt(lr, weight_decay=t.weight_decay, weight_decay_mask=t.weight_decay_mask)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[t.compute_dtype]
     step_config = odcfn.StepConfig(
         comm=t.comm, balance=t.balance, max_tokens_per_microbatch=t.max_tokens_per_microbatch,

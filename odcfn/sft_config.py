@@ -10,6 +10,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from odcfn.optim import DECAY_MASKS
+
 __all__ = [
     "EXAMPLE_TOML",
     "CheckpointSection",
@@ -45,6 +47,8 @@ class DataSection:
     seed: int = 0
     shuffle: bool = True
     max_length: int | None = None
+    tokenizer: str | None = None  # a local tokenizer dir: path holds chat transcripts
+    cache_dir: str | None = None  # tokenized chat shards (default: beside the data file)
 
 
 @dataclass(frozen=True)
@@ -55,6 +59,7 @@ class TrainSection:
     schedule: str = "constant"
     optimizer: str = "adamw"
     weight_decay: float = 0.0
+    weight_decay_mask: str = "no_norms_biases"  # a name in odcfn.optim.DECAY_MASKS
     max_grad_norm: float | None = None
     comm: str = "odc"
     balance: str = "round_robin"
@@ -98,6 +103,7 @@ class SFTConfig:
         for key, value, allowed in [
             ("train.schedule", t.schedule, ("constant", "cosine")),
             ("train.optimizer", t.optimizer, ("adamw", "sgd")),
+            ("train.weight_decay_mask", t.weight_decay_mask, tuple(DECAY_MASKS)),
             ("train.comm", t.comm, ("odc", "collective")),
             ("train.compute_dtype", t.compute_dtype, ("float32", "bfloat16")),
             ("train.backend", t.backend, ("threads", "processes")),
@@ -125,7 +131,13 @@ _SECTIONS = {
     "checkpoint": CheckpointSection,
     "log": LogSection,
 }
-_PATH_KEYS = {("model", "hf_path"), ("data", "path"), ("checkpoint", "export_hf")}
+_PATH_KEYS = {
+    ("model", "hf_path"),
+    ("data", "path"),
+    ("data", "tokenizer"),
+    ("data", "cache_dir"),
+    ("checkpoint", "export_hf"),
+}
 
 
 def config_from_dict(doc: dict[str, Any], *, base_dir: str | os.PathLike = ".") -> SFTConfig:

@@ -84,5 +84,6 @@ def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, StepMetrics
     """One optimizer step on one minibatch: ``(new state, metrics)``."""
     grads, metrics = _grads(state, batch)
     scale = clip_scale(metrics.grad_norm, state.config.max_grad_norm)
-    params, opt_state = state.optimizer.update(grads, state.opt_state, state.params, grad_scale=scale)
+    optimizer = state.optimizer.for_layout(make_layout(state.model, state.mesh))  # a decay mask needs it
+    params, opt_state = optimizer.update(grads, state.opt_state, state.params, grad_scale=scale)
     return state.replace(params=params, opt_state=opt_state, step=state.step + 1), metrics

@@ -9,9 +9,8 @@ import torch
 from safetensors.torch import save_file
 
 import odcfn
-from odcfn.models import QwenConfig, init_params, qwen_model
+from odcfn.models import QwenConfig, from_hf, init_params, qwen_model, to_hf
 from odcfn.models.hf import config_from_hf, hf_name, shard_from_hf
-from odcfn.models.qwen import from_hf, to_hf
 
 CFG = QwenConfig(vocab_size=53, d_model=16, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=24, rope_theta=5000.0)
 
@@ -130,11 +129,22 @@ def test_names_follow_hf_layout_written_by_hand(tmp_path):
     ("over", "match"),
     [
         ({"model_type": "gpt2"}, "model_type"),
-        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type='yarn'"),
-        ({"rope_parameters": {"rope_type": "linear", "factor": 2.0}}, "rope_type='linear'"),
+        ({"model_type": "qwen3_moe"}, "mixture of experts"),
+        ({"num_experts": 8}, "num_experts=8: mixture of experts"),
+        ({"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}, "rope_type='dynamic'"),
+        ({"rope_parameters": {"rope_type": "longrope", "factor": 2.0}}, "rope_type='longrope'"),
+        ({"rope_scaling": {"type": "default", "mrope_section": [2, 1, 1]}}, "mrope"),
+        ({"rope_parameters": {"rope_type": "linear"}}, "lacks 'factor'"),
+        ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0}}, "low_freq_factor"),
+        ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+        ({"use_sliding_window": True}, "use_sliding_window=True: sliding-window"),
         ({"layer_types": ["full_attention", "sliding_attention"]}, "layer_types"),
         ({"hidden_act": "gelu"}, "hidden_act"),
-        ({"head_dim": 8}, "head_dim"),
+        ({"mlp_bias": True}, "mlp_bias"),
+        ({"attention_dropout": 0.1}, "attention_dropout"),
+        ({"final_logit_softcapping": 30.0}, "final_logit_softcapping"),
+        ({"quantization_config": {"quant_method": "gptq"}}, "quantization_config"),
+        ({"head_dim": 7}, "head_dim=7 must be even"),
         ({"hidden_size": None}, "hidden_size"),
     ],
 )

@@ -142,7 +142,7 @@ def test_export_hf_and_json_config(tmp_path):
     (tmp_path / "run.json").write_text(json.dumps(doc))
     assert load_config(tmp_path / "run.json") == load_config(toml_cfg)
     assert cli.main(["train", "--config", str(tmp_path / "run.json"), "--quiet"]) == 0
-    from odcfn.models.qwen import from_hf
+    from odcfn.models import from_hf
 
     qcfg, params = from_hf(tmp_path / "hf-out")
     assert qcfg == QCFG
@@ -183,6 +183,10 @@ def test_cli_subprocess_end_to_end_bf16_collective(tmp_path):
         ),
         ({"data": {"path": "x"}, "train": {"steps": 1}, "optim": {}}, r"unknown top-level keys \['optim'\]"),
         ({"data": {"path": "x"}, "train": {"steps": 1, "world_size": 0}}, "world_size"),
+        (
+            {"data": {"path": "x"}, "train": {"steps": 1, "weight_decay_mask": "norms"}},
+            "train.weight_decay_mask must be one of",
+        ),
     ],
 )
 def test_bad_configs_are_rejected_by_name(doc, match):
@@ -205,7 +209,7 @@ def test_processes_backend(tmp_path):
     assert cli.main(["train", "--config", str(cfg), "--quiet"]) == 0
     assert [r["step"] for r in _metrics(tmp_path)] == [1, 2]
     # the final weights came back from both processes and were exported
-    from odcfn.models.qwen import from_hf
+    from odcfn.models import from_hf
 
     model = qwen_model(QCFG)
     ck = tmp_path / "out" / "checkpoints" / "step-00000002"
@@ -239,8 +243,7 @@ def test_finetune_from_a_local_hf_checkpoint(tmp_path):
     """model.hf_path: each rank reads its shards of the HF weights; step 1's loss is the
     single-process loss of those weights on step 0's minibatch."""
     from odcfn.data import batch_at, read_jsonl
-    from odcfn.models import init_params
-    from odcfn.models.qwen import from_hf, to_hf
+    from odcfn.models import from_hf, init_params, to_hf
 
     params = odcfn.tree_map(lambda t: t + 0.01 * torch.randn(t.shape), init_params(QCFG, seed=5))
     to_hf(tmp_path / "base", params, QCFG, max_shard_bytes=5000)

@@ -1,4 +1,16 @@
-from odcfn.models.hf import from_hf, shard_from_hf, to_hf
+from odcfn.models.hf import config_from_hf, config_to_hf, from_hf, shard_from_hf, to_hf
 from odcfn.models.qwen import QwenConfig, QwenModule, init_params, qwen_model
+from odcfn.models.rope import RopeScaling
 
-__all__ = ["QwenConfig", "QwenModule", "from_hf", "init_params", "qwen_model", "shard_from_hf", "to_hf"]
+__all__ = [
+    "QwenConfig",
+    "QwenModule",
+    "RopeScaling",
+    "config_from_hf",
+    "config_to_hf",
+    "from_hf",
+    "init_params",
+    "qwen_model",
+    "shard_from_hf",
+    "to_hf",
+]

@@ -1,4 +1,4 @@
-"""Local Hugging Face Qwen2/Llama checkpoints <-> the params pytree of ``qwen_model``.
+"""Local Hugging Face Qwen2/2.5, Qwen3 and Llama 3.x checkpoints <-> the params pytree of ``qwen_model``.
 
 A checkpoint directory holds ``config.json`` and either ``model.safetensors`` or several
 ``*.safetensors`` files listed by ``model.safetensors.index.json``. Nothing is downloaded.
@@ -6,9 +6,10 @@ A checkpoint directory holds ``config.json`` and either ``model.safetensors`` or
 Name mapping (HF -> odcfn): ``model.embed_tokens.*`` -> ``embed.embed_tokens.*``,
 ``model.layers.{i}.*`` -> ``layers.{i}.*`` (same names below), ``model.norm.*`` -> ``head.norm.*``,
 ``lm_head.*`` -> ``head.lm_head.*``. Both use the rotate-half RoPE layout, so q/k weights need no
-permutation. Tied embeddings (``tie_word_embeddings``) are untied on load: ``lm_head`` starts
-as a copy of the embedding and the two train separately; ``to_hf`` therefore writes
-``lm_head.weight`` and ``tie_word_embeddings: false``.
+permutation. ``config.json`` is translated by ``odcfn.models.hf_config``. Tied embeddings
+(``tie_word_embeddings``) are untied on load: ``lm_head`` starts as a copy of the embedding
+and the two train separately; ``to_hf`` therefore writes ``lm_head.weight`` and
+``tie_word_embeddings: false``.
 """
 
 from __future__ import annotations
@@ -23,88 +24,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from odcfn.models.hf_config import config_from_hf, config_to_hf
 from odcfn.models.qwen import QwenConfig, qwen_model, unit_shapes
 from odcfn.sharding import Mesh, make_layout
 from odcfn.tree import tree_flatten_with_path, tree_unflatten
 
 __all__ = ["config_from_hf", "config_to_hf", "from_hf", "hf_name", "shard_from_hf", "to_hf"]
-
-_ARCH = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
-
-
-def config_from_hf(hf: dict[str, Any]) -> QwenConfig:
-    """A ``QwenConfig`` from a Hugging Face ``config.json`` dict (Qwen2 or Llama)."""
-    kind = hf.get("model_type")
-    if kind not in _ARCH:
-        raise ValueError(f"config.json model_type={kind!r} is not supported; expected one of {sorted(_ARCH)}")
-    theta = _rope_theta(hf)
-    layer_types = set(hf.get("layer_types") or ["full_attention"])
-    if layer_types != {"full_attention"}:
-        raise ValueError(
-            f"config.json layer_types={sorted(layer_types)} is not supported (full attention only)"
-        )
-    if hf.get("mlp_bias"):
-        raise ValueError("config.json mlp_bias=true is not supported")
-    if hf.get("use_sliding_window"):
-        raise ValueError("config.json use_sliding_window=true is not supported")
-    act = hf.get("hidden_act", "silu")
-    if act != "silu":
-        raise ValueError(f"config.json hidden_act={act!r} is not supported (SwiGLU with silu only)")
-    try:
-        d, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
-        cfg = QwenConfig(
-            vocab_size=int(hf["vocab_size"]),
-            d_model=d,
-            n_layers=int(hf["num_hidden_layers"]),
-            n_heads=heads,
-            n_kv_heads=int(hf.get("num_key_value_heads") or heads),
-            d_ff=int(hf["intermediate_size"]),
-            rope_theta=theta,
-            rms_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            qkv_bias=True if kind == "qwen2" else bool(hf.get("attention_bias", False)),
-        )
-    except KeyError as e:
-        raise ValueError(f"config.json lacks {e.args[0]!r}") from None
-    head_dim = hf.get("head_dim")
-    if head_dim is not None and int(head_dim) != cfg.head_dim:
-        raise ValueError(
-            f"config.json head_dim={head_dim} != hidden_size / num_attention_heads = {cfg.head_dim}"
-        )
-    return cfg
-
-
-def _rope_theta(hf: dict[str, Any]) -> float:
-    """Plain RoPE's base, from ``rope_parameters`` (transformers >= 5) or ``rope_theta``."""
-    for key in ("rope_parameters", "rope_scaling"):
-        rp = hf.get(key) or {}
-        kind = rp.get("rope_type", rp.get("type", "default"))
-        if kind != "default":
-            raise ValueError(f"config.json {key} has rope_type={kind!r}; only plain RoPE is supported")
-    rp = hf.get("rope_parameters") or {}
-    return float(rp.get("rope_theta", hf.get("rope_theta", 10000.0)))
-
-
-def config_to_hf(cfg: QwenConfig, *, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
-    """The ``config.json`` dict for ``cfg``: Qwen2 if it has q/k/v biases, else Llama."""
-    kind = "qwen2" if cfg.qkv_bias else "llama"
-    return {
-        "architectures": [_ARCH[kind]],
-        "model_type": kind,
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.d_model,
-        "num_hidden_layers": cfg.n_layers,
-        "num_attention_heads": cfg.n_heads,
-        "num_key_value_heads": cfg.n_kv_heads,
-        "intermediate_size": cfg.d_ff,
-        "head_dim": cfg.head_dim,
-        "rope_theta": cfg.rope_theta,  # read by transformers < 5
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-        "rms_norm_eps": cfg.rms_eps,
-        "hidden_act": "silu",
-        "attention_bias": cfg.qkv_bias,
-        "tie_word_embeddings": False,
-        "torch_dtype": str(dtype).removeprefix("torch."),
-    }
 
 
 def hf_name(unit: str, path: str) -> str:
@@ -122,8 +47,16 @@ def _read_tensors(root: Path) -> dict[str, Any]:
     """HF tensor name -> an open safetensors handle that holds it."""
     index = root / "model.safetensors.index.json"
     if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError):
+            raise ValueError(f"{index}: not a safetensors index (a JSON object with 'weight_map')") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise ValueError(f"{index}: 'weight_map' must map tensor names to file names")
         files = sorted(set(weight_map.values()))
+        absent = [n for n in files if not (root / n).is_file()]
+        if absent:
+            raise FileNotFoundError(f"{index} lists {absent[0]!r}, which is not in {root}")
     elif (root / "model.safetensors").exists():
         weight_map, files = None, ["model.safetensors"]
     else:
@@ -134,6 +67,10 @@ def _read_tensors(root: Path) -> dict[str, Any]:
         for key in f.keys():
             if weight_map is None or weight_map.get(key) == name:
                 where[key] = f
+    if weight_map is not None:
+        lost = sorted(k for k, n in weight_map.items() if k not in where)
+        if lost:
+            raise ValueError(f"{index}: {lost[0]!r} is mapped to {weight_map[lost[0]]!r}, which lacks it")
     return where
 
 

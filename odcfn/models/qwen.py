@@ -1,7 +1,9 @@
-"""A Qwen2/Llama-style decoder over packed variable-length sequences, as pure unit functions.
+"""A Qwen2/Qwen3/Llama-style decoder over packed variable-length sequences, as pure unit functions.
 
 Units: ``embed`` (token embedding), ``layers.{i}`` (RMSNorm -> GQA attention with RoPE ->
 RMSNorm -> SwiGLU, both residual) and ``head`` (final RMSNorm, LM head, summed cross-entropy).
+Qwen3's per-head q/k RMSNorm, Llama's o_proj bias and RoPE scalings (``models.rope``) are
+config switches; see docs/models.md.
 Parameter names follow Hugging Face's Qwen2 layout below the unit name, so that
 ``{unit}.{path}`` is also the parameter name of the ``nn.Module`` mirror ``QwenModule``.
 Attention runs per sample (causal inside it, never across samples), so its cost is
@@ -21,13 +23,17 @@ from torch import nn
 
 from odcfn.batch import Microbatch
 from odcfn.model import Model, Unit
+from odcfn.models.rope import RopeScaling, apply_rope
 from odcfn.tree import PyTree, tree_flatten_with_path, tree_leaves, tree_named_leaves, tree_unflatten
 
-__all__ = ["QwenConfig", "QwenModule", "init_params", "qwen_model", "unit_shapes"]
+__all__ = ["QwenConfig", "QwenModule", "RopeScaling", "init_params", "qwen_model", "unit_shapes"]
 
 
 @dataclass(frozen=True)
 class QwenConfig:
+    """One decoder family: Qwen2/2.5 (``qkv_bias``), Qwen3 (``qk_norm``, free ``head_dim``) and
+    Llama 3.x (``rope_scaling``; ``attention_bias`` = ``qkv_bias`` and ``o_bias``)."""
+
     vocab_size: int = 256
     d_model: int = 64
     n_layers: int = 2
@@ -37,18 +43,23 @@ class QwenConfig:
     rope_theta: float = 10000.0
     rms_eps: float = 1e-6
     qkv_bias: bool = True  # Qwen2 has q/k/v biases; Llama does not
+    head_dim: int | None = None  # None: d_model // n_heads (Qwen3 sets its own)
+    qk_norm: bool = False  # Qwen3: per-head RMSNorm of q and k before RoPE
+    o_bias: bool = False  # Llama attention_bias=true also biases o_proj
+    rope_scaling: RopeScaling | None = None
 
     def __post_init__(self) -> None:
-        if self.d_model % self.n_heads:
-            raise ValueError(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
+        if self.head_dim is None:
+            if self.d_model % self.n_heads:
+                raise ValueError(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
+            object.__setattr__(self, "head_dim", self.d_model // self.n_heads)
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}")
-        if (self.d_model // self.n_heads) % 2:
-            raise ValueError("head dim must be even for RoPE")
-
-    @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+        if self.head_dim < 2 or self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
+            got = type(self.rope_scaling).__name__
+            raise TypeError(f"rope_scaling must be a RopeScaling or None, got {got}")
 
     @property
     def num_params(self) -> int:
@@ -68,7 +79,8 @@ def unit_shapes(cfg: QwenConfig) -> dict[str, PyTree]:
             "q_proj": proj(cfg.n_heads * hd, D, cfg.qkv_bias),
             "k_proj": proj(cfg.n_kv_heads * hd, D, cfg.qkv_bias),
             "v_proj": proj(cfg.n_kv_heads * hd, D, cfg.qkv_bias),
-            "o_proj": proj(D, cfg.n_heads * hd, False),
+            "o_proj": proj(D, cfg.n_heads * hd, cfg.o_bias),
+            **({"q_norm": {"weight": S([hd])}, "k_norm": {"weight": S([hd])}} if cfg.qk_norm else {}),
         },
         "post_attention_layernorm": {"weight": S([D])},
         "mlp": {
@@ -114,22 +126,16 @@ def linear(x: torch.Tensor, p: dict) -> torch.Tensor:
     return F.linear(x, p["weight"], p.get("bias"))
 
 
-def rope(x_HxTxK: torch.Tensor, positions_T: torch.Tensor, theta: float) -> torch.Tensor:
-    K = x_HxTxK.shape[-1]
-    inv_freq = 1.0 / theta ** (torch.arange(0, K, 2, dtype=torch.float32, device=x_HxTxK.device) / K)
-    ang_TxK = torch.outer(positions_T.float(), inv_freq).repeat(1, 2)
-    cos, sin = ang_TxK.cos().to(x_HxTxK.dtype), ang_TxK.sin().to(x_HxTxK.dtype)
-    x1, x2 = x_HxTxK.chunk(2, dim=-1)
-    return x_HxTxK * cos + torch.cat([-x2, x1], dim=-1) * sin
-
-
 def attention(p: dict, x_TxD: torch.Tensor, mb: Microbatch, cfg: QwenConfig) -> torch.Tensor:
     hd = cfg.head_dim
     q_HxTxK = rearrange(linear(x_TxD, p["q_proj"]), "t (h k) -> h t k", k=hd)
     k_GxTxK = rearrange(linear(x_TxD, p["k_proj"]), "t (g k) -> g t k", k=hd)
     v_GxTxK = rearrange(linear(x_TxD, p["v_proj"]), "t (g k) -> g t k", k=hd)
-    q_HxTxK = rope(q_HxTxK, mb.positions_T, cfg.rope_theta)
-    k_GxTxK = rope(k_GxTxK, mb.positions_T, cfg.rope_theta)
+    if cfg.qk_norm:
+        q_HxTxK = rms_norm(q_HxTxK, p["q_norm"]["weight"], cfg.rms_eps)
+        k_GxTxK = rms_norm(k_GxTxK, p["k_norm"]["weight"], cfg.rms_eps)
+    q_HxTxK = apply_rope(q_HxTxK, mb.positions_T, cfg.rope_theta, cfg.rope_scaling)
+    k_GxTxK = apply_rope(k_GxTxK, mb.positions_T, cfg.rope_theta, cfg.rope_scaling)
     outs = []
     # one causal attention per packed sample: nothing attends across a sample boundary
     for q, k, v in zip(
@@ -224,22 +230,3 @@ class QwenModule(nn.Module):
         for layer in self.layers:
             x = layer(x, mb)
         return self.head(x, mb)
-
-
-
-
-# --- Hugging Face checkpoints (implemented in odcfn.models.hf; imported lazily) -------------
-
-
-def from_hf(path, *, dtype: torch.dtype = torch.float32) -> tuple[QwenConfig, dict]:
-    """Load a local HF Qwen2/Llama checkpoint directory: ``(config, params)``."""
-    from odcfn.models.hf import from_hf as _from_hf
-
-    return _from_hf(path, dtype=dtype)
-
-
-def to_hf(path, params: dict, cfg: QwenConfig, **kwargs):
-    """Write unsharded ``params`` as an HF checkpoint directory (config.json + safetensors)."""
-    from odcfn.models.hf import to_hf as _to_hf
-
-    return _to_hf(path, params, cfg, **kwargs)
