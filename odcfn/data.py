@@ -21,13 +21,13 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from odcfn.batch import Batch, Sample
+from odcfn.dataset import TokenDataset
 
 __all__ = [
     "TokenDataset",
@@ -42,28 +42,6 @@ __all__ = [
 ]
 
 IGNORE_INDEX = -100
-
-
-@dataclass(frozen=True)
-class TokenDataset:
-    samples: tuple[Sample, ...]
-    source: str = ""
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "samples", tuple(self.samples))
-        if not self.samples:
-            raise ValueError(f"dataset {self.source or '(in memory)'} has no samples")
-
-    def __len__(self) -> int:
-        return len(self.samples)
-
-    @property
-    def lengths(self) -> tuple[int, ...]:
-        return tuple(s.length for s in self.samples)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.lengths)
 
 
 def _record_to_sample(rec: Any, where: str, vocab_size: int | None, max_length: int | None) -> Sample:

@@ -7,8 +7,6 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parent.parent / "odcfn"
 
 
@@ -65,7 +63,6 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
-@pytest.mark.xfail(strict=True, reason="odcfn.models.qwen still imports odcfn.models.hf lazily")
 def test_no_import_circles():
     graph = _edges(_modules())
     # the top-level package only re-exports; a module that imports ``odcfn`` lazily for the
