@@ -141,11 +141,6 @@ class DistOps:
         t = torch.zeros(1, device=self.device)
         self._call("barrier", dist.all_reduce, t, group=self.world)
 
-    def broadcast_object(self, obj: Any) -> Any:
-        box = [obj]
-        self._call("broadcast", dist.broadcast_object_list, box, src=0, group=self.world)
-        return box[0]
-
     def close(self) -> None:
         for g in self._created:
             try:
