@@ -39,6 +39,7 @@ def ensure_process_group(mesh: Mesh, timeout: float, backend: str) -> bool:
                 f"{dist.get_rank()}, but the transport was given {mesh}"
             )
         return False
+    mesh.check_env()  # a mesh the launcher did not start would wait for the store timeout
     missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
     if missing:
         raise RuntimeError(

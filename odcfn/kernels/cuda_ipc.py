@@ -131,6 +131,7 @@ class IpcFabric:
         shm_dir: str = "/dev/shm",
         timeout: float = 300.0,
     ) -> None:
+        mesh.check_env()
         self.device = torch.device(device)
         if self.device.type == "cuda":
             require_cuda()
