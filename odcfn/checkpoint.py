@@ -19,6 +19,7 @@ exactly the model's unit names, like the params) or replicated; scalars go into 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
@@ -27,23 +28,21 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from odcfn._checkpoint_commit import CheckpointError, Staging
+from odcfn._checkpoint_verify import check_files, check_units, open_verified, rank_file, sha256
 from odcfn.model import Model
 from odcfn.sharding import Layout, Mesh, make_layout
 from odcfn.sharding.layout import check_shards
 
-__all__ = ["load", "read_manifest", "save", "latest"]
+__all__ = ["CheckpointError", "latest", "load", "read_manifest", "save"]
 
 FORMAT = "odcfn-checkpoint"
-VERSION = 1
+VERSION = 2  # 2: per-file sha256/rank/bytes, the save's attempt id
 MANIFEST = "manifest.json"
 _SCALARS = (bool, int, float, str, type(None))
-
-
-def _rank_file(rank: int) -> str:
-    return f"rank-{rank:05d}.safetensors"
 
 
 # --- pytree <-> (JSON skeleton, tensors) ---------------------------------------------------
@@ -133,18 +132,25 @@ def _file_step(path: Path) -> int | None:
         return None
 
 
-def _wait(pred, what, timeout: float) -> None:
-    """Poll ``pred`` until true; ``what()`` describes what is still missing on timeout."""
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"checkpoint: timed out after {timeout}s waiting for {what()}")
-        time.sleep(0.01)
-
-
 def _writers(mesh: Mesh) -> tuple[int, ...]:
     """The ranks whose files make up a checkpoint: node 0's shard group (all ranks if full)."""
     return mesh.with_rank(0).shard_group
+
+
+_SAVES: dict[tuple[str, int], int] = {}  # (path, rank) -> saves of it by this process so far
+
+
+def _attempt(root: Path, rank: int, step: int) -> str:
+    """A name for this save that every rank computes alike without communication: the job's
+    identity (launcher/torchrun variables), the path, the step and the how-manieth save of the
+    path this is. A leftover of an earlier, interrupted save never has this name."""
+    k = (str(root.resolve()), rank)
+    n = _SAVES[k] = _SAVES.get(k, 0) + 1
+    env = "|".join(os.environ.get(v, "") for v in _JOB_VARS)
+    return hashlib.sha256(f"{env}|{k[0]}|{step}|{n}".encode()).hexdigest()[:16]
+
+
+_JOB_VARS = ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "ODCFN_JOB_SECRET", "ODCFN_SHM_PREFIX")
 
 
 def save(
@@ -157,77 +163,106 @@ def save(
     mesh: Mesh,
     extra: Mapping[str, Any] | None = None,
     timeout: float = 60.0,
+    overwrite: bool = False,
 ) -> Path:
-    """Write this rank's part of a checkpoint of ``(params, opt_state, step)`` into ``path``.
+    """Write this rank's part of a checkpoint of ``(params, opt_state, step)`` as ``path``.
 
-    Called by every rank. Returns once the checkpoint is committed (the manifest exists), on
-    every rank. ``extra`` is JSON metadata stored in the manifest (e.g. the data position).
-    Use one directory per step: overwriting a committed checkpoint in place is not atomic.
+    Called by every rank. Returns once the checkpoint is committed, on every rank. ``extra`` is
+    JSON metadata stored in the manifest (e.g. the data position). The ranks write into a fresh
+    hidden directory next to ``path`` that rank 0 renames into place once complete, so ``path``
+    is either absent, the old checkpoint or the new one, never a mix. An existing checkpoint
+    at ``path`` is replaced only with ``overwrite=True`` (atomically: the two are exchanged).
+    A rank that dies or fails while the others wait ends the save on every rank (its liveness is
+    watched), and the half-written directory is removed.
     """
-    if not isinstance(step, int) or step < 0:
-        raise ValueError(f"checkpoint step must be an int >= 0, got {step!r}")
-    layout = make_layout(model, mesh)
-    check_shards(params, layout, model.dtype)
     root = Path(path)
-    root.mkdir(parents=True, exist_ok=True)
-    manifest = root / MANIFEST
-    if mesh.rank == 0 and manifest.exists():
-        manifest.unlink()  # from now on the directory is uncommitted until we rewrite it
-    writers = _writers(mesh)
-    tensors: dict[str, torch.Tensor] = {}
-    skeleton = {
-        "params": _encode(dict(params), "params", layout, tensors, mesh.rank == 0),
-        "opt_state": _encode(opt_state, "opt_state", layout, tensors, mesh.rank == 0),
-    }
-    if skeleton["params"]["type"] != "sharded":  # pragma: no cover - check_shards guarantees it
-        raise ValueError("checkpoint: params are not this mesh's shards")
-    if mesh.rank in writers:
-        target = root / _rank_file(mesh.rank)
-        tmp = _tmp_name(target)
-        meta = {"step": str(step), "rank": str(mesh.rank), "format": FORMAT}
-        save_file(tensors, str(tmp), metadata=meta)
-        _fsync(tmp)
-        os.replace(tmp, target)
-    if mesh.rank == 0:
-        missing = lambda: [r for r in writers if _file_step(root / _rank_file(r)) != step]  # noqa: E731
-        _wait(
-            lambda: not missing(),
-            lambda: f"the files of ranks {missing()} for step {step} in {root} (did every rank call save?)",
-            timeout,
-        )
-        doc = {
-            "format": FORMAT,
-            "version": VERSION,
-            "step": step,
-            "mesh": {
-                "world_size": mesh.world_size,
-                "ranks_per_node": mesh.ranks_per_node,
-                "sharding": mesh.sharding,
-                "shard_count": mesh.shard_count,
-            },
-            "files": [_rank_file(r) for r in writers],
-            "units": {
-                u.name: {
-                    "numel": u.numel,
-                    "shard_size": u.shard_size,
-                    "paths": list(u.paths),
-                    "shapes": [list(s) for s in u.shapes],
-                }
-                for u in layout.units
-            },
-            "tree": skeleton,
-            "extra": dict(extra or {}),
+    if root.exists() and not overwrite and (not root.is_dir() or any(root.iterdir())):
+        what = "a committed checkpoint" if (root / MANIFEST).exists() else "not an empty directory"
+        raise FileExistsError(f"checkpoint: {root} exists and is {what}; pass overwrite=True to replace it")
+    # staging first: a rank whose input is bad then tells the others instead of vanishing
+    stage = Staging(root, _attempt(root, mesh.rank, step), mesh.rank, timeout)
+    attempt = stage.attempt
+    try:
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise ValueError(f"checkpoint step must be an int >= 0, got {step!r}")
+        layout = make_layout(model, mesh)
+        check_shards(params, layout, model.dtype)
+        writers = _writers(mesh)
+        tensors: dict[str, torch.Tensor] = {}
+        skeleton = {
+            "params": _encode(dict(params), "params", layout, tensors, mesh.rank == 0),
+            "opt_state": _encode(opt_state, "opt_state", layout, tensors, mesh.rank == 0),
         }
-        _atomic_write_text(manifest, json.dumps(doc, indent=1))
-    else:
-        _wait(lambda: _manifest_step(manifest) == step, lambda: f"rank 0 to commit {manifest}", timeout)
+        if mesh.rank in writers:
+            target = stage.dir / rank_file(mesh.rank)
+            tmp = _tmp_name(target)
+            meta = {"step": str(step), "rank": str(mesh.rank), "format": FORMAT, "attempt": attempt}
+            save_file(tensors, str(tmp), metadata=meta)
+            _fsync(tmp)
+            os.replace(tmp, target)
+        if mesh.rank == 0:
+            stage.wait(
+                lambda: [r for r in writers if _file_step(stage.dir / rank_file(r)) != step],
+                lambda m: f"the files of ranks {m} for step {step} in {root} (did every rank call save?)",
+                writers,
+            )
+            doc = _manifest(mesh, layout, step, attempt, skeleton, extra, stage.dir, writers)
+            _atomic_write_text(stage.dir / MANIFEST, json.dumps(doc, indent=1))
+            stage.commit(overwrite)
+        else:
+            stage.wait(
+                lambda: [] if _manifest_attempt(root / MANIFEST) == attempt else [0],
+                lambda m: f"rank 0 to commit {root}",
+                (0,),
+            )
+    except BaseException as e:
+        stage.abort(f"{type(e).__name__}: {e}")
+        raise
     return root
+
+
+def _manifest(mesh, layout, step, attempt, skeleton, extra, where: Path, writers) -> dict:
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "step": step,
+        "attempt": attempt,
+        "mesh": {
+            "world_size": mesh.world_size,
+            "ranks_per_node": mesh.ranks_per_node,
+            "sharding": mesh.sharding,
+            "shard_count": mesh.shard_count,
+        },
+        "files": [
+            {"name": rank_file(r), "rank": r, "sha256": sha256(where / rank_file(r)),
+             "bytes": (where / rank_file(r)).stat().st_size}
+            for r in writers
+        ],
+        "units": {
+            u.name: {
+                "numel": u.numel,
+                "shard_size": u.shard_size,
+                "paths": list(u.paths),
+                "shapes": [list(s) for s in u.shapes],
+            }
+            for u in layout.units
+        },
+        "tree": skeleton,
+        "extra": dict(extra or {}),
+    }
+
+
+def _manifest_attempt(manifest: Path) -> str | None:
+    try:
+        return json.loads(manifest.read_text()).get("attempt")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def _manifest_step(manifest: Path) -> int | None:
     try:
         return int(json.loads(manifest.read_text())["step"])
-    except (OSError, ValueError, KeyError):
+    except (OSError, ValueError, KeyError, TypeError):
         return None
 
 
@@ -239,11 +274,15 @@ def read_manifest(path: str | os.PathLike) -> dict:
     manifest = Path(path) / MANIFEST
     if not manifest.exists():
         raise FileNotFoundError(f"{manifest} does not exist: {path} is not a committed odcfn checkpoint")
-    doc = json.loads(manifest.read_text())
-    if doc.get("format") != FORMAT:
-        raise ValueError(f"{manifest} is not an odcfn checkpoint manifest (format={doc.get('format')!r})")
+    try:
+        doc = json.loads(manifest.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {path}: cannot read {manifest.name}: {e}") from e
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        got = doc.get("format") if isinstance(doc, dict) else type(doc).__name__
+        raise CheckpointError(f"{manifest} is not an odcfn checkpoint manifest (format={got!r})")
     if doc.get("version") != VERSION:
-        raise ValueError(f"{manifest} has version {doc.get('version')}, this odcfn reads {VERSION}")
+        raise CheckpointError(f"{manifest} has version {doc.get('version')}, this odcfn reads {VERSION}")
     return doc
 
 
@@ -254,38 +293,36 @@ def latest(root: str | os.PathLike) -> Path | None:
     if not root.is_dir():
         return None
     for d in root.iterdir():
-        step = _manifest_step(d / MANIFEST) if d.is_dir() else None
+        step = _manifest_step(d / MANIFEST) if d.is_dir() and not d.name.startswith(".") else None
         if step is not None and (best is None or step > best[0]):
             best = (step, d)
     return None if best is None else best[1]
 
 
-def _check_units(doc: dict, layout: Layout, path: Path) -> None:
-    saved = doc["units"]
-    if set(saved) != set(layout.names):
-        raise ValueError(f"checkpoint {path} has units {sorted(saved)}, the model has {sorted(layout.names)}")
-    for u in layout.units:
-        s = saved[u.name]
-        if s["paths"] != list(u.paths) or [tuple(x) for x in s["shapes"]] != list(u.shapes):
-            raise ValueError(f"checkpoint {path}: unit {u.name!r} has different parameters than the model")
-
-
 def load(path: str | os.PathLike, *, model: Model, mesh: Mesh) -> tuple[dict[str, torch.Tensor], Any, int]:
     """This rank's ``(params, opt_state, step)`` from checkpoint ``path``, resharded for ``mesh``
-    (which may have a different world size or sharding than the one that saved it)."""
+    (which may have a different world size or sharding than the one that saved it). Every file
+    this rank reads is checked against the manifest (sha256, rank, step, shapes); any problem is
+    a ``CheckpointError`` (a ``ValueError``) naming ``path``."""
     root = Path(path)
     doc = read_manifest(root)
+    try:
+        return _load(root, doc, model, mesh)
+    except CheckpointError:
+        raise
+    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError, SafetensorError) as e:
+        raise CheckpointError(e if str(root) in str(e) else f"checkpoint {root}: {e}") from e
+
+
+def _load(root: Path, doc: dict, model: Model, mesh: Mesh) -> tuple[dict[str, torch.Tensor], Any, int]:
     layout = make_layout(model, mesh)
-    _check_units(doc, layout, root)
-    files = [root / f for f in doc["files"]]
-    for f in files:
-        if _file_step(f) != doc["step"]:
-            raise ValueError(f"checkpoint {root}: {f.name} is missing or is not from step {doc['step']}")
+    check_units(doc, layout, root)
+    files = check_files(doc, root)
     handles: dict[int, Any] = {}
 
     def handle(i: int):
         if i not in handles:
-            handles[i] = safe_open(str(files[i]), framework="pt")
+            handles[i] = open_verified(files[i], doc["files"][i], doc)
         return handles[i]
 
     def read_sharded(key: str) -> dict[str, torch.Tensor]:

@@ -82,11 +82,16 @@ def read_jsonl(
 ) -> TokenDataset:
     """Samples from a JSONL file; errors name the file and line."""
     samples = []
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
+    with open(path, "rb") as f:  # bytes: a bad byte is reported with its line, not the file's offset
+        for lineno, raw in enumerate(f, 1):
+            where = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                why = f"byte {e.start + 1} of the line: {e.reason}"
+                raise ValueError(f"{where}: not valid UTF-8 ({why})") from None
             if not line.strip():
                 continue
-            where = f"{path}:{lineno}"
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError as e:

@@ -27,6 +27,7 @@ Config (TOML or JSON), every key optional except ``data.path`` and ``train.steps
     [checkpoint]
     every = 50, keep = 3, export_hf = "path"   # HF copy of the final weights
     resume = true          # false (or --no-resume): start over, deleting out_dir's checkpoints
+    resume_anyway = false  # resuming with another config/dataset is refused unless true
     [log]
     every = 1, tensorboard = false        # progress line every N steps (JSONL gets every step)
 
@@ -50,6 +51,7 @@ from typing import Any
 from odcfn.sft_config import (
     SFTConfig,
     TrainSection,
+    check_resume,
     config_from_dict,
     load_config,
     write_example,
@@ -176,7 +178,8 @@ def train_rank(cfg: SFTConfig, rank: int, transport) -> dict[str, Any]:
     import torch
 
     import odcfn
-    from odcfn.checkpoint import latest, load, save
+    from odcfn._checkpoint_verify import sha256
+    from odcfn.checkpoint import latest, load, read_manifest, save
     from odcfn.data import batch_at, read_dataset, steps_per_epoch
 
     t = cfg.train
@@ -203,7 +206,9 @@ def train_rank(cfg: SFTConfig, rank: int, transport) -> dict[str, Any]:
         compute_dtype=dtype, max_grad_norm=t.max_grad_norm,
     )
     start, resumed = 0, None
+    data_sha = sha256(Path(cfg.data.path))
     if ck is not None:
+        check_resume(cfg, read_manifest(ck).get("extra", {}), data_sha, str(ck))
         params, opt_state, start = load(ck, model=model, mesh=mesh)
         resumed = str(ck)
     else:
@@ -260,7 +265,7 @@ def train_rank(cfg: SFTConfig, rank: int, transport) -> dict[str, Any]:
                     done,
                     model=model,
                     mesh=mesh,
-                    extra={"config": asdict(cfg)},
+                    extra={"config": asdict(cfg), "data_sha256": data_sha},
                     timeout=t.timeout,
                 )
                 if rank == 0:
@@ -345,6 +350,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="start from scratch: delete out_dir's checkpoints and restart its metrics log",
     )
+    parser.add_argument(
+        "--resume-anyway",
+        action="store_true",
+        help="resume out_dir's run although its stored config or dataset differs from this one",
+    )
     parser.add_argument("--quiet", action="store_true", help="no per-step progress lines")
 
 
@@ -366,6 +376,8 @@ def main(args: argparse.Namespace) -> int:
         train = replace(train, world_size=args.world_size)
     if args.no_resume:
         ckpt = replace(ckpt, resume=False)
+    if getattr(args, "resume_anyway", False):
+        ckpt = replace(ckpt, resume_anyway=True)
     if args.quiet:
         log = replace(log, progress=False)
     cfg = replace(

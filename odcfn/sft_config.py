@@ -5,8 +5,9 @@ listed there."""
 from __future__ import annotations
 
 import json
+import math
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +23,30 @@ __all__ = [
     "TrainSection",
     "config_from_dict",
     "load_config",
+    "check_resume",
+    "resume_conflicts",
     "write_example",
 ]
+
+
+_TYPES = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,)}
+
+
+def _check_types(section: Any, name: str) -> None:
+    """Each field's value has its annotated type (``X | None`` allows None): a config value of
+    the wrong type fails when the config is read, naming the field, not at some later step."""
+    for f in fields(section):
+        value, kinds = getattr(section, f.name), [k.strip() for k in str(f.type).split("|")]
+        if value is None and "None" in kinds:
+            continue
+        allowed = tuple(t for k in kinds for t in _TYPES.get(k, ()))
+        bad_bool = isinstance(value, bool) and "bool" not in kinds
+        if not allowed or (isinstance(value, allowed) and not bad_bool):
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"config: {name}.{f.name} must be finite, got {value!r}")
+            continue
+        want = " or ".join(k for k in kinds)
+        raise ValueError(f"config: {name}.{f.name} must be {want}, got {type(value).__name__} {value!r}")
 
 
 @dataclass(frozen=True)
@@ -39,6 +62,9 @@ class ModelSection:
     qkv_bias: bool = True
     seed: int = 0
 
+    def __post_init__(self) -> None:
+        _check_types(self, 'model')
+
 
 @dataclass(frozen=True)
 class DataSection:
@@ -49,6 +75,9 @@ class DataSection:
     max_length: int | None = None
     tokenizer: str | None = None  # a local tokenizer dir: path holds chat transcripts
     cache_dir: str | None = None  # tokenized chat shards (default: beside the data file)
+
+    def __post_init__(self) -> None:
+        _check_types(self, 'data')
 
 
 @dataclass(frozen=True)
@@ -69,13 +98,20 @@ class TrainSection:
     backend: str = "threads"
     timeout: float = 120.0
 
+    def __post_init__(self) -> None:
+        _check_types(self, 'train')
+
 
 @dataclass(frozen=True)
 class CheckpointSection:
     every: int = 0
     keep: int | None = None
     resume: bool = True
+    resume_anyway: bool = False  # resume although the stored run's config differs
     export_hf: str | None = None
+
+    def __post_init__(self) -> None:
+        _check_types(self, 'checkpoint')
 
 
 @dataclass(frozen=True)
@@ -83,6 +119,9 @@ class LogSection:
     every: int = 1
     tensorboard: bool = False
     progress: bool = True
+
+    def __post_init__(self) -> None:
+        _check_types(self, 'log')
 
 
 @dataclass(frozen=True)
@@ -162,7 +201,7 @@ def config_from_dict(doc: dict[str, Any], *, base_dir: str | os.PathLike = ".") 
 
 
 def load_config(path: str | os.PathLike) -> SFTConfig:
-    """Read a ``.toml`` or ``.json`` config file."""
+    """Read a ``.toml`` or ``.json`` config file; every error names the file."""
     path = Path(path)
     if path.suffix == ".toml":
         try:
@@ -172,12 +211,56 @@ def load_config(path: str | os.PathLike) -> SFTConfig:
                 import tomli as tomllib
             except ImportError:
                 raise ImportError(f"reading {path} on Python 3.10 needs tomli: pip install tomli") from None
-        doc = tomllib.loads(path.read_text())
+        parse = tomllib.loads
     elif path.suffix == ".json":
-        doc = json.loads(path.read_text())
+        parse = json.loads
     else:
         raise ValueError(f"{path}: config must be .toml or .json")
-    return config_from_dict(doc, base_dir=path.parent)
+    try:
+        doc = parse(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:  # TOMLDecodeError and JSONDecodeError are ValueErrors
+        raise ValueError(f"{path}: cannot parse the config: {e}") from None
+    if not isinstance(doc, dict):
+        raise ValueError(f"{path}: the config must be a table/object, got {type(doc).__name__}")
+    try:
+        return config_from_dict(doc, base_dir=path.parent)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{path}: {e}") from None
+
+
+# what may change when a run resumes: how long, on how many ranks, how it logs and checkpoints
+_RESUMABLE = {"train.steps", "train.world_size", "train.backend", "train.timeout"}
+_RESUMABLE_SECTIONS = {"log", "checkpoint"}
+
+
+def resume_conflicts(stored: dict[str, Any], cfg: SFTConfig) -> list[str]:
+    """The settings in which ``cfg`` differs from the stored config of the run it would resume
+    (``asdict`` form), as ``"train.lr 0.001 -> 0.01"``; empty if it may resume."""
+    now, out = asdict(cfg), []
+    for section, values in now.items():
+        if section in _RESUMABLE_SECTIONS or not isinstance(values, dict):
+            continue
+        old = stored.get(section, {})
+        for key, value in values.items():
+            name, was = f"{section}.{key}", old.get(key, value)
+            if (section, key) in _PATH_KEYS and isinstance(was, str) and isinstance(value, str):
+                was, value = os.path.realpath(was), os.path.realpath(value)
+            if name not in _RESUMABLE and was != value:
+                out.append(f"{name} {old.get(key)!r} -> {values[key]!r}")
+    return out
+
+
+def check_resume(cfg: SFTConfig, extra: dict[str, Any], data_sha256: str, where: str) -> None:
+    """Refuse to resume checkpoint ``where`` (its manifest's ``extra``) with another config or
+    dataset, unless ``checkpoint.resume_anyway``."""
+    diff = resume_conflicts(extra.get("config", {}), cfg)
+    if extra.get("data_sha256", data_sha256) != data_sha256:
+        diff.append(f"the contents of data.path {cfg.data.path} (sha256 differs)")
+    if diff and not cfg.checkpoint.resume_anyway:
+        raise ValueError(
+            f"odcfn train: {where} belongs to a run with another config: {'; '.join(diff)}. Use "
+            "another out_dir, --no-resume to start over, or --resume-anyway to continue it"
+        )
 
 
 # --- a runnable example ---------------------------------------------------------------------

@@ -186,18 +186,23 @@ def test_missing_rank_file_times_out_with_a_clear_error(tmp_path):
     p = odcfn.shard(FULL, MODEL, odcfn.Mesh(2, 0))
     with pytest.raises(TimeoutError, match=r"files of ranks \[1\] for step 1"):
         save(tmp_path / "ck", p, {}, 1, model=MODEL, mesh=odcfn.Mesh(2, 0), timeout=0.2)
-    assert not (tmp_path / "ck" / "manifest.json").exists()
+    assert list(tmp_path.iterdir()) == []  # neither the checkpoint nor its staging directory
 
 
-def test_stale_rank_file_from_an_older_step_does_not_commit(tmp_path):
-    """Overwriting a directory: rank 1's file from step 1 must not pass for step 2's."""
+def test_overwriting_needs_consent_and_a_failed_overwrite_keeps_the_old_checkpoint(tmp_path):
+    """Saving into a committed checkpoint: refused without overwrite=True; with it, a save that
+    never completes (rank 1 never writes) leaves the old checkpoint whole and loadable."""
     states = _trained_state(2, steps=1)
     _save_all(tmp_path / "ck", states, 2, step=1)
+    before = {f.name: f.read_bytes() for f in (tmp_path / "ck").iterdir()}
     p, o = states[0]
+    with pytest.raises(FileExistsError, match="overwrite=True"):
+        save(tmp_path / "ck", p, o, 2, model=MODEL, mesh=odcfn.Mesh(2, 0))
     with pytest.raises(TimeoutError, match=r"files of ranks \[1\] for step 2"):
-        save(tmp_path / "ck", p, o, 2, model=MODEL, mesh=odcfn.Mesh(2, 0), timeout=0.2)
-    with pytest.raises(FileNotFoundError):  # the old manifest was withdrawn first
-        read_manifest(tmp_path / "ck")
+        save(tmp_path / "ck", p, o, 2, model=MODEL, mesh=odcfn.Mesh(2, 0), timeout=0.2, overwrite=True)
+    assert {f.name: f.read_bytes() for f in (tmp_path / "ck").iterdir()} == before
+    assert load(tmp_path / "ck", model=MODEL, mesh=odcfn.Mesh(2, 0))[2] == 1
+    assert [f.name for f in tmp_path.iterdir()] == ["ck"]  # no staging directory left
 
 
 def test_load_rejects_a_different_model(tmp_path):

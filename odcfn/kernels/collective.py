@@ -39,6 +39,7 @@ def ensure_process_group(mesh: Mesh, timeout: float, backend: str) -> bool:
                 f"{dist.get_rank()}, but the transport was given {mesh}"
             )
         return False
+    mesh.check_env()  # a mesh the launcher did not start would wait for the store timeout
     missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
     if missing:
         raise RuntimeError(
@@ -140,11 +141,6 @@ class DistOps:
         # group timeout in some versions, and this one is counted like everything else
         t = torch.zeros(1, device=self.device)
         self._call("barrier", dist.all_reduce, t, group=self.world)
-
-    def broadcast_object(self, obj: Any) -> Any:
-        box = [obj]
-        self._call("broadcast", dist.broadcast_object_list, box, src=0, group=self.world)
-        return box[0]
 
     def close(self) -> None:
         for g in self._created:

@@ -17,8 +17,8 @@ the protocol is tested on machines without a GPU. NOT YET RUN ON GPU HARDWARE.
 
 from __future__ import annotations
 
+import hashlib
 import os
-import pickle
 import platform
 import sys
 import time
@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from odcfn.kernels._gpu_engine import ArenaTransport
+from odcfn.kernels._rdzv import b64, check_shm_path, job_secret, seal, unb64, unseal
 from odcfn.kernels.base import TransportError
 from odcfn.sharding import Mesh
 
@@ -69,10 +70,53 @@ def _unlink_all(paths: list[str]) -> None:
 
 
 def _shm(path: str, nbytes: int, create: bool) -> torch.Tensor:
-    if create:
-        with open(path, "wb") as f:
-            f.truncate(nbytes)  # zero-filled
+    if create:  # 0600 and exclusive: no other user may read the arena or pre-create the file
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, nbytes)  # zero-filled
+        finally:
+            os.close(fd)
     return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+
+
+def _secret_name(prefix: str, key: str, group: tuple[int, ...]) -> str:
+    """The node-local secret file's name: the same on every rank of this rendezvous (see _rdzv)."""
+    job = "|".join(os.environ.get(k, "") for k in ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"))
+    h = hashlib.sha256(f"{os.getuid()}|{job}|{key}|{group}".encode()).hexdigest()[:16]
+    return f"{prefix}secret-{h}"
+
+
+def _share_cuda(t: torch.Tensor) -> dict[str, Any]:
+    """The IPC handle of ``t``'s allocation as plain data (what torch's own reduction sends)."""
+    from torch.multiprocessing.reductions import StorageWeakRef, shared_cache
+
+    shared = t.untyped_storage()._share_cuda_()
+    device, handle, size, offset, rc_handle, rc_offset, ev_handle, ev_sync = shared
+
+    shared_cache[handle] = StorageWeakRef(t._typed_storage())  # as reduce_tensor does: keep it alive
+    return {
+        "device": int(device), "handle": b64(handle), "size": int(size), "offset": int(offset),
+        "rc_handle": b64(rc_handle), "rc_offset": int(rc_offset), "ev_handle": b64(ev_handle),
+        "ev_sync": bool(ev_sync),
+    }
+
+
+def _open_cuda(rec: dict[str, Any], nbytes: int) -> torch.Tensor:
+    """A peer's arena from its plain-data handle, through torch's fixed rebuild function."""
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    try:
+        device, size, offset = int(rec["device"]), int(rec["size"]), int(rec["offset"])
+        rc_offset, ev_sync = int(rec["rc_offset"]), bool(rec["ev_sync"])
+        handle, rc_handle, ev_handle = unb64(rec["handle"]), unb64(rec["rc_handle"]), unb64(rec["ev_handle"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise TransportError(f"a peer's CUDA IPC record is malformed: {e}") from None
+    if size < nbytes:
+        raise TransportError(f"a peer's CUDA IPC allocation has {size} bytes, the arena needs {nbytes}")
+    return rebuild_cuda_tensor(
+        torch.Tensor, (nbytes,), (1,), 0, torch.storage.TypedStorage, torch.uint8, device, handle,
+        size, offset, False, rc_handle, rc_offset, ev_handle, ev_sync,
+    )
 
 
 class IpcFabric:
@@ -87,6 +131,7 @@ class IpcFabric:
         shm_dir: str = "/dev/shm",
         timeout: float = 300.0,
     ) -> None:
+        mesh.check_env()
         self.device = torch.device(device)
         if self.device.type == "cuda":
             require_cuda()
@@ -117,38 +162,48 @@ class IpcFabric:
         self.close()
         r = self.mesh.rank
         # under odcfn.launch / the test pool, the job's prefix: its sweep also finds our files
-        tag = f"{os.environ.get('ODCFN_SHM_PREFIX', 'odcfn')}-ipc-{uuid.uuid4().hex[:12]}-{r}"
+        prefix = f"{os.environ.get('ODCFN_SHM_PREFIX', 'odcfn')}-ipc-"
+        tag = f"{prefix}{uuid.uuid4().hex[:12]}-{r}"
         sig_path = os.path.join(self.shm_dir, f"{tag}.sig")
         self._own_files = [sig_path]
         if self.device.type == "cpu":
             self._own_files.append(os.path.join(self.shm_dir, f"{tag}.arena"))
+        secret_file = _secret_name(prefix, key, self.group)
         # if this process dies before the rendezvous unlinks them, exit still removes the files
-        weakref.finalize(self, _unlink_all, list(self._own_files))
+        weakref.finalize(self, _unlink_all, [*self._own_files, os.path.join(self.shm_dir, secret_file)])
+        secret = job_secret(secret_file, self.shm_dir)
         self.sig = _shm(sig_path, words * 8, create=True).view(torch.int64)
         if self.device.type == "cpu":
             arena_path = self._own_files[1]
             self.arena = _shm(arena_path, nbytes, create=True)
-            blob = ("file", arena_path)
+            blob: dict[str, Any] = {"kind": "file", "path": arena_path}
         else:
-            from torch.multiprocessing.reductions import reduce_tensor
-
             self.arena = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
-            blob = ("cuda", reduce_tensor(self.arena))
-        self.store.set(f"{key}/{r}", pickle.dumps({"sig": sig_path, "arena": blob, "nbytes": nbytes}))
+            blob = {"kind": "cuda", **_share_cuda(self.arena)}
+        # plain JSON, authenticated: the store is reachable by anyone (see _rdzv)
+        info = {"rank": r, "sig": sig_path, "arena": blob, "nbytes": nbytes}
+        self.store.set(f"{key}/{r}", seal(secret, f"{key}/{r}", info))
         for peer in self.group:
-            info = pickle.loads(self.store.get(f"{key}/{peer}"))
-            if info["nbytes"] != nbytes:
-                raise TransportError(f"rank {peer} laid out {info['nbytes']} arena bytes, rank {r} {nbytes}")
-            self.peer_sigs[peer] = (
-                self.sig if peer == r else _shm(info["sig"], words * 8, False).view(torch.int64)
-            )
             if peer == r:
-                self.peers[peer] = self.arena
-            elif info["arena"][0] == "file":
-                self.peers[peer] = _shm(info["arena"][1], nbytes, create=False)
+                self.peer_sigs[peer], self.peers[peer] = self.sig, self.arena
+                continue
+            info = unseal(secret, f"{key}/{peer}", self.store.get(f"{key}/{peer}"), f"rank {peer}")
+            if info.get("rank") != peer or info.get("nbytes") != nbytes:
+                raise TransportError(
+                    f"rank {peer} laid out {info.get('nbytes')} arena bytes (record of rank "
+                    f"{info.get('rank')}), rank {r} {nbytes}"
+                )
+            peer_sig = check_shm_path(info.get("sig"), self.shm_dir, prefix)
+            self.peer_sigs[peer] = _shm(peer_sig, words * 8, False).view(torch.int64)
+            arena = info.get("arena")
+            kind = "file" if self.device.type == "cpu" else "cuda"
+            if not isinstance(arena, dict) or arena.get("kind") != kind:
+                raise TransportError(f"rank {peer}'s arena record is not a {kind} arena (refused)")
+            if kind == "file":
+                path = check_shm_path(arena.get("path"), self.shm_dir, prefix)
+                self.peers[peer] = _shm(path, nbytes, False)
             else:
-                fn, args = info["arena"][1]
-                self.peers[peer] = fn(*args)
+                self.peers[peer] = _open_cuda(arena, nbytes)
         # everyone has mapped everyone: the files can go (mappings stay valid, a crash leaks nothing)
         mapped = f"{key}/mapped/{self.group[0]}"  # one counter per shard group
         self.store.add(mapped, 1)
@@ -157,6 +212,8 @@ class IpcFabric:
             if time.monotonic() > deadline:
                 raise TransportError(f"rank {r}: peers did not map the arenas within {self.timeout}s")
             time.sleep(1e-3)
+        if r == self.group[0]:  # every rank has read the secret before it could count as mapped
+            _unlink_all([os.path.join(self.shm_dir, secret_file)])
         self._unlink()
 
     def _unlink(self) -> None:

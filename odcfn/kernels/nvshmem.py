@@ -1,7 +1,8 @@
 """Inter-node GPU transport: NVSHMEM symmetric memory driven from Triton kernels.
 
 - Init: ``nvshmem4py`` bootstrapped over torch.distributed: rank 0 creates the unique id, a
-  ``broadcast_object_list`` ships its bytes, every rank calls ``nvshmem.core.init(uid=...)``.
+  ``broadcast`` of its fixed-size bytes (a tensor, never pickle) ships it, every rank calls
+  ``nvshmem.core.init(uid=...)``.
 - Memory: each rank's arena and signal words are symmetric tensors
   (``nvshmem.core.interop.torch.tensor``): the same local address names the same region on
   every PE, so a peer's region is just (address, PE).
@@ -99,9 +100,15 @@ def init_nvshmem(mesh: Mesh, device: torch.device) -> None:
         )
     dev = Device(device.index)
     dev.set_current()
-    box = [uid_to_bytes(nv.get_unique_id()) if mesh.rank == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    uid = uid_from_bytes(box[0])
+    # the id's fixed-size bytes as a tensor (broadcast_object_list would unpickle what arrives)
+    size = len(uid_to_bytes(nv.get_unique_id(empty=True)))
+    on = device if dist.get_backend() == "nccl" else torch.device("cpu")
+    if mesh.rank == 0:
+        box = torch.frombuffer(bytearray(uid_to_bytes(nv.get_unique_id())), dtype=torch.uint8).to(on)
+    else:
+        box = torch.zeros(size, dtype=torch.uint8, device=on)
+    dist.broadcast(box, src=0)
+    uid = uid_from_bytes(box.cpu().numpy().tobytes())
     nv.init(device=dev, uid=uid, rank=mesh.rank, nranks=mesh.world_size, initializer_method="uid")
     _STATE["initialised"] = True
 

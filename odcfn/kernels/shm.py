@@ -34,7 +34,7 @@ does not answer within ``timeout``.
 from __future__ import annotations
 
 import os
-import uuid
+import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -105,7 +105,9 @@ class ShmTransport:
         self.layout: Layout | None = None
         # one name per transport instance, agreed on by all ranks; launch/the test pool set a
         # per-job prefix so they can sweep leftovers of a rank killed during setup
-        tag = self.dist.broadcast_object(uuid.uuid4().hex[:12] if mesh.rank == 0 else None)
+        # (rank 0's random number, summed with zeros: plain tensors, nothing unpickled)
+        pick = torch.tensor([secrets.randbits(62) if mesh.rank == 0 else 0], dtype=torch.int64)
+        tag = f"{int(self.dist.all_reduce(pick)[0]):016x}"
         self._stem = f"{os.environ.get('ODCFN_SHM_PREFIX', 'odcfn')}-{tag}"
         self._gen = 0
         self._seg: _SegLayout | None = None
@@ -139,7 +141,14 @@ class ShmTransport:
                 s.close()
             raise
         finally:
+            # every rank removes every rank's file (the names are known to all): a peer killed
+            # anywhere between creating its file and unlinking it leaves nothing behind
             own.unlink()
+            for p in range(w):
+                try:
+                    os.unlink(self._path(p))
+                except FileNotFoundError:
+                    pass
         segs = [mapped[p] for p in range(w)]
         self._seg, self._segs = seg, segs
         self._ctrl = [s.view(0, DONE + w, torch.int64).numpy() for s in segs]

@@ -24,7 +24,13 @@ class Mesh:
     sharding: Sharding = "full"
 
     def __post_init__(self) -> None:
-        if not isinstance(self.world_size, int) or self.world_size < 1:
+        for name in ("world_size", "rank", "ranks_per_node"):
+            v = getattr(self, name)
+            if v is None and name == "ranks_per_node":
+                continue
+            if not isinstance(v, int) or isinstance(v, bool):  # True == 1 would pass as a size
+                raise TypeError(f"Mesh.{name} must be an int, got {type(v).__name__} {v!r}")
+        if self.world_size < 1:
             raise ValueError(f"Mesh.world_size must be a positive int, got {self.world_size!r}")
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"Mesh.rank={self.rank} is outside [0, {self.world_size})")
@@ -38,16 +44,36 @@ class Mesh:
 
     @classmethod
     def from_env(cls, sharding: Sharding = "full") -> Mesh:
-        """Read the torchrun environment (WORLD_SIZE, RANK, LOCAL_WORLD_SIZE)."""
+        """Read the launcher's environment: WORLD_SIZE and RANK, and the ranks per node from
+        torchrun's LOCAL_WORLD_SIZE or, absent, Ray's RAY_LOCAL_WORLD_SIZE (all on one node if
+        neither is set). The local rank (LOCAL_RANK / RAY_LOCAL_RANK), when set, must agree."""
+        env = os.environ
         try:
-            world = int(os.environ["WORLD_SIZE"])
-            rank = int(os.environ["RANK"])
+            world, rank = _env_int("WORLD_SIZE"), _env_int("RANK")
         except KeyError as e:
             raise RuntimeError(
-                f"Mesh.from_env: {e.args[0]} is not set (run under torchrun or odcfn.launch)"
+                f"Mesh.from_env: {e.args[0]} is not set (run under torchrun, Ray or odcfn.launch)"
             ) from None
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-        return cls(world, rank, local, sharding)
+        local_size = next((k for k in ("LOCAL_WORLD_SIZE", "RAY_LOCAL_WORLD_SIZE") if k in env), None)
+        mesh = cls(world, rank, _env_int(local_size) if local_size else None, sharding)
+        local_rank = next((k for k in ("LOCAL_RANK", "RAY_LOCAL_RANK") if k in env), None)
+        if local_rank is not None and local_size is not None and _env_int(local_rank) != mesh.local_rank:
+            raise ValueError(
+                f"Mesh.from_env: {local_rank}={env[local_rank]} but RANK={rank} with {local_size}="
+                f"{env[local_size]} puts this rank at local rank {mesh.local_rank} (ranks must fill "
+                "nodes in order)"
+            )
+        return mesh
+
+    def check_env(self) -> None:
+        """Before a rendezvous: a launcher's WORLD_SIZE/RANK, when set, must be this mesh's
+        (a mismatch would otherwise wait for ranks that never come, until the store timeout)."""
+        for name, mine in (("WORLD_SIZE", self.world_size), ("RANK", self.rank)):
+            if name in os.environ and _env_int(name) != mine:
+                raise ValueError(
+                    f"{self} does not match the launcher's environment: {name}={os.environ[name]}, "
+                    f"the mesh has {name.lower()}={mine}"
+                )
 
     def with_rank(self, rank: int) -> Mesh:
         return Mesh(self.world_size, rank, self.ranks_per_node, self.sharding)
@@ -96,3 +122,11 @@ class Mesh:
     def owner_of(self, shard_index: int) -> int:
         """The global rank in this rank's shard group that owns ``shard_index``."""
         return self.shard_group[shard_index]
+
+
+def _env_int(name: str) -> int:
+    text = os.environ[name]
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"the environment variable {name}={text!r} is not an integer") from None

@@ -1,0 +1,133 @@
+"""How the ranks of one ``odcfn.save`` meet through the file system and commit atomically.
+
+Every rank writes into one hidden staging directory next to the checkpoint (its name is the
+save's ``attempt``, which every rank computes alike), plus an ``.alive-R`` file (host, pid). Rank
+0 renames the complete directory into place (exchanging it with an existing checkpoint when
+overwriting, so there is no moment without one). While waiting, a rank watches its peers: an
+``.abort-R`` file (a peer failed and says why), a peer's pid gone (same host), the staging
+directory gone (a peer gave up); each ends the wait at once instead of at the timeout. A rank
+that gives up leaves its reason, lets the others see it, and removes the staging directory.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import shutil
+import socket
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from odcfn.kernels._shm_sync import pid_alive
+
+__all__ = ["CheckpointError", "Staging"]
+
+_POLL = 0.01
+_PROBE = 0.05  # liveness probes: often enough to notice a death within ~0.1 s
+_LINGER = 0.2  # how long a failing rank leaves its reason for the others to read
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is invalid, or a save did not complete; the message names the path."""
+
+
+class Staging:
+    def __init__(self, root: Path, attempt: str, rank: int, timeout: float) -> None:
+        self.root, self.rank, self.timeout, self.attempt = root, rank, float(timeout), attempt
+        self.dir = root.with_name(f".{root.name}.tmp-{attempt}")
+        root.parent.mkdir(parents=True, exist_ok=True)
+        if rank == 0:  # leftovers of saves that died before they could clean up
+            for old in root.parent.glob(f".{root.name}.tmp-*"):
+                if old != self.dir:
+                    shutil.rmtree(old, ignore_errors=True)
+        self.dir.mkdir(exist_ok=True)
+        self._host = socket.gethostname()
+        alive = self.dir / f".alive-{rank}"
+        tmp = alive.with_name(f"{alive.name}.{os.getpid()}.{time.monotonic_ns()}")
+        tmp.write_text(f"{self._host} {os.getpid()}")
+        os.replace(tmp, alive)
+
+    def _problem(self, watch: Sequence[int]) -> str | None:
+        if not self.dir.is_dir():
+            return f"the staging directory {self.dir} disappeared (a peer gave up the save)"
+        for f in sorted(self.dir.glob(".abort-*")):
+            try:
+                return f"rank {f.name.removeprefix('.abort-')} failed: {f.read_text()}"
+            except OSError:
+                return f"rank {f.name.removeprefix('.abort-')} failed"
+        for r in watch:
+            if r == self.rank:
+                continue
+            try:
+                host, pid = (self.dir / f".alive-{r}").read_text().split()
+            except (OSError, ValueError):
+                continue  # not started yet, or already committed: nothing to say
+            if host == self._host and not pid_alive(int(pid)):
+                return f"rank {r} (pid {pid}) died during the save"
+        return None
+
+    def wait(self, missing: Callable[[], list[int]], describe: Callable[[list[int]], str],
+             watch: Sequence[int]) -> None:
+        """Until ``missing()`` is empty; ``describe(missing)`` says what was awaited."""
+        deadline = time.monotonic() + self.timeout
+        next_probe = 0.0
+        while m := missing():
+            now = time.monotonic()
+            if now >= next_probe:
+                next_probe = now + _PROBE
+                if (why := self._problem(watch)) is not None and (m := missing()):
+                    raise CheckpointError(f"checkpoint {self.root}: gave up waiting for {describe(m)}: {why}")
+            if now > deadline:
+                raise TimeoutError(f"checkpoint: timed out after {self.timeout}s waiting for {describe(m)}")
+            time.sleep(_POLL)
+
+    def commit(self, overwrite: bool) -> None:
+        for f in self.dir.glob(".alive-*"):
+            f.unlink(missing_ok=True)
+        _fsync_dir(self.dir)
+        if self.root.is_dir() and any(self.root.iterdir()):
+            if not overwrite:
+                raise FileExistsError(f"checkpoint: {self.root} appeared during the save (not replaced)")
+            if not _exchange(self.dir, self.root):
+                old = self.root.with_name(f"{self.dir.name}.old")
+                os.rename(self.root, old)
+                os.rename(self.dir, self.root)
+                self.dir = old
+            shutil.rmtree(self.dir, ignore_errors=True)  # now the previous checkpoint
+        else:
+            os.rename(self.dir, self.root)  # replaces an empty directory
+        _fsync_dir(self.root.parent)
+
+    def abort(self, why: str) -> None:
+        """Leave our reason for the peers, give them time to read it, remove the staging dir."""
+        try:
+            if self.dir.is_dir():
+                (self.dir / f".abort-{self.rank}").write_text(why)
+                time.sleep(_LINGER)
+        except OSError:
+            pass
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths atomically (Linux renameat2 RENAME_EXCHANGE); False where unsupported."""
+    fn = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if fn is None:
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
+        return False
+    raise OSError(err, f"exchanging {a} and {b}: {os.strerror(err)}")

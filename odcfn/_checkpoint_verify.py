@@ -1,0 +1,94 @@
+"""Checking a checkpoint's files against its manifest before a byte of them is used.
+
+A manifest records, per rank file, its name, rank, size and sha256, and per unit its numel and
+shard size. ``check_files`` checks the list against the mesh the manifest records (one file per
+shard, rank i's at position i); ``open_verified`` checks a file's bytes, its embedded step and
+rank and every sharded tensor's shape before ``load`` reads from it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any
+
+from safetensors import safe_open
+
+from odcfn.sharding import Layout
+
+__all__ = ["check_files", "check_units", "open_verified", "rank_file", "sha256"]
+
+
+def rank_file(rank: int) -> str:
+    return f"rank-{rank:05d}.safetensors"
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def check_units(doc: dict, layout: Layout, path: Path) -> None:
+    saved = doc["units"]
+    if set(saved) != set(layout.names):
+        raise ValueError(f"checkpoint {path} has units {sorted(saved)}, the model has {sorted(layout.names)}")
+    for u in layout.units:
+        s = saved[u.name]
+        if s["paths"] != list(u.paths) or [tuple(x) for x in s["shapes"]] != list(u.shapes):
+            raise ValueError(f"checkpoint {path}: unit {u.name!r} has different parameters than the model")
+        if s["numel"] != u.numel:
+            raise ValueError(f"checkpoint {path}: unit {u.name!r} has numel {s['numel']}, model {u.numel}")
+
+
+def check_files(doc: dict, root: Path) -> list[Path]:
+    """The rank files, in shard order, after checking the manifest's list against the mesh it
+    records: one file per shard, rank i's in position i, every shard-sized unit covered."""
+    count = doc["mesh"]["shard_count"]
+    entries = doc["files"]
+    if not isinstance(count, int) or count < 1 or not isinstance(entries, list) or len(entries) != count:
+        raise ValueError(f"the manifest lists {len(entries)} files for {count} shards")
+    for i, e in enumerate(entries):
+        if e.get("name") != rank_file(i) or e.get("rank") != i:
+            got = f"{e.get('name')!r} of rank {e.get('rank')}"
+            raise ValueError(f"files[{i}] is {got}, expected {rank_file(i)} of rank {i}")
+    for name, u in doc["units"].items():
+        size = u["shard_size"]
+        if not isinstance(size, int) or size < 1 or size * count < u["numel"]:
+            raise ValueError(f"unit {name!r}: {count} shards of {size} cannot hold numel {u['numel']}")
+    return [root / e["name"] for e in entries]
+
+
+def open_verified(f: Path, entry: dict, doc: dict) -> Any:
+    """``f`` opened for reading after checking its bytes, step, rank and tensor shapes."""
+    if not f.is_file():
+        raise ValueError(f"{f.name} is missing")
+    if f.stat().st_size != entry["bytes"] or sha256(f) != entry["sha256"]:
+        raise ValueError(f"{f.name} does not match the sha256 in the manifest (corrupted or replaced)")
+    h = safe_open(str(f), framework="pt")
+    meta = h.metadata() or {}
+    if meta.get("step") != str(doc["step"]) or meta.get("rank") != str(entry["rank"]):
+        raise ValueError(f"{f.name} is rank {meta.get('rank')}'s of step {meta.get('step')}, the manifest "
+                         f"says rank {entry['rank']} of step {doc['step']}")
+    for key in h.keys():
+        unit = key.rsplit("/", 1)[-1]
+        if unit in doc["units"] and _is_sharded_key(doc["tree"], key):
+            shape = tuple(h.get_slice(key).get_shape())
+            if shape != (doc["units"][unit]["shard_size"],):
+                raise ValueError(f"{f.name}: {key} has shape {shape}, the manifest's shard_size is "
+                                 f"{doc['units'][unit]['shard_size']}")
+    return h
+
+
+def _is_sharded_key(tree: dict, key: str) -> bool:
+    group = key.rsplit("/", 1)[0]
+
+    def walk(node: dict) -> bool:
+        if node.get("type") == "sharded":
+            return node.get("key") == group
+        items = node.get("items", ())
+        return any(walk(v) for v in (items.values() if isinstance(items, dict) else items))
+
+    return any(walk(tree[k]) for k in ("params", "opt_state"))
