@@ -157,14 +157,21 @@ register_dataclass(
 
 
 def save(
-    path: str | os.PathLike, state: TrainState, *, extra: Mapping[str, Any] | None = None
+    path: str | os.PathLike,
+    state: TrainState,
+    *,
+    extra: Mapping[str, Any] | None = None,
+    overwrite: bool = False,
+    timeout: float = 60.0,
 ) -> os.PathLike:
     """Write ``state``'s params, optimizer state and step as a sharded checkpoint (every rank
-    calls it; returns once it is committed). ``extra``: JSON metadata kept in the manifest."""
+    calls it; returns once it is committed). ``extra``: JSON metadata kept in the manifest.
+    A committed checkpoint at ``path`` is replaced only with ``overwrite=True``, atomically."""
     if not isinstance(state, TrainState):
         raise TypeError(f"odcfn.save(path, state): state must be a TrainState, got {type(state).__name__}")
     return checkpoint.save(
-        path, state.params, state.opt_state, state.step, model=state.model, mesh=state.mesh, extra=extra
+        path, state.params, state.opt_state, state.step, model=state.model, mesh=state.mesh,
+        extra=extra, overwrite=overwrite, timeout=timeout,
     )
 
 
