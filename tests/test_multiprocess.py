@@ -49,12 +49,12 @@ def grads_worker(lengths, cap, seed, comms):
     out = []
     with ShmTransport(mesh, timeout=30) as tr:
         for comm in comms:
-            calls = tr.dist.calls.copy()
+            calls = tr.collectives.calls.copy()
             state = make_state(params, model, tr, comm=comm, max_tokens_per_microbatch=cap)
             g, m = odcfn.grad_step(state, batch)
             out.append({
                 "comm": comm, "grads": _copy(g), "loss": m.loss, "syncs": m.counters.syncs,
-                "collectives": m.counters.collectives, "wire": dict(tr.dist.calls - calls),
+                "collectives": m.counters.collectives, "wire": dict(tr.collectives.calls - calls),
                 "mbs": len(m.plan.microbatches),
             })
         # the plain torch.distributed baseline, on its own group next to the shm transport's
@@ -88,10 +88,10 @@ def adamw_worker(lengths, cap, seed, comms):
     with ShmTransport(mesh, timeout=30) as tr:
         state = make_state(full, model, tr, odcfn.adamw(LR), max_tokens_per_microbatch=cap)
         for comm in comms:
-            calls = tr.dist.calls.copy()
+            calls = tr.collectives.calls.copy()
             state = state.replace(config=state.config.replace(comm=comm))
             state, m = odcfn.train_step(state, batch)
-            wire.append((comm, dict(tr.dist.calls - calls), m.counters.syncs))
+            wire.append((comm, dict(tr.collectives.calls - calls), m.counters.syncs))
     return _copy(state.params), wire
 
 
