@@ -114,6 +114,39 @@ def collective_refuses_worker():
     return out
 
 
+def process_group_worker(kind, callers):
+    """With ``callers``, this "user" made the default group before the transport (as torchrun
+    scripts, verl and Ray Train do): the transport must use it and leave it working. Without,
+    the transport creates one and the last odcfn user of it destroys it."""
+    torch.set_num_threads(1)
+    mesh = odcfn.Mesh.from_env()
+    out = {}
+    if callers:
+        store = torch.distributed.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                           mesh.world_size, mesh.rank == 0)
+        torch.distributed.init_process_group("gloo", store=store, rank=mesh.rank, world_size=mesh.world_size)
+        mine = torch.distributed.group.WORLD
+    layout = make_layout(_flat_model(mesh.world_size), mesh)
+    shards = {u.name: torch.full((u.shard_size,), float(mesh.rank)) for u in layout.units}
+    first = ShmTransport(mesh, timeout=30) if kind == "shm" else CollectiveTransport(mesh, timeout=30)
+    second = CollectiveTransport(mesh, timeout=30)  # a second user of the same default group
+    first.begin_step(layout, shards, torch.float32)
+    first.sync(torch.ones(1, dtype=torch.float64))
+    first.close()
+    second.begin_step(layout, shards, torch.float32)
+    buf = torch.empty(layout.units[0].padded_numel)
+    second.all_gather("u0", buf)  # still works although the group's creator may have closed
+    out["gathered"] = buf.view(mesh.world_size, -1)[:, 0].tolist()
+    second.close()
+    out["initialized"] = torch.distributed.is_initialized()
+    if callers:
+        out["same"] = torch.distributed.group.WORLD is mine
+        t = torch.ones(1)
+        torch.distributed.all_reduce(t)  # the caller's group still works
+        out["sum"] = t.item()
+    return out
+
+
 def env_worker(fail_rank, kill_rank):
     keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "EXTRA")
     rank = int(os.environ["RANK"])
@@ -157,6 +190,17 @@ def test_collective_transport_gathers_and_has_no_one_sided_ops(mp_pool):  # noqa
     for o in out:
         assert o["gathered"] == [0.0, 1.0] and o["sync"] == 2.0
         assert o["odc"] is False
+
+
+@pytest.mark.parametrize("kind", ["shm", "collective"])
+@pytest.mark.parametrize("callers", [True, False])
+def test_transports_use_the_callers_process_group_and_never_destroy_it(mp_pool, kind, callers):  # noqa: F811
+    for o in mp_pool.run(process_group_worker, 2, args=(kind, callers)):
+        assert o["gathered"] == [0.0, 1.0]
+        if callers:
+            assert o == {"gathered": [0.0, 1.0], "initialized": True, "same": True, "sum": 2.0}
+        else:  # created by odcfn, destroyed when its last user closed
+            assert o["initialized"] is False
 
 
 def test_launch_sets_the_torchrun_env_and_reports_failing_and_killed_ranks():
