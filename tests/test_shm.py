@@ -50,7 +50,7 @@ def stress_worker():
     grad = _pattern(SHARD * w) * (r + 1)
     with ShmTransport(mesh, timeout=30, chunk_elems=CHUNK) as tr:
         tr.begin_step(layout, shards, torch.float32)
-        tr.dist.barrier()  # start pushing together: maximal contention
+        tr.collectives.barrier()  # start pushing together: maximal contention
         t0 = time.perf_counter()
         for _ in range(ROUNDS):
             for u in layout.units:
@@ -89,13 +89,13 @@ def behind_worker():
         if mesh.rank == 0:
             tr.begin_step(layout, shards, torch.float32)
             tr.fetch_add(5)
-        tr.dist.barrier()
+        tr.collectives.barrier()
         try:
             return tr.fetch_add(5) if mesh.rank == 1 else None
         except TransportError as e:
             return str(e)
         finally:
-            tr.dist.barrier()
+            tr.collectives.barrier()
 
 
 def collective_refuses_worker():
