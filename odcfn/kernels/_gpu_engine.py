@@ -117,6 +117,7 @@ class ArenaTransport(StepCollectives):
         prefix: str = "odcfn",
         id_bits: int = 32,
         host_grads: bool = False,
+        own_collectives: bool = False,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -130,6 +131,7 @@ class ArenaTransport(StepCollectives):
         # host_grads: grad_shards() are CPU copies taken at flush (for a CPU-side optimizer /
         # the current CPU runtime); else the device accumulators themselves
         self.host_grads = host_grads
+        self._own_collectives = own_collectives  # made for this transport: closed with it
         self._host: dict[str, torch.Tensor] = {}
         self.counters = Counters()
         self.ids = SeqIds(id_bits)  # 32 in production; tests shrink it to force wraps
@@ -385,3 +387,6 @@ class ArenaTransport(StepCollectives):
     def close(self) -> None:
         self._stop_drain()
         self.fabric.close()
+        if self._own_collectives:
+            self._own_collectives = False
+            self.collectives.close()

@@ -318,7 +318,8 @@ def cuda_ipc_transport(
         mode = "landing" if fabric.ops is None else "remote_add"
     if mode == "remote_add" and fabric.ops is None:
         fabric.scatter_add((), 0, torch.empty(0))  # raises the clear error
-    if collectives is None:
+    own = collectives is None
+    if own:
         collectives = TorchCollectives(mesh, fabric.device, timeout=timeout)
     return ArenaTransport(
         mesh,
@@ -332,4 +333,5 @@ def cuda_ipc_transport(
         prefix=prefix,
         id_bits=id_bits,
         host_grads=host_grads,
+        own_collectives=own,
     )

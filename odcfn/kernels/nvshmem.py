@@ -307,7 +307,8 @@ def nvshmem_transport(
     ``store``: the torch.distributed store (``fetch_add``); ``collectives``: by default
     ``TorchCollectives`` (nccl) for ``mesh``, on the caller's process group if there is one."""
     fabric = NvshmemFabric(mesh, device)
-    if collectives is None:
+    own = collectives is None
+    if own:
         collectives = TorchCollectives(mesh, fabric.device, timeout=timeout)
     return ArenaTransport(
         mesh,
@@ -320,4 +321,5 @@ def nvshmem_transport(
         timeout=timeout,
         prefix=prefix,
         host_grads=host_grads,
+        own_collectives=own,
     )
