@@ -203,7 +203,8 @@ class StepCollectives:
     A transport mixes this in and provides ``mesh``, ``counters``, ``collectives`` and two
     buffer accessors: ``_published(unit)`` (this rank's shard in the compute dtype, valid after
     ``begin_step``) and ``_accumulator(unit)`` (this rank's fp32 gradient accumulator).
-    ``_accumulate(acc, x)`` adds a received piece (a fabric may override it with its kernel)."""
+    ``_accumulate(acc, x)`` adds a received piece (a transport may override it: the arena
+    transports add through their fabric's kernel, under the lock their drain thread shares)."""
 
     mesh: Mesh
     counters: Counters
