@@ -1,6 +1,8 @@
 """Multi-process ODC (ShmTransport) and the collective baseline (gloo) against the single-process
-reference: loss, gradient shards, AdamW-updated parameters; exactly one sync per ODC step on
-the wire; a killed rank and a stuck rank end in TransportError, never a hang."""
+reference: loss and gradient shards over random shapes, AdamW-updated parameters; exactly one
+sync per ODC step on the wire; a killed rank and a stuck rank end in TransportError (and the
+abort flag), never a hang; the hybrid mesh through two real torchrun agents ("nodes") on
+loopback. Every transport's protocol properties: tests/test_transport_conformance.py."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import os
 import signal
 import time
 from dataclasses import replace
+from datetime import timedelta
 
 import pytest
 import torch
@@ -49,12 +52,12 @@ def grads_worker(lengths, cap, seed, comms):
     out = []
     with ShmTransport(mesh, timeout=30) as tr:
         for comm in comms:
-            calls = tr.dist.calls.copy()
+            calls = tr.collectives.calls.copy()
             state = make_state(params, model, tr, comm=comm, max_tokens_per_microbatch=cap)
             g, m = odcfn.grad_step(state, batch)
             out.append({
                 "comm": comm, "grads": _copy(g), "loss": m.loss, "syncs": m.counters.syncs,
-                "collectives": m.counters.collectives, "wire": dict(tr.dist.calls - calls),
+                "collectives": m.counters.collectives, "wire": dict(tr.collectives.calls - calls),
                 "mbs": len(m.plan.microbatches),
             })
         # the plain torch.distributed baseline, on its own group next to the shm transport's
@@ -62,21 +65,6 @@ def grads_worker(lengths, cap, seed, comms):
             state = make_state(params, model, ct, comm="collective", max_tokens_per_microbatch=cap)
             g, m = odcfn.grad_step(state, batch)
             out.append({"comm": "gloo-only", "grads": _copy(g), "loss": m.loss})
-    return out
-
-
-def hybrid_worker(lengths, cap, seed):
-    """Hybrid sharding on 4 ranks: shards inside 2 "nodes" of 2, replicated across them."""
-    model, full, batch = _setup(lengths, seed)
-    env = odcfn.Mesh.from_env()
-    mesh = odcfn.Mesh(env.world_size, env.rank, 2, "hybrid")
-    params = odcfn.shard(full, model, mesh)
-    out = []
-    with ShmTransport(mesh, timeout=30) as tr:
-        for comm in ("odc", "collective"):
-            state = make_state(params, model, tr, comm=comm, max_tokens_per_microbatch=cap)
-            g, m = odcfn.grad_step(state, batch)
-            out.append((_copy(g), m.loss))
     return out
 
 
@@ -88,10 +76,10 @@ def adamw_worker(lengths, cap, seed, comms):
     with ShmTransport(mesh, timeout=30) as tr:
         state = make_state(full, model, tr, odcfn.adamw(LR), max_tokens_per_microbatch=cap)
         for comm in comms:
-            calls = tr.dist.calls.copy()
+            calls = tr.collectives.calls.copy()
             state = state.replace(config=state.config.replace(comm=comm))
             state, m = odcfn.train_step(state, batch)
-            wire.append((comm, dict(tr.dist.calls - calls), m.counters.syncs))
+            wire.append((comm, dict(tr.collectives.calls - calls), m.counters.syncs))
     return _copy(state.params), wire
 
 
@@ -225,19 +213,6 @@ def test_unequal_microbatches_and_an_idle_rank(mp_pool):  # noqa: F811
                 odcfn.tree_assert_allclose(res["grads"], ref[r], rtol=1e-5, atol=1e-7)
 
 
-def test_hybrid_sharding_over_shm_matches_reference(mp_pool):  # noqa: F811
-    lengths, cap, seed = [7, 3, 9, 5, 4], 12, 0
-    model, full, batch = _setup(lengths, seed)
-    loss, g = odcfn.reference_value_and_grad(model, full, batch)
-    mesh = odcfn.Mesh(4, 0, 2, "hybrid")
-    out = mp_pool.run(hybrid_worker, 4, args=(lengths, cap, seed))
-    for r in range(4):
-        ref = odcfn.shard(g, model, mesh.with_rank(r))  # ranks r and r+2 hold the same shard
-        for grads, got_loss in out[r]:
-            assert got_loss == pytest.approx(float(loss), rel=1e-5)
-            odcfn.tree_assert_allclose(grads, ref, rtol=1e-5, atol=1e-7)
-
-
 def test_adamw_steps_match_reference_and_one_sync_on_the_wire(mp_pool):  # noqa: F811
     lengths, cap, seed, world, steps = [9, 4, 7, 3, 5], 10, 2, 3, 3
     model, full, batch = _setup(lengths, seed)
@@ -319,3 +294,85 @@ def test_stuck_rank_times_out_and_the_other_gives_up(mp_pool):  # noqa: F811
     assert timeout <= t0 < timeout + 5.0  # measured: 1.51-1.52 s
     # the stalled rank wakes up later and finds rank 0's abort flag instead of waiting again
     assert o1.startswith("TransportError") and "rank 0 aborted" in o1, o1
+
+
+# --- two torchrun agents: the hybrid mesh across "nodes" --------------------------------------
+
+
+def _torchrun_main(out_dir: str) -> None:
+    """One rank under ``torchrun --nnodes 2 --nproc-per-node 2``: the hybrid mesh (shards inside
+    a node over the CPU IPC fabric, replicas across nodes over gloo), an ODC then a collective
+    grad_step, results saved for the test process to check."""
+    torch.set_num_threads(1)
+    lengths, cap, seed = [7, 3, 9, 5, 4, 6], 12, 0
+    model, full, batch = _setup(lengths, seed)
+    mesh = odcfn.Mesh.from_env("hybrid")  # LOCAL_WORLD_SIZE=2: 2 nodes of 2
+    # the fabric's rendezvous and fetch_add go through the agent's store (torchrun hosts it)
+    store = torch.distributed.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                       is_master=False, timeout=timedelta(seconds=60))
+    store = torch.distributed.PrefixStore("odcfn-test", store)
+    from odcfn.kernels.cuda_ipc import cuda_ipc_transport
+
+    # no process group exists yet: the transport creates it from torchrun's environment
+    tr = cuda_ipc_transport(mesh, store, device="cpu", mode="landing", slot_elems=64, timeout=60)
+    out = {"node": int(os.environ["GROUP_RANK"]), "local": int(os.environ["LOCAL_RANK"])}
+    try:
+        for comm in ("odc", "collective"):
+            wire = tr.collectives.calls.copy()
+            state = make_state(full, model, tr, comm=comm, max_tokens_per_microbatch=cap)
+            g, m = odcfn.grad_step(state, batch)
+            out[comm] = {"grads": _copy(g), "loss": m.loss, "syncs": m.counters.syncs,
+                         "wire": dict(tr.collectives.calls - wire)}
+    finally:
+        tr.close()
+    torch.save(out, os.path.join(out_dir, f"rank{mesh.rank}.pt"))
+
+
+def test_hybrid_mesh_through_two_torchrun_agents_on_loopback(tmp_path):
+    import subprocess
+    import sys
+
+    from odcfn.launch import free_port
+
+    port, prefix = free_port(), f"odcfn-torchrun-{os.getpid()}"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root, "OMP_NUM_THREADS": "1", "ODCFN_SHM_PREFIX": prefix}
+    agents = [
+        subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
+             "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port),
+             "--max-restarts", "0", "-m", "tests.test_multiprocess", str(tmp_path)],
+            cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        for node in (0, 1)
+    ]
+    deadline, logs = time.monotonic() + 180, []
+    try:
+        for a in agents:
+            logs.append(a.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
+    finally:
+        for a in agents:
+            if a.poll() is None:
+                a.kill()
+                a.wait()
+    assert [a.returncode for a in agents] == [0, 0], "\n".join(logs)[-4000:]
+    model, full, batch = _setup([7, 3, 9, 5, 4, 6], 0)
+    loss, g = odcfn.reference_value_and_grad(model, full, batch)
+    mesh = odcfn.Mesh(4, 0, 2, "hybrid")
+    for r in range(4):
+        res = torch.load(tmp_path / f"rank{r}.pt", weights_only=True)
+        assert (res["node"], res["local"]) == divmod(r, 2)
+        ref = odcfn.shard(g, model, mesh.with_rank(r))  # ranks r and r+2 hold the same shard
+        for comm in ("odc", "collective"):
+            odcfn.tree_assert_allclose(res[comm]["grads"], ref, rtol=1e-5, atol=1e-7)
+            assert res[comm]["loss"] == pytest.approx(float(loss), rel=1e-5)
+            assert res[comm]["syncs"] == 1
+        # ODC: the sync and the replica all-reduce across nodes; nothing else on the wire
+        assert res["odc"]["wire"] == {"all_reduce": 2}, res["odc"]["wire"]
+    assert [f for f in os.listdir("/dev/shm") if f.startswith(prefix)] == []
+
+
+if __name__ == "__main__":  # a rank under torchrun (the two-agent test)
+    import sys
+
+    _torchrun_main(sys.argv[1])

@@ -1,5 +1,7 @@
-"""ShmTransport mechanics across real processes (exact concurrent accumulation, version-gated
-gathers, fetch_add counters), its primitives in one process, CollectiveTransport's refusals, and launch."""
+"""ShmTransport's own mechanics across real processes (exact accumulation under heavy lock
+contention, segments unlinked after setup, the lazy counter reset), its primitives in one
+process, CollectiveTransport on its own, and launch. The protocol's semantics on every
+transport: tests/test_transport_conformance.py."""
 
 from __future__ import annotations
 
@@ -14,8 +16,8 @@ import torch
 
 import odcfn
 from odcfn.kernels._shm_sync import RangeLock, Segment, pid_alive, shm_dir, wait_until
-from odcfn.kernels.base import TransportError
-from odcfn.kernels.collective import CollectiveTransport, DistOps
+from odcfn.kernels.base import TransportError, supports_odc
+from odcfn.kernels.collective import CollectiveTransport, TorchCollectives
 from odcfn.kernels.shm import ShmTransport
 from odcfn.launch import LaunchError, launch
 from odcfn.model import Model, Unit
@@ -48,7 +50,7 @@ def stress_worker():
     grad = _pattern(SHARD * w) * (r + 1)
     with ShmTransport(mesh, timeout=30, chunk_elems=CHUNK) as tr:
         tr.begin_step(layout, shards, torch.float32)
-        tr.dist.barrier()  # start pushing together: maximal contention
+        tr.collectives.barrier()  # start pushing together: maximal contention
         t0 = time.perf_counter()
         for _ in range(ROUNDS):
             for u in layout.units:
@@ -61,74 +63,39 @@ def stress_worker():
     return acc, took, claims
 
 
-def versions_worker(steps):
-    """Each step every rank publishes step*100 + rank; every gather must see exactly that,
-    with only the one sync per step between steps (no other barrier)."""
+def unlinked_worker():
+    """After the first step every rank has mapped every segment and unlinked its own."""
     torch.set_num_threads(1)
     mesh = odcfn.Mesh.from_env()
-    w, r = mesh.world_size, mesh.rank
-    layout = make_layout(_flat_model(w), mesh)
-    seen, claims = [], []
+    layout = make_layout(_flat_model(mesh.world_size), mesh)
     prefix = os.environ["ODCFN_SHM_PREFIX"]
     with ShmTransport(mesh, timeout=30) as tr:
-        for step in range(1, steps + 1):
-            mine = {u.name: torch.full((u.shard_size,), 100.0 * step + r) for u in layout.units}
-            tr.begin_step(layout, mine, torch.float32)
-            out = torch.empty(layout.units[0].padded_numel)
-            for u in layout.units:
-                tr.gather(u.name, out)
-                seen.append(out.view(w, -1)[:, ::97].clone())
-            claims.append(tr.fetch_add(0))
-            tr.flush()
-            tr.sync(torch.ones(1, dtype=torch.float64))
-            if step == 1:  # every rank is past setup: all mapped, all unlinked; a crash leaves nothing
-                visible = [f for f in os.listdir(shm_dir()) if f.startswith(prefix)]
-                mapped = len(tr._segs)
-        counters = tr.counters.as_dict()
-    return seen, claims, counters, (visible, mapped)
+        tr.begin_step(layout, {u.name: torch.zeros(u.shard_size) for u in layout.units}, torch.float32)
+        tr.flush()
+        tr.sync(torch.ones(1, dtype=torch.float64))
+        return [f for f in os.listdir(shm_dir()) if f.startswith(prefix)], len(tr._segs)
 
 
-def counters_worker(steps):
-    """Per step, between barriers: read counters fresh, add to several at once (unequal counts on
-    counter 0, powers of ten on 1, negatives on 2, the last index), read the totals back."""
+def behind_worker():
+    """A rank already in the next step touched counter 5: a rank still in this step (calling
+    fetch_add after the sync) must not silently reset it back."""
     torch.set_num_threads(1)
     mesh = odcfn.Mesh.from_env()
-    r = mesh.rank
     layout = make_layout(_flat_model(mesh.world_size), mesh)
     shards = {u.name: torch.zeros(u.shard_size) for u in layout.units}
-    out: dict = {"steps": []}
     with ShmTransport(mesh, timeout=30) as tr:
-        last = tr.max_counters - 1
-        for step in range(1, steps + 1):
-            tr.begin_step(layout, shards, torch.float32)
-            fresh = [tr.fetch_add(c, 0) for c in (0, 1, 2, last)]
-            tr.dist.barrier()  # nobody adds before everyone has read the fresh values
-            took = [tr.fetch_add(0) for _ in range(2 + r + step)]
-            before = (tr.fetch_add(1, 10**r), tr.fetch_add(2, -(r + 1)), tr.fetch_add(last, 5))
-            tr.dist.barrier()  # every add of this step has landed
-            totals = [tr.fetch_add(c, 0) for c in (0, 0, 1, 2, last, 3)]  # n=0 twice: no change
-            out["steps"].append((fresh, took, before, totals))
-            tr.sync(torch.zeros(1, dtype=torch.float64))
-        for bad in (-1, tr.max_counters):
-            try:
-                tr.fetch_add(bad)
-            except ValueError as e:
-                out[bad] = str(e)
-        # a rank already in the next step touched counter 5: a rank still in this step must not
-        # silently reset it back
-        tr.dist.barrier()
-        if r == 0:
+        tr.begin_step(layout, shards, torch.float32)
+        tr.sync(torch.zeros(1, dtype=torch.float64))
+        if mesh.rank == 0:
             tr.begin_step(layout, shards, torch.float32)
             tr.fetch_add(5)
-        tr.dist.barrier()
-        if r == 1:
-            try:
-                tr.fetch_add(5)
-            except TransportError as e:
-                out["behind"] = str(e)
-        tr.dist.barrier()
-        out["max_counters"] = tr.max_counters
-    return out
+        tr.collectives.barrier()
+        try:
+            return tr.fetch_add(5) if mesh.rank == 1 else None
+        except TransportError as e:
+            return str(e)
+        finally:
+            tr.collectives.barrier()
 
 
 def collective_refuses_worker():
@@ -142,15 +109,41 @@ def collective_refuses_worker():
         buf = torch.empty(layout.units[0].padded_numel)
         tr.all_gather("u0", buf)
         out["gathered"] = buf.view(mesh.world_size, -1)[:, 0].tolist()
-        for name, call in [("gather", lambda: tr.gather("u0", buf)),
-                           ("scatter_accumulate", lambda: tr.scatter_accumulate("u0", buf)),
-                           ("fetch_add", lambda: tr.fetch_add(0))]:
-            try:
-                call()
-                out[name] = "no error"
-            except NotImplementedError as e:
-                out[name] = str(e)
+        out["odc"] = supports_odc(tr)
         out["sync"] = tr.sync(torch.tensor([1.0], dtype=torch.float64)).item()
+    return out
+
+
+def process_group_worker(kind, callers):
+    """With ``callers``, this "user" made the default group before the transport (as torchrun
+    scripts, verl and Ray Train do): the transport must use it and leave it working. Without,
+    the transport creates one and the last odcfn user of it destroys it."""
+    torch.set_num_threads(1)
+    mesh = odcfn.Mesh.from_env()
+    out = {}
+    if callers:
+        store = torch.distributed.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                           mesh.world_size, mesh.rank == 0)
+        torch.distributed.init_process_group("gloo", store=store, rank=mesh.rank, world_size=mesh.world_size)
+        mine = torch.distributed.group.WORLD
+    layout = make_layout(_flat_model(mesh.world_size), mesh)
+    shards = {u.name: torch.full((u.shard_size,), float(mesh.rank)) for u in layout.units}
+    first = ShmTransport(mesh, timeout=30) if kind == "shm" else CollectiveTransport(mesh, timeout=30)
+    second = CollectiveTransport(mesh, timeout=30)  # a second user of the same default group
+    first.begin_step(layout, shards, torch.float32)
+    first.sync(torch.ones(1, dtype=torch.float64))
+    first.close()
+    second.begin_step(layout, shards, torch.float32)
+    buf = torch.empty(layout.units[0].padded_numel)
+    second.all_gather("u0", buf)  # still works although the group's creator may have closed
+    out["gathered"] = buf.view(mesh.world_size, -1)[:, 0].tolist()
+    second.close()
+    out["initialized"] = torch.distributed.is_initialized()
+    if callers:
+        out["same"] = torch.distributed.group.WORLD is mine
+        t = torch.ones(1)
+        torch.distributed.all_reduce(t)  # the caller's group still works
+        out["sum"] = t.item()
     return out
 
 
@@ -180,52 +173,34 @@ def test_concurrent_scatter_accumulate_is_exact(mp_pool):  # noqa: F811
     assert claims == list(range(len(claims)))
 
 
-def test_gathers_see_exactly_the_published_version(mp_pool):  # noqa: F811
-    world, steps = 3, 4
-    out = mp_pool.run(versions_worker, world, args=(steps,))
-    for r, (seen, _, counters, (visible, mapped)) in enumerate(out):
-        assert visible == [] and mapped == world
-        for i, s in enumerate(seen):
-            step = i // UNITS + 1
-            want = (100.0 * step + torch.arange(world, dtype=torch.float32))[:, None].expand_as(s)
-            assert torch.equal(s, want), (r, step)
-        assert counters["syncs"] == steps and counters["collectives"] == 0
-        assert counters["gather_bytes"] == steps * UNITS * (world - 1) * SHARD * 4
-    # one fetch_add(0) per rank per step: each step's counter is fresh, so each step hands out 0..W-1
-    for step in range(steps):
-        assert sorted(o[1][step] for o in out) == list(range(world))
+def test_segments_are_unlinked_once_every_rank_mapped_them(mp_pool):  # noqa: F811
+    for visible, mapped in mp_pool.run(unlinked_worker, 3):
+        assert visible == [] and mapped == 3  # from here on a crash leaves nothing in /dev/shm
 
 
-def test_fetch_add_counters_are_independent_fresh_each_step_and_bounded(mp_pool):  # noqa: F811
-    world, steps = 3, 2
-    out = mp_pool.run(counters_worker, world, args=(steps,))
-    for step in range(steps):
-        per_rank = [o["steps"][step] for o in out]
-        for fresh, _, _, _ in per_rank:
-            assert fresh == [0, 0, 0, 0]  # step 2 starts at 0 again although step 1 left values
-        took = sorted(i for p in per_rank for i in p[1])
-        total = sum(2 + r + step + 1 for r in range(world))  # unequal counts per rank
-        assert took == list(range(total))
-        # counter 1 got 1, 10, 100 in some order: each rank saw a partial sum of the others
-        assert sorted(p[2][0] for p in per_rank) in ([0, 1, 11], [0, 1, 101], [0, 10, 11], [0, 10, 110],
-                                                      [0, 100, 101], [0, 100, 110])
-        assert sorted(p[2][2] for p in per_rank) == [0, 5, 10]
-        for p in per_rank:
-            assert p[3] == [total, total, 111, -6, 15, 0]
-    assert out[0]["max_counters"] == 1 << 16
-    for o in out:
-        assert "counter -1" in o[-1] and "65536" in o[-1]
-        assert "counter 65536" in o[1 << 16] and "max_counters" in o[1 << 16]
-    assert "behind" not in out[0] and "behind" not in out[2]
-    assert "counter 5" in out[1]["behind"] and "step 3" in out[1]["behind"], out[1]["behind"]
+def test_fetch_add_refuses_to_reset_a_counter_a_later_step_uses(mp_pool):  # noqa: F811
+    # (fetch_add's semantics on every transport: tests/test_transport_conformance.py)
+    out = mp_pool.run(behind_worker, 2)
+    assert out[0] is None
+    assert "counter 5" in out[1] and "step 2" in out[1], out[1]
 
 
-def test_collective_transport_gathers_and_refuses_one_sided_ops(mp_pool):  # noqa: F811
+def test_collective_transport_gathers_and_has_no_one_sided_ops(mp_pool):  # noqa: F811
     out = mp_pool.run(collective_refuses_worker, 2)
     for o in out:
         assert o["gathered"] == [0.0, 1.0] and o["sync"] == 2.0
-        for op in ("gather", "scatter_accumulate", "fetch_add"):
-            assert "CollectiveTransport" in o[op] and "ShmTransport" in o[op], o[op]
+        assert o["odc"] is False
+
+
+@pytest.mark.parametrize("kind", ["shm", "collective"])
+@pytest.mark.parametrize("callers", [True, False])
+def test_transports_use_the_callers_process_group_and_never_destroy_it(mp_pool, kind, callers):  # noqa: F811
+    for o in mp_pool.run(process_group_worker, 2, args=(kind, callers)):
+        assert o["gathered"] == [0.0, 1.0]
+        if callers:
+            assert o == {"gathered": [0.0, 1.0], "initialized": True, "same": True, "sum": 2.0}
+        else:  # created by odcfn, destroyed when its last user closed
+            assert o["initialized"] is False
 
 
 def test_launch_sets_the_torchrun_env_and_reports_failing_and_killed_ranks():
@@ -260,9 +235,9 @@ def test_transport_arguments_are_checked_before_any_communication(monkeypatch):
     with pytest.raises(ValueError, match="chunk_elems"):
         ShmTransport(mesh, chunk_elems=0)
     with pytest.raises(ValueError, match="timeout"):
-        DistOps(mesh, 0)
+        TorchCollectives(mesh, timeout=0)
     with pytest.raises(TypeError, match="Mesh"):
-        DistOps("mesh", 1.0)
+        TorchCollectives("mesh")
     monkeypatch.delenv("MASTER_ADDR", raising=False)
     monkeypatch.delenv("MASTER_PORT", raising=False)
     with pytest.raises(RuntimeError, match="MASTER_ADDR, MASTER_PORT not set"):

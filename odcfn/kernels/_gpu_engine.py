@@ -12,7 +12,11 @@ protocol of ``kernels/base.py`` with the same semantics as ``LocalTransport``:
   the owner's drain thread adds it on a side stream and returns a credit);
 - ``flush``: fence, tell every owner ``FIN = (step, last request id)``, wait until every client's
   FIN for this step arrived and (landing) everything up to its last id was drained;
-- ``sync``: the ONE collective of the minibatch. ``fetch_add``: an atomic add on the rendezvous store.
+- ``fetch_add``: an atomic add on the rendezvous store.
+
+The collective half (``sync``, the FSDP baseline, the hybrid replica reduce) is
+``base.StepCollectives`` over the ``Collectives`` the transport is given (``TorchCollectives``
+across processes, ``LocalCollectives`` between threads).
 """
 
 from __future__ import annotations
@@ -38,10 +42,19 @@ from odcfn.kernels._gpu_protocol import (
     pack_fin,
     unpack_fin,
 )
-from odcfn.kernels.base import Counters, Done, Handle, TransportError, all_reduce_flat
+from odcfn.kernels.base import (
+    MAX_COUNTERS,
+    Collectives,
+    Counters,
+    Done,
+    Handle,
+    StepCollectives,
+    TransportError,
+    check_counter,
+)
 from odcfn.sharding import Layout, Mesh
 
-__all__ = ["ArenaTransport", "Collectives", "Fabric", "MODES"]
+__all__ = ["ArenaTransport", "Fabric", "MODES"]
 
 MODES = ("landing", "remote_add")
 
@@ -86,15 +99,9 @@ class Fabric(Protocol):
     def close(self) -> None: ...
 
 
-class Collectives(Protocol):
-    """The collective half (FSDP baseline, hybrid replica reduce, the one sync)."""
+class ArenaTransport(StepCollectives):
+    max_counters = MAX_COUNTERS
 
-    def all_gather(self, group: tuple[int, ...], mine: torch.Tensor, out: torch.Tensor) -> None: ...
-    def reduce_scatter(self, group: tuple[int, ...], grad: torch.Tensor, out: torch.Tensor) -> None: ...
-    def all_reduce(self, group: tuple[int, ...], x: torch.Tensor) -> torch.Tensor: ...
-
-
-class ArenaTransport:
     def __init__(
         self,
         mesh: Mesh,
@@ -110,10 +117,11 @@ class ArenaTransport:
         prefix: str = "odcfn",
         id_bits: int = 32,
         host_grads: bool = False,
+        own_collectives: bool = False,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        self.mesh, self.fabric, self.store, self.coll = mesh, fabric, store, collectives
+        self.mesh, self.fabric, self.store, self.collectives = mesh, fabric, store, collectives
         self.mode, self.slots, self.slot_elems = mode, slots, slot_elems
         self.timeout, self.poll_s = timeout, poll_s
         # Store keys of this transport: ranks create their transports in the same order, so the
@@ -123,6 +131,7 @@ class ArenaTransport:
         # host_grads: grad_shards() are CPU copies taken at flush (for a CPU-side optimizer /
         # the current CPU runtime); else the device accumulators themselves
         self.host_grads = host_grads
+        self._own_collectives = own_collectives  # made for this transport: closed with it
         self._host: dict[str, torch.Tensor] = {}
         self.counters = Counters()
         self.ids = SeqIds(id_bits)  # 32 in production; tests shrink it to force wraps
@@ -354,41 +363,12 @@ class ArenaTransport:
         if self.host_grads:
             self._host = {name: acc.cpu() for name, (_, acc) in self._views.items()}
 
-    # --- collectives ------------------------------------------------------------------------
-    def all_gather(self, unit: str, out: torch.Tensor) -> None:
-        pub, _ = self._views[unit]
-        dev = (
-            out
-            if out.device == self.fabric.device
-            else torch.empty(out.numel(), dtype=out.dtype, device=self.fabric.device)
-        )
-        self.coll.all_gather(self.group, pub, dev)
-        if dev is not out:
-            out.copy_(dev)
-        self.counters.collectives += 1
-        self.counters.collective_bytes += out.numel() * out.element_size()
+    # --- the collective half: base.StepCollectives over these buffers (and _accumulate) -------
+    def _published(self, unit: str) -> torch.Tensor:
+        return self._views[unit][0]
 
-    def reduce_scatter(self, unit: str, grad: torch.Tensor) -> None:
-        _, acc = self._views[unit]
-        grad = grad.to(self.fabric.device).contiguous()
-        part = torch.empty(acc.numel(), dtype=grad.dtype, device=grad.device)
-        self.coll.reduce_scatter(self.group, grad, part)
-        self.fabric.accumulate(acc, part)
-        self.counters.collectives += 1
-        self.counters.collective_bytes += grad.numel() * grad.element_size()
-
-    def replica_all_reduce(self, grads: Mapping[str, torch.Tensor]) -> None:
-        group = self.mesh.replica_group
-        if len(group) == 1:
-            return
-        moved = all_reduce_flat(grads, lambda flat: self.coll.all_reduce(group, flat))
-        self.counters.collectives += 1
-        self.counters.collective_bytes += moved
-
-    def sync(self, stats: torch.Tensor) -> torch.Tensor:
-        out = self.coll.all_reduce(tuple(range(self.mesh.world_size)), stats)
-        self.counters.syncs += 1
-        return out
+    def _accumulator(self, unit: str) -> torch.Tensor:
+        return self._views[unit][1]
 
     def grad_shards(self) -> dict[str, torch.Tensor]:
         if self.host_grads:
@@ -399,6 +379,7 @@ class ArenaTransport:
         return f"{self.prefix}/c/{step}/{counter}"
 
     def fetch_add(self, counter: int, n: int = 1) -> int:
+        check_counter(counter, self.max_counters, "ArenaTransport")
         # store.add returns the value after the add; a missing key counts as 0 (fresh each step)
         self._touched.add(counter)
         return int(self.store.add(self._counter_key(self.step, counter), n)) - n
@@ -406,3 +387,6 @@ class ArenaTransport:
     def close(self) -> None:
         self._stop_drain()
         self.fabric.close()
+        if self._own_collectives:
+            self._own_collectives = False
+            self.collectives.close()

@@ -1,10 +1,16 @@
-"""The FSDP baseline over torch.distributed: all-gather / reduce-scatter per unit (gloo on CPU,
-nccl on GPU), plus the one all-reduce ``sync``.
+"""torch.distributed behind odcfn: the one ``Collectives`` implementation (gloo on CPU, nccl on
+GPU) and ``CollectiveTransport``, the FSDP baseline built on it alone.
 
-``DistOps`` owns the process groups and every torch.distributed call odcfn makes, so that both
-``CollectiveTransport`` and ``ShmTransport`` (whose collective ops and sync are these) wrap
-failures into ``TransportError`` the same way and count each call they issue (``calls``): the
+``TorchCollectives`` owns every torch.distributed call odcfn makes, so every transport that
+talks over torch.distributed (shared memory, the collective baseline, CUDA IPC, NVSHMEM) wraps
+failures into ``TransportError`` the same way and counts each call it issues (``calls``): the
 "one sync per minibatch" tests count on the real wire, not on a bookkeeping field.
+
+Process groups: an existing default group (the caller's: torchrun, verl, Ray Train) is used as
+it is; one is created from the torchrun environment only when none exists, and destroyed when
+the last odcfn object using it closes. Subgroups (shard and replica groups, and a world group
+carrying odcfn's timeout when the caller's default group has its own) are odcfn's and are
+destroyed on ``close``; a group odcfn did not create is never destroyed.
 """
 
 from __future__ import annotations
@@ -18,15 +24,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from odcfn.kernels.base import Counters, Done, Handle, TransportError, all_reduce_flat
+from odcfn.kernels.base import Counters, StepCollectives, TransportError, mesh_groups, world_group
 from odcfn.sharding import Layout, Mesh
 
-__all__ = ["CollectiveTransport", "DistOps", "ensure_process_group"]
+__all__ = ["CollectiveTransport", "TorchCollectives", "ensure_process_group"]
 
 # torch 2.13 deprecates the *_into_tensor/_tensor names in favour of *_single; older torch lacks
 # the new names.
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+# the default group odcfn created, and how many open TorchCollectives use it
+_OWNED: dict[str, Any] = {"group": None, "users": 0}
 
 
 def ensure_process_group(mesh: Mesh, timeout: float, backend: str) -> bool:
@@ -52,39 +61,53 @@ def ensure_process_group(mesh: Mesh, timeout: float, backend: str) -> bool:
     return True
 
 
-class DistOps:
-    """Process groups for ``mesh`` and the collectives on them, errors wrapped, calls counted."""
+class TorchCollectives:
+    """``Collectives`` over torch.distributed for ``mesh``: construct on every rank in the same
+    order (group creation is collective). Tensors are staged through ``self.device`` (gloo wants
+    CPU, nccl CUDA), so any transport works with either backend whatever device its buffers
+    live on. ``backend`` defaults to nccl for a CUDA ``device`` (or, without a device, when
+    CUDA is available), else gloo."""
 
-    def __init__(self, mesh: Mesh, timeout: float, backend: str | None = None) -> None:
+    def __init__(
+        self,
+        mesh: Mesh,
+        device: torch.device | str | None = None,
+        *,
+        backend: str | None = None,
+        timeout: float = 60.0,
+    ) -> None:
         if not isinstance(mesh, Mesh):
             raise TypeError(f"mesh must be an odcfn.Mesh, got {type(mesh).__name__}")
-        if not isinstance(timeout, (int, float)) or not timeout > 0:
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
-        self.mesh, self.timeout = mesh, float(timeout)
-        self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-        if self.backend not in ("gloo", "nccl"):
-            raise ValueError(f"backend must be 'gloo' or 'nccl', got {self.backend!r}")
-        self.device = (
-            torch.device("cuda", mesh.local_rank) if self.backend == "nccl" else torch.device("cpu")
-        )
+        if backend is None:
+            cuda = torch.device(device).type == "cuda" if device is not None else torch.cuda.is_available()
+            backend = "nccl" if cuda else "gloo"
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+        if device is None:
+            gpus = max(torch.cuda.device_count(), 1)
+            device = torch.device("cuda", mesh.local_rank % gpus) if backend == "nccl" else "cpu"
+        self.mesh, self.timeout, self.backend = mesh, float(timeout), backend
+        self.device = torch.device(device)
         self.calls: Counter[str] = Counter()
-        self.owns_default = ensure_process_group(mesh, self.timeout, self.backend)
+        if ensure_process_group(mesh, self.timeout, backend):
+            # a fresh default group: any count left from an earlier one (destroyed by someone
+            # else, e.g. between the test pool's tasks) no longer applies
+            _OWNED["group"], _OWNED["users"] = dist.group.WORLD, 0
+        self._uses_owned = _OWNED["group"] is not None and _OWNED["group"] is dist.group.WORLD
+        if self._uses_owned:
+            _OWNED["users"] += 1
         self._created: list[Any] = []
         td = timedelta(seconds=self.timeout)
-        # our own timeout even when someone else created the default group
-        self.world = None if self.owns_default else self._new_group(None, td)
-        self.shard_group, self.replica_group = self.world, None
-        if mesh.sharding == "hybrid":
-            # new_group is collective over the whole world: every rank creates every group, in order
-            probe = mesh.with_rank(0)
-            for node in range(mesh.num_nodes):
-                g = self._new_group(list(probe.with_rank(node * mesh.node_size).shard_group), td)
-                if node == mesh.node:
-                    self.shard_group = g
-            for local in range(mesh.node_size):
-                g = self._new_group(list(probe.with_rank(local).replica_group), td)
-                if local == mesh.local_rank:
-                    self.replica_group = g
+        world = world_group(mesh)
+        # the caller's default group keeps the caller's timeout and backend: ours gets its own
+        self.groups: dict[tuple[int, ...], Any] = {
+            world: None if self._uses_owned else self._new_group(None, td)
+        }
+        for g in mesh_groups(mesh):  # every rank creates every group, in the same order
+            if g not in self.groups:
+                self.groups[g] = self._new_group(list(g), td)
 
     def _new_group(self, ranks: list[int] | None, td: timedelta) -> Any:
         g = dist.new_group(ranks=ranks, timeout=td, backend=self.backend)
@@ -102,45 +125,41 @@ class DistOps:
         self.calls[op] += 1
         return out
 
-    def _dev(self, t: torch.Tensor) -> torch.Tensor:
-        return t if t.device == self.device else t.to(self.device)
+    def _group(self, group: tuple[int, ...]) -> Any:
+        try:
+            return self.groups[tuple(group)]
+        except KeyError:
+            raise ValueError(f"{tuple(group)} is not a group of {self.mesh}") from None
 
-    # --- collectives --------------------------------------------------------------------------
-    def all_gather(self, out: torch.Tensor, src: torch.Tensor) -> None:
-        o = self._dev(out)
-        self._call("all_gather", _ALL_GATHER, o, self._dev(src.contiguous()), group=self.shard_group)
+    def _staged(self, out: torch.Tensor) -> torch.Tensor:
+        if out.device == self.device:
+            return out
+        return torch.empty(out.shape, dtype=out.dtype, device=self.device)
+
+    # --- Collectives --------------------------------------------------------------------------
+    def all_gather(self, group: tuple[int, ...], mine: torch.Tensor, out: torch.Tensor) -> None:
+        o = self._staged(out)
+        self._call("all_gather", _ALL_GATHER, o, mine.to(self.device).contiguous(), group=self._group(group))
         if o is not out:
             out.copy_(o)
 
-    def reduce_scatter_add(self, acc: torch.Tensor, grad: torch.Tensor) -> None:
-        """acc += this rank's shard of the sum of ``grad`` over the shard group (summed in fp32)."""
-        piece = torch.empty(acc.numel(), dtype=torch.float32, device=self.device)
-        g = self._dev(grad).to(torch.float32).contiguous()
-        self._call("reduce_scatter", _REDUCE_SCATTER, piece, g, group=self.shard_group)
-        acc.add_(piece.to(acc.device))
+    def reduce_scatter(self, group: tuple[int, ...], grad: torch.Tensor, out: torch.Tensor) -> None:
+        o = self._staged(out)
+        g = grad.to(self.device).contiguous()
+        self._call("reduce_scatter", _REDUCE_SCATTER, o, g, group=self._group(group))
+        if o is not out:
+            out.copy_(o)
 
-    def replica_all_reduce(self, grads: Mapping[str, torch.Tensor]) -> int:
-        """Sum gradient shards over the replica group in place; returns the bytes moved."""
-        if self.replica_group is None or len(self.mesh.replica_group) == 1:
-            return 0
-
-        def reduce(flat: torch.Tensor) -> torch.Tensor:
-            flat = self._dev(flat)
-            self._call("replica_all_reduce", dist.all_reduce, flat, group=self.replica_group)
-            return flat
-
-        return all_reduce_flat(grads, reduce)
-
-    def all_reduce(self, stats: torch.Tensor) -> torch.Tensor:
-        out = self._dev(stats.detach().clone())
-        self._call("all_reduce", dist.all_reduce, out, group=self.world)
-        return out.to(stats.device)
+    def all_reduce(self, group: tuple[int, ...], x: torch.Tensor) -> torch.Tensor:
+        y = x.detach().to(self.device, copy=True)
+        self._call("all_reduce", dist.all_reduce, y, group=self._group(group))
+        return y.to(x.device)
 
     def barrier(self) -> None:
         # an all-reduce of one element rather than dist.barrier: gloo's barrier ignores the
         # group timeout in some versions, and this one is counted like everything else
         t = torch.zeros(1, device=self.device)
-        self._call("barrier", dist.all_reduce, t, group=self.world)
+        self._call("barrier", dist.all_reduce, t, group=self.groups[world_group(self.mesh)])
 
     def close(self) -> None:
         for g in self._created:
@@ -149,16 +168,35 @@ class DistOps:
             except Exception:  # noqa: BLE001 - best effort on a broken group
                 pass
         self._created.clear()
+        self.groups = {}
+        if self._uses_owned:
+            self._uses_owned = False
+            _OWNED["users"] -= 1
+            if _OWNED["users"] == 0 and dist.is_initialized() and _OWNED["group"] is dist.group.WORLD:
+                _OWNED["group"] = None
+                try:
+                    dist.destroy_process_group()
+                except Exception:  # noqa: BLE001 - best effort on a broken group
+                    pass
 
 
-class CollectiveTransport:
-    """FSDP over torch.distributed: ``all_gather``/``reduce_scatter``/``sync`` only.
+class CollectiveTransport(StepCollectives):
+    """FSDP over torch.distributed: the collective half only (``comm="collective"``); it has no
+    point-to-point ops, so it cannot serve ``comm="odc"`` (``base.supports_odc`` is False).
 
-    ``with CollectiveTransport(odcfn.Mesh.from_env()) as tr: odcfn.train_step(..., comm="collective")``
-    """
+    ``with CollectiveTransport(odcfn.Mesh.from_env()) as tr: ...``; ``collectives`` may be
+    passed to share one ``TorchCollectives`` (it is then not closed here)."""
 
-    def __init__(self, mesh: Mesh, *, timeout: float = 60.0, backend: str | None = None) -> None:
-        self.dist = DistOps(mesh, timeout, backend)
+    def __init__(
+        self,
+        mesh: Mesh,
+        *,
+        timeout: float = 60.0,
+        backend: str | None = None,
+        collectives: TorchCollectives | None = None,
+    ) -> None:
+        self._owns_collectives = collectives is None
+        self.collectives = collectives or TorchCollectives(mesh, backend=backend, timeout=timeout)
         self.mesh, self.timeout = mesh, float(timeout)
         self.counters = Counters()
         self.step = 0
@@ -182,60 +220,34 @@ class CollectiveTransport:
             else:
                 acc.zero_()
 
-    def _unit(self, unit: str) -> Any:
+    def _check(self, unit: str) -> None:
         if self.layout is None:
             raise TransportError("begin_step must come before any communication")
-        return self.layout[unit]
+        self.layout[unit]  # noqa: B018 - raises on an unknown unit
 
-    def all_gather(self, unit: str, out: torch.Tensor) -> None:
-        self._unit(unit)
-        self.dist.all_gather(out, self._pub[unit])
-        self.counters.collectives += 1
-        self.counters.collective_bytes += out.numel() * out.element_size()
+    def _published(self, unit: str) -> torch.Tensor:
+        self._check(unit)
+        return self._pub[unit]
 
-    def reduce_scatter(self, unit: str, grad: torch.Tensor) -> None:
-        self._unit(unit)
-        self.dist.reduce_scatter_add(self._acc[unit], grad)
-        self.counters.collectives += 1
-        self.counters.collective_bytes += grad.numel() * grad.element_size()
+    def _accumulator(self, unit: str) -> torch.Tensor:
+        self._check(unit)
+        return self._acc[unit]
 
     def flush(self) -> None:
         return None  # every collective completed in place
 
-    def replica_all_reduce(self, grads: Mapping[str, torch.Tensor]) -> None:
-        moved = self.dist.replica_all_reduce(grads)
-        if moved:
-            self.counters.collectives += 1
-            self.counters.collective_bytes += moved
-
-    def sync(self, stats: torch.Tensor) -> torch.Tensor:
-        out = self.dist.all_reduce(stats)
-        self.counters.syncs += 1
-        return out
+    def fetch_add(self, counter: int, n: int = 1) -> int:
+        # Only so that train.py, which still hands ``transport.fetch_add`` to every program,
+        # keeps working; it goes once train.py reads it with getattr(transport, "fetch_add", None).
+        raise TypeError("CollectiveTransport has no shared counters: work stealing needs comm='odc' "
+                        "on a point-to-point transport (ShmTransport, the GPU transports)")
 
     def grad_shards(self) -> dict[str, torch.Tensor]:
         return self._acc
 
-    def _no_odc(self, op: str) -> None:
-        raise NotImplementedError(
-            f"CollectiveTransport has no one-sided {op}: use comm='collective', or ShmTransport "
-            "for comm='odc'"
-        )
-
-    def gather(self, unit: str, out: torch.Tensor) -> Handle:
-        self._no_odc("gather")
-        return Done()
-
-    def scatter_accumulate(self, unit: str, grad: torch.Tensor) -> Handle:
-        self._no_odc("scatter_accumulate")
-        return Done()
-
-    def fetch_add(self, counter: int, n: int = 1) -> int:
-        self._no_odc("fetch_add")
-        return 0
-
     def close(self) -> None:
-        self.dist.close()
+        if self._owns_collectives:
+            self.collectives.close()
 
     def __enter__(self) -> CollectiveTransport:
         return self

@@ -30,7 +30,9 @@ import torch
 
 from odcfn.kernels._gpu_engine import ArenaTransport
 from odcfn.kernels._rdzv import b64, check_shm_path, job_secret, seal, unb64, unseal
-from odcfn.kernels.base import TransportError
+from odcfn.kernels.base import Collectives, TransportError
+from odcfn.kernels.collective import TorchCollectives
+from odcfn.kernels.local import LocalCollectives  # noqa: F401 - re-exported: where callers found it
 from odcfn.sharding import Mesh
 
 __all__ = ["IpcFabric", "LocalCollectives", "TorchCollectives", "cuda_ipc_transport", "require_cuda"]
@@ -286,68 +288,10 @@ class IpcFabric:
         self.peers, self.peer_sigs, self._tables = {}, {}, {}
 
 
-class TorchCollectives:
-    """Collectives on torch.distributed (nccl on GPU, gloo on CPU). Construct on every rank in
-    the same order: it creates one process group per shard group and per replica group."""
-
-    def __init__(self, mesh: Mesh, device: torch.device | str) -> None:
-        import torch.distributed as dist
-
-        if not dist.is_initialized():
-            raise RuntimeError("TorchCollectives needs torch.distributed.init_process_group first")
-        self.dist, self.device = dist, torch.device(device)
-        # torch 2.13 deprecates the *_tensor spellings in favour of *_single; older torch lacks them
-        self._all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        self._reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-        self.groups: dict[tuple[int, ...], Any] = {tuple(range(mesh.world_size)): None}
-        for r in range(mesh.world_size):
-            m = mesh.with_rank(r)
-            for g in (m.shard_group, m.replica_group):
-                if g not in self.groups and len(g) > 1:  # singletons never communicate
-                    self.groups[g] = dist.new_group(list(g))
-
-    # Tensors are staged through ``self.device`` (gloo wants CPU, nccl CUDA), so one transport
-    # works with either backend whatever device its arena lives on.
-    def all_gather(self, group: tuple[int, ...], mine: torch.Tensor, out: torch.Tensor) -> None:
-        o = out if out.device == self.device else torch.empty(out.shape, dtype=out.dtype, device=self.device)
-        self._all_gather(o, mine.to(self.device).contiguous(), group=self.groups[group])
-        if o is not out:
-            out.copy_(o)
-
-    def reduce_scatter(self, group: tuple[int, ...], grad: torch.Tensor, out: torch.Tensor) -> None:
-        o = out if out.device == self.device else torch.empty(out.shape, dtype=out.dtype, device=self.device)
-        self._reduce_scatter(o, grad.to(self.device).contiguous(), group=self.groups[group])
-        if o is not out:
-            out.copy_(o)
-
-    def all_reduce(self, group: tuple[int, ...], x: torch.Tensor) -> torch.Tensor:
-        y = x.to(self.device, copy=True)
-        self.dist.all_reduce(y, group=self.groups[group])
-        return y.to(x.device)
-
-
-class LocalCollectives:
-    """Collectives between in-process ranks (threads) of a ``LocalWorld``: for CPU tests."""
-
-    def __init__(self, world: Any, rank: int) -> None:
-        self.world, self.rank = world, rank
-
-    def all_gather(self, group: tuple[int, ...], mine: torch.Tensor, out: torch.Tensor) -> None:
-        torch.cat(self.world.exchange(group, self.rank, mine.clone()), out=out)
-
-    def reduce_scatter(self, group: tuple[int, ...], grad: torch.Tensor, out: torch.Tensor) -> None:
-        parts = self.world.exchange(group, self.rank, grad.clone())
-        i, n = group.index(self.rank), out.numel()
-        out.copy_(torch.stack([p[i * n : (i + 1) * n] for p in parts]).sum(0))
-
-    def all_reduce(self, group: tuple[int, ...], x: torch.Tensor) -> torch.Tensor:
-        return torch.stack(self.world.exchange(group, self.rank, x.clone())).sum(0)
-
-
 def cuda_ipc_transport(
     mesh: Mesh,
     store: Any,
-    collectives: Any,
+    collectives: Collectives | None = None,
     *,
     device: torch.device | str | None = None,
     mode: str | None = None,
@@ -359,8 +303,9 @@ def cuda_ipc_transport(
     host_grads: bool = False,
 ) -> ArenaTransport:
     """The CUDA-IPC transport for ``mesh.rank``. ``store``: a torch.distributed Store shared by
-    the ranks (rendezvous + ``fetch_add``); ``collectives``: ``TorchCollectives`` (or
-    ``LocalCollectives`` for threads). ``device`` defaults to ``cuda:{local_rank % count}``, so W
+    the ranks (rendezvous + ``fetch_add``); ``collectives``: by default ``TorchCollectives``
+    for ``mesh`` (which uses the caller's process group if there is one), ``LocalCollectives``
+    for threads. ``device`` defaults to ``cuda:{local_rank % count}``, so W
     processes on a one-GPU machine share that GPU. ``mode``: "remote_add" or "landing"; by
     default "remote_add" where triton atomics run (CUDA, interpreter), else "landing"."""
     if device is None:
@@ -373,6 +318,9 @@ def cuda_ipc_transport(
         mode = "landing" if fabric.ops is None else "remote_add"
     if mode == "remote_add" and fabric.ops is None:
         fabric.scatter_add((), 0, torch.empty(0))  # raises the clear error
+    own = collectives is None
+    if own:
+        collectives = TorchCollectives(mesh, fabric.device, timeout=timeout)
     return ArenaTransport(
         mesh,
         fabric,
@@ -385,4 +333,5 @@ def cuda_ipc_transport(
         prefix=prefix,
         id_bits=id_bits,
         host_grads=host_grads,
+        own_collectives=own,
     )

@@ -4,21 +4,32 @@ Used by the core tests and notebooks. It keeps every semantic of the real transp
 gathers gated by per-rank version counters, scatter-accumulates under a per-owner lock (no lost
 updates), point-to-point completion counters for ``flush``, exactly one global all-reduce in
 ``sync``, ``fetch_add`` counters fresh every step, and timeouts instead of hangs.
+``LocalCollectives`` is the threads' ``Collectives``; ``run_local(fn, W, transport=factory)``
+runs any transport (e.g. the CUDA-IPC fabric on CPU) on W threads of one ``LocalWorld``.
 """
 
 from __future__ import annotations
 
 import threading
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable, Mapping, Sequence
+from datetime import timedelta
 from typing import Any, TypeVar
 
 import torch
 
-from odcfn.kernels.base import Counters, Done, Handle, TransportError, all_reduce_flat
+from odcfn.kernels.base import (
+    MAX_COUNTERS,
+    Counters,
+    Done,
+    Handle,
+    StepCollectives,
+    TransportError,
+    check_counter,
+)
 from odcfn.sharding import Layout, Mesh
 
-__all__ = ["LocalTransport", "LocalWorld", "run_local"]
+__all__ = ["LocalCollectives", "LocalTransport", "LocalWorld", "run_local"]
 
 T = TypeVar("T")
 
@@ -47,9 +58,22 @@ class LocalWorld:
         self.aborted: str | None = None
         self._groups: dict[tuple[int, ...], tuple[threading.Barrier, list[Any]]] = {}
         self._groups_lock = threading.Lock()
+        self._store: Any = None
 
     def transport(self, rank: int) -> LocalTransport:
         return LocalTransport(self, self.mesh.with_rank(rank))
+
+    @property
+    def store(self) -> Any:
+        """A torch.distributed ``HashStore`` shared by the ranks (rendezvous and ``fetch_add``
+        of the arena transports when they run on threads)."""
+        with self._groups_lock:
+            if self._store is None:
+                from torch.distributed import HashStore
+
+                self._store = HashStore()
+                self._store.set_timeout(timedelta(seconds=self.timeout))
+            return self._store
 
     def abort(self, why: str) -> None:
         with self.cond:
@@ -89,10 +113,43 @@ class LocalWorld:
         return out
 
 
-class LocalTransport:
+class LocalCollectives:
+    """``Collectives`` between the in-process ranks (threads) of a ``LocalWorld``."""
+
+    def __init__(self, world: LocalWorld, rank: int) -> None:
+        self.world, self.rank = world, rank
+        self.calls: Counter[str] = Counter()
+
+    def all_gather(self, group: tuple[int, ...], mine: torch.Tensor, out: torch.Tensor) -> None:
+        torch.cat(self.world.exchange(group, self.rank, mine.detach().clone()), out=out)
+        self.calls["all_gather"] += 1
+
+    def reduce_scatter(self, group: tuple[int, ...], grad: torch.Tensor, out: torch.Tensor) -> None:
+        parts = self.world.exchange(group, self.rank, grad.detach().clone())
+        i, n = group.index(self.rank), out.numel()
+        out.copy_(torch.stack([p[i * n : (i + 1) * n] for p in parts]).sum(0))  # group order
+        self.calls["reduce_scatter"] += 1
+
+    def all_reduce(self, group: tuple[int, ...], x: torch.Tensor) -> torch.Tensor:
+        out = torch.stack(self.world.exchange(group, self.rank, x.detach().clone())).sum(0)
+        self.calls["all_reduce"] += 1
+        return out
+
+    def barrier(self) -> None:
+        self.world.exchange(range(self.world.world_size), self.rank, None)
+        self.calls["barrier"] += 1
+
+    def close(self) -> None:
+        return None
+
+
+class LocalTransport(StepCollectives):
+    max_counters = MAX_COUNTERS
+
     def __init__(self, world: LocalWorld, mesh: Mesh) -> None:
         self.world = world
         self.mesh = mesh
+        self.collectives = LocalCollectives(world, mesh.rank)
         self.counters = Counters()
         self.step = 0
         self.layout: Layout | None = None
@@ -153,23 +210,11 @@ class LocalTransport:
         self.counters.scatters += 1
         return Done()
 
-    def all_gather(self, unit: str, out: torch.Tensor) -> None:
-        mine = self.world.published[self.mesh.rank][unit]
-        parts = self.world.exchange(self._owners(), self.mesh.rank, mine)
-        torch.cat(parts, out=out)
-        self.counters.collectives += 1
-        self.counters.collective_bytes += out.numel() * out.element_size()
+    def _published(self, unit: str) -> torch.Tensor:
+        return self.world.published[self.mesh.rank][unit]
 
-    def reduce_scatter(self, unit: str, grad: torch.Tensor) -> None:
-        size = self.layout[unit].shard_size
-        grads = self.world.exchange(self._owners(), self.mesh.rank, grad)
-        i = self.mesh.shard_index
-        acc = self.world.acc[self.mesh.rank][unit]
-        for g in grads:  # group order: deterministic summation
-            acc.add_(g[i * size : (i + 1) * size])
-        self.world.exchange(self._owners(), self.mesh.rank, None)  # peers may reuse grad now
-        self.counters.collectives += 1
-        self.counters.collective_bytes += grad.numel() * grad.element_size()
+    def _accumulator(self, unit: str) -> torch.Tensor:
+        return self.world.acc[self.mesh.rank][unit]
 
     def flush(self) -> None:
         w, r, step = self.world, self.mesh.rank, self.step
@@ -182,24 +227,11 @@ class LocalTransport:
         with w.cond:
             w.done.pop((r, step - 1), None)
 
-    def replica_all_reduce(self, grads: Mapping[str, torch.Tensor]) -> None:
-        group = self.mesh.replica_group
-        if len(group) == 1:
-            return
-        exchange = self.world.exchange
-        moved = all_reduce_flat(grads, lambda flat: torch.stack(exchange(group, self.mesh.rank, flat)).sum(0))
-        self.counters.collectives += 1
-        self.counters.collective_bytes += moved
-
-    def sync(self, stats: torch.Tensor) -> torch.Tensor:
-        parts = self.world.exchange(range(self.world.world_size), self.mesh.rank, stats.clone())
-        self.counters.syncs += 1
-        return torch.stack(parts).sum(0)
-
     def grad_shards(self) -> dict[str, torch.Tensor]:
         return self.world.acc[self.mesh.rank]
 
     def fetch_add(self, counter: int, n: int = 1) -> int:
+        check_counter(counter, self.max_counters, "LocalTransport")
         w, step = self.world, self.step
         with w.cond:
             old = w.shared.get((step, counter), 0)
@@ -211,25 +243,35 @@ class LocalTransport:
 
 
 def run_local(
-    fn: Callable[[int, LocalTransport], T],
+    fn: Callable[[int, Any], T],
     world_size: int,
     *,
+    transport: Callable[[LocalWorld, int], Any] | None = None,
     ranks_per_node: int | None = None,
     sharding: str = "full",
     timeout: float = 60.0,
 ) -> list[T]:
     """Run ``fn(rank, transport)`` on ``world_size`` in-process ranks (threads); return the
-    per-rank results. If any rank raises, the others are aborted and the first error re-raised."""
+    per-rank results. ``transport(world, rank)`` makes rank ``rank``'s transport on the shared
+    ``LocalWorld`` (default ``world.transport(rank)``; the world offers ``mesh``, ``store`` and
+    ``LocalCollectives(world, rank)``); each is closed after ``fn`` returns. If any rank raises,
+    the others are aborted and the first error re-raised."""
     world = LocalWorld(world_size, ranks_per_node=ranks_per_node, sharding=sharding, timeout=timeout)
+    make = transport if transport is not None else LocalWorld.transport
     results: list[Any] = [None] * world_size
     errors: list[tuple[int, BaseException]] = []
 
     def body(rank: int) -> None:
+        tr = None
         try:
-            results[rank] = fn(rank, world.transport(rank))
+            tr = make(world, rank)
+            results[rank] = fn(rank, tr)
         except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
             errors.append((rank, e))
             world.abort(f"rank {rank} raised {type(e).__name__}: {e}")
+        finally:
+            if tr is not None:
+                tr.close()
 
     threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(world_size)]
     for t in threads:

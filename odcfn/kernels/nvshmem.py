@@ -30,6 +30,8 @@ from typing import Any
 import torch
 
 from odcfn.kernels._gpu_engine import ArenaTransport
+from odcfn.kernels.base import Collectives
+from odcfn.kernels.collective import TorchCollectives
 from odcfn.kernels.cuda_ipc import require_cuda
 from odcfn.sharding import Mesh
 
@@ -292,7 +294,7 @@ class NvshmemFabric:
 def nvshmem_transport(
     mesh: Mesh,
     store: Any,
-    collectives: Any,
+    collectives: Collectives | None = None,
     *,
     device: torch.device | str | None = None,
     slots: int = 8,
@@ -302,8 +304,12 @@ def nvshmem_transport(
     host_grads: bool = False,
 ) -> ArenaTransport:
     """The NVSHMEM transport for ``mesh.rank`` (after ``torch.distributed.init_process_group``).
-    ``store``: the torch.distributed store (``fetch_add``); ``collectives``: ``TorchCollectives``."""
+    ``store``: the torch.distributed store (``fetch_add``); ``collectives``: by default
+    ``TorchCollectives`` (nccl) for ``mesh``, on the caller's process group if there is one."""
     fabric = NvshmemFabric(mesh, device)
+    own = collectives is None
+    if own:
+        collectives = TorchCollectives(mesh, fabric.device, timeout=timeout)
     return ArenaTransport(
         mesh,
         fabric,
@@ -315,4 +321,5 @@ def nvshmem_transport(
         timeout=timeout,
         prefix=prefix,
         host_grads=host_grads,
+        own_collectives=own,
     )

@@ -18,7 +18,8 @@ Each rank owns one shared-memory segment that every peer maps::
 - ``flush``: point-to-point completion: each client writes "done with step t" into a slot of its
   own in every owner's ``ctrl``; the owner waits for all its clients' slots (no atomics needed).
 - ``sync`` (the one global all-reduce), ``all_gather``/``reduce_scatter``/``replica_all_reduce``
-  go over torch.distributed (gloo), so one transport serves ``comm="odc"`` and ``"collective"``.
+  are ``base.StepCollectives`` over ``TorchCollectives`` (gloo), so one transport serves
+  ``comm="odc"`` and ``"collective"``.
 - ``fetch_add``: read-modify-write of one counter of rank 0's segment under a byte-range lock.
   A counter stored at an older step counts as 0 (reset lazily, no zeroing pass; a later step
   is an error). The region is sparse in the file: untouched counters cost no memory.
@@ -42,14 +43,22 @@ import numpy as np
 import torch
 
 from odcfn.kernels._shm_sync import RangeLock, Segment, shm_dir, wait_until
-from odcfn.kernels.base import Counters, Done, Handle, TransportError
-from odcfn.kernels.collective import DistOps
+from odcfn.kernels.base import (
+    MAX_COUNTERS,
+    Counters,
+    Done,
+    Handle,
+    StepCollectives,
+    TransportError,
+    check_counter,
+    world_group,
+)
+from odcfn.kernels.collective import TorchCollectives
 from odcfn.sharding import Layout, Mesh
 
 __all__ = ["ShmTransport"]
 
-VERSION, PID, ABORT, DONE = 0, 1, 2, 16
-MAX_COUNTERS = 1 << 16  # fetch_add counters, each an int64 (step, value) pair
+VERSION, PID, ABORT, DONE = 0, 1, 2, 16  # MAX_COUNTERS: each counter an int64 (step, value) pair
 _ALIGN = 64
 _COUNTER_LOCK = 0  # lock byte for fetch_add; accumulator chunk locks use byte offsets >= the acc region
 
@@ -84,9 +93,11 @@ class _SegLayout:
         return cls(key, off, counters, pub, acc, sizes)
 
 
-class ShmTransport:
+class ShmTransport(StepCollectives):
     """The full transport protocol for W local processes: ODC over /dev/shm, collectives and the
-    sync over gloo. ``with ShmTransport(odcfn.Mesh.from_env()) as tr: ...``
+    sync over gloo. ``with ShmTransport(odcfn.Mesh.from_env()) as tr: ...``. An existing default
+    process group (torchrun's, the caller's) is used; otherwise one is created from the
+    torchrun environment (``TorchCollectives``).
 
     ``chunk_elems``: scatter-accumulate granularity (elements per lock); smaller chunks let more
     writers into one owner's unit at once, larger ones pay fewer lock round trips.
@@ -98,7 +109,8 @@ class ShmTransport:
     def __init__(self, mesh: Mesh, *, timeout: float = 60.0, chunk_elems: int = 1 << 16) -> None:
         if not isinstance(chunk_elems, int) or chunk_elems < 1:
             raise ValueError(f"chunk_elems must be a positive int, got {chunk_elems!r}")
-        self.dist = DistOps(mesh, timeout, "gloo")
+        self.collectives = TorchCollectives(mesh, "cpu", backend="gloo", timeout=timeout)
+        self.dist = self.collectives  # its former name, still used by bench/shm_accumulate.py
         self.mesh, self.timeout, self.chunk = mesh, float(timeout), chunk_elems
         self.counters = Counters()
         self.step = 0
@@ -107,7 +119,7 @@ class ShmTransport:
         # per-job prefix so they can sweep leftovers of a rank killed during setup
         # (rank 0's random number, summed with zeros: plain tensors, nothing unpickled)
         pick = torch.tensor([secrets.randbits(62) if mesh.rank == 0 else 0], dtype=torch.int64)
-        tag = f"{int(self.dist.all_reduce(pick)[0]):016x}"
+        tag = f"{int(self.collectives.all_reduce(world_group(mesh), pick)[0]):016x}"
         self._stem = f"{os.environ.get('ODCFN_SHM_PREFIX', 'odcfn')}-{tag}"
         self._gen = 0
         self._seg: _SegLayout | None = None
@@ -131,11 +143,11 @@ class ShmTransport:
         mapped = {r: own}
         try:
             own.view(0, DONE + w, torch.int64)[PID] = os.getpid()
-            self.dist.barrier()  # every file exists
+            self.collectives.barrier()  # every file exists
             for p in range(w):
                 if p != r:
                     mapped[p] = Segment(self._path(p), seg.nbytes, create=False)
-            self.dist.barrier()  # every rank mapped every file
+            self.collectives.barrier()  # every rank mapped every file
         except BaseException:
             for s in mapped.values():
                 s.close()
@@ -237,39 +249,25 @@ class ShmTransport:
             "peers to finish pushing into this rank", group,
         )
 
-    def all_gather(self, unit: str, out: torch.Tensor) -> None:
+    def _published(self, unit: str) -> torch.Tensor:
         self._need_step()
-        self.dist.all_gather(out, self._pub[self.mesh.rank][unit])
-        self.counters.collectives += 1
-        self.counters.collective_bytes += out.numel() * out.element_size()
+        return self._pub[self.mesh.rank][unit]
 
-    def reduce_scatter(self, unit: str, grad: torch.Tensor) -> None:
+    def _accumulator(self, unit: str) -> torch.Tensor:
         self._need_step()
-        self.dist.reduce_scatter_add(self._acc[self.mesh.rank][unit], grad)
-        self.counters.collectives += 1
-        self.counters.collective_bytes += grad.numel() * grad.element_size()
-
-    def replica_all_reduce(self, grads: Mapping[str, torch.Tensor]) -> None:
-        moved = self.dist.replica_all_reduce(grads)
-        if moved:
-            self.counters.collectives += 1
-            self.counters.collective_bytes += moved
+        return self._acc[self.mesh.rank][unit]
 
     def sync(self, stats: torch.Tensor) -> torch.Tensor:
         if self._ctrl and (why := self._aborted()) is not None:  # it left: do not wait for it
             raise TransportError(f"rank {self.mesh.rank}: cannot sync at step {self.step}: {why}")
-        out = self.dist.all_reduce(stats)
-        self.counters.syncs += 1
-        return out
+        return super().sync(stats)
 
     def grad_shards(self) -> dict[str, torch.Tensor]:
         self._need_step()
         return self._acc[self.mesh.rank]
 
     def fetch_add(self, counter: int, n: int = 1) -> int:
-        if not 0 <= counter < self.max_counters:
-            raise ValueError(f"counter {counter} is out of range: ShmTransport has max_counters="
-                             f"{self.max_counters} (counters 0..{self.max_counters - 1})")
+        check_counter(counter, self.max_counters, "ShmTransport")
         self._need_step()
         cell = self._counters[counter]  # (step, value) in rank 0's segment
         with RangeLock(self._segs[0].fd, _COUNTER_LOCK, self.timeout, f"shared counter {counter}"):
@@ -293,7 +291,7 @@ class ShmTransport:
             return
         self._closed = True
         self._release()
-        self.dist.close()
+        self.collectives.close()
 
     def __enter__(self) -> ShmTransport:
         return self
