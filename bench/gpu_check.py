@@ -99,6 +99,8 @@ def env(dev: torch.device) -> tuple[str, str, dict]:
         "torch_cuda": torch.version.cuda,
         "triton": triton.__version__,
         "triton_interpret": os.environ.get("TRITON_INTERPRET"),
+        # an MPS daemon makes NVSHMEM's several-PEs-per-GPU mode full instead of limited
+        "mps_pipe_dir": os.path.exists(os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps")),
         **{
             d: _version(d)
             for d in (
@@ -331,14 +333,14 @@ def _ipc_sections(rep: Report, dev: torch.device, world: int) -> None:
 
     def grads():
         group.append(Ranks(ipc_rank_main, world, dev.type, backend))
-        out = ipc_grads(group[0], min(180.0, rep.left()), where)
+        out = ipc_grads(group[0], min(120.0, rep.left()), where)
         answered.append(True)
         return out
 
     try:
         rep.run(f"ipc_w{world}_grads", grads, need=30)
         if answered:
-            rep.run(f"ipc_w{world}_bandwidth", lambda: ipc_bandwidth(group[0], min(120.0, rep.left())))
+            rep.run(f"ipc_w{world}_bandwidth", lambda: ipc_bandwidth(group[0], min(90.0, rep.left())))
         else:
             rep.set(f"ipc_w{world}_bandwidth", "skip", "its processes did not finish the gradient phase")
     finally:
