@@ -3,7 +3,7 @@
 # on PYTHONPATH without touching the image's torch/triton, then run bench/gpu_check.py: kernels
 # vs references, CUDA-IPC gradient parity at W=2 (processes sharing the one GPU if that is all
 # there is), its transport bandwidth, kernel bandwidth vs copy_, W=4, NVSHMEM. Writes
-# gpu_check.log and gpu_check.json under $OUT (else ./gpu-check-out). Without a GPU it says so
+# gpu_check.log and gpu_check.json under $OUT (else /tmp/odcfn-gpu-check). Without a GPU it says so
 # and exits 0.
 #   usage: bench/gpu_check.sh [--cpu] [gpu_check.py args, e.g. --world 2]
 #     --cpu   dry run on this CPU machine: TRITON_INTERPRET=1, --device cpu, no wheel install
@@ -13,7 +13,7 @@ cd "$(dirname "$0")/.."
 REPO=$PWD
 PY=${PYTHON:-python3}
 WHEELS=${GPU_WHEELS:-$REPO/.gpu-wheels}
-LOGDIR=${OUT:-$REPO/gpu-check-out}
+LOGDIR=${OUT:-${TMPDIR:-/tmp}/odcfn-gpu-check}
 mkdir -p "$LOGDIR"
 LOG=$LOGDIR/gpu_check.log
 DRY=0
