@@ -87,6 +87,33 @@ def test_nvshmem_kernels_link_the_device_library(stats, name):
     assert set(s["externs_unresolved"]) <= {"vprintf", "__assertfail"}, s["externs_unresolved"]
 
 
+def test_jit_front_end_takes_the_launchers_arguments():
+    """``kernel.warmup`` (argument binding, specialisation, compile) for the launches the
+    launchers make, through an offline driver that reports sm_90: the launch-time API, which
+    differs from ``triton.compile``'s and is what changes between triton versions, checked
+    without a GPU. One NVSHMEM kernel (the smallest) stands for ``extern_libs`` as a launch
+    option; the three are linked in the tests above."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    names = "gather,accumulate,scatter_add,cast_copy,nvshmem_signal"
+    cmd = [sys.executable, "-m", "odcfn.kernels._gpu_compile", "--warmup", "90", names]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = {d["name"]: d for d in map(json.loads, p.stdout.splitlines())}
+    streaming = {f"{k}[{d},n={n}]" for n in (1, 1001, 4096) for k, d in
+                 (("gather", "fp32"), ("gather", "bf16"), ("accumulate", "bf16"), ("scatter_add", "bf16"),
+                  ("cast_copy", "fp32->bf16"))}  # fmt: skip
+    assert streaming <= set(rows), sorted(streaming - set(rows))
+    try:
+        import nvidia.nvshmem  # noqa: F401
+
+        assert {"nvshmem_signal[i32]", "nvshmem_signal[i64]"} <= set(rows), sorted(rows)
+    except ImportError:
+        pass
+    for name, d in rows.items():
+        assert d["cubin_bytes"] > 1000 and d["loadable"], (name, d)
+
+
 def test_device_bitcode_takes_the_per_arch_file_else_nvshmem_3_4s_single_one(tmp_path, monkeypatch):
     """nvidia-nvshmem 3.8.0 ships libnvshmem_device_sm_XX.bc, 3.4.5 (torch 2.11's pin, on the
     lent H200's image) one libnvshmem_device.bc: both must be found, the per-arch file first."""

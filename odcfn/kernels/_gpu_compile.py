@@ -3,6 +3,8 @@ machine, GPU or not, and summarise its PTX: what CI checks.
 
 ``python -m odcfn.kernels._gpu_compile [ARCH [NAME,NAME...]]`` prints one JSON line per
 kernel. Run it where ``TRITON_INTERPRET`` is unset (interpreted kernels cannot be compiled).
+``python -m odcfn.kernels._gpu_compile --warmup [ARCH [NAME,...]]`` instead runs triton's JIT
+front end for the launches the launchers make (``warmup_launches``).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import sys
 import tempfile
 from dataclasses import asdict, dataclass
 
-__all__ = ["PtxStats", "compile_all", "compile_kernel", "kernel_names", "ptx_stats"]
+__all__ = ["PtxStats", "compile_all", "compile_kernel", "kernel_names", "ptx_stats", "warmup_launches"]
 
 
 @dataclass(frozen=True)
@@ -178,8 +180,119 @@ def compile_all(arch: int = 90, names: list[str] | None = None) -> list[PtxStats
     return out
 
 
+def _offline_driver(arch: int):
+    """A triton driver that reports ``cuda:arch`` and launches nothing: enough for the JIT front
+    end (binding, specialisation, ``warmup`` compiles) on a machine without a GPU."""
+    import torch
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.driver import DriverBase
+
+    class OfflineCuda(DriverBase):
+        @classmethod
+        def is_active(cls) -> bool:
+            return True
+
+        def map_python_to_cpp_type(self, ty: str) -> str:
+            return ty
+
+        def get_current_device(self) -> int:
+            return 0
+
+        def get_current_stream(self, device=None) -> int:
+            return 0
+
+        def get_current_target(self):
+            return GPUTarget("cuda", arch, 32)
+
+        def get_active_torch_device(self):
+            return torch.device("cpu")
+
+        def get_benchmarker(self):
+            raise RuntimeError("offline driver: nothing runs")
+
+    return OfflineCuda()
+
+
+def warmup_launches(arch: int = 90, names: list[str] | None = None) -> list[dict]:
+    """Triton's JIT front end for the launches odcfn's launchers make, as they make them:
+    ``kernel.warmup`` with the launchers' argument kinds (CPU tensors stand in for device ones:
+    the binder reads only dtype and address), sizes that specialise differently (1, multiples of
+    16, others), and for the NVSHMEM kernels ``extern_libs`` as a launch option, the way
+    ``odcfn.kernels.nvshmem._launch`` passes it. Replaces triton's active driver: call it in a
+    process of its own."""
+    import torch
+    from triton.runtime.driver import driver
+
+    from odcfn.kernels import _gpu_nvshmem_device as nv
+    from odcfn.kernels import triton_ops as T
+
+    driver.set_active(_offline_driver(arch))
+    t64, bf16 = torch.zeros(2, dtype=torch.int64), torch.bfloat16
+    opts = {"BLOCK": T.BLOCK, "num_warps": T.NUM_WARPS}  # what triton_ops._launch passes
+    cases: list[tuple[str, object, tuple, dict]] = []
+    for n in (1, 1001, 4096):
+        cases += [
+            (f"gather[fp32,n={n}]", T.gather_kernel, (t64, torch.empty(2 * n), n), opts),
+            (f"gather[bf16,n={n}]", T.gather_kernel, (t64, torch.empty(2 * n, dtype=bf16), n), opts),
+            (
+                f"accumulate[bf16,n={n}]",
+                T.accumulate_kernel,
+                (torch.empty(n), torch.empty(n, dtype=bf16), n),
+                opts,
+            ),
+            (
+                f"scatter_add[bf16,n={n}]",
+                T.scatter_add_kernel,
+                (t64, torch.empty(2 * n, dtype=bf16), n),
+                opts,
+            ),
+            (
+                f"cast_copy[fp32->bf16,n={n}]",
+                T.cast_copy_kernel,
+                (torch.empty(n, dtype=bf16), torch.empty(n), n),
+                opts,
+            ),
+        ]
+    try:
+        libs = {"extern_libs": (("libnvshmem_device", nv.device_bitcode(arch)),)}
+    except RuntimeError as e:
+        print(f"skipping NVSHMEM kernels: {e}", file=sys.stderr)
+        libs = None
+    if libs is not None:
+        u8, i32, i64 = (torch.zeros(3 << 16, dtype=d) for d in (torch.uint8, torch.int32, torch.int64))
+        big = 1 << 40  # symmetric addresses and large sizes arrive as i64, small ints as i32
+        cases += [
+            (
+                "nvshmem_gather",
+                nv.nvshmem_gather_kernel,
+                (u8, big, i32, i32, 1 << 16),
+                {**libs, "CHUNK_BYTES": 1 << 16},
+            ),
+            (
+                "nvshmem_put_signal",
+                nv.nvshmem_put_signal_kernel,
+                (u8, 0, 4096, big, big + 24, i64, i32, 0),
+                libs,
+            ),
+            ("nvshmem_signal[i32]", nv.nvshmem_signal_kernel, (big, 5, 0), libs),
+            ("nvshmem_signal[i64]", nv.nvshmem_signal_kernel, (big, big, 1), libs),
+        ]
+    out = []
+    for name, fn, args, kw in cases:
+        if names is not None and name.split("[")[0] not in names:
+            continue
+        k = fn.warmup(*args, grid=(1,), **kw)
+        out.append(
+            {"name": name, "cubin_bytes": len(k.asm["cubin"]), "loadable": hasattr(k, "_init_handles")}
+        )
+    return out
+
+
 if __name__ == "__main__":  # pragma: no cover - exercised through a subprocess in the tests
-    arch = int(sys.argv[1]) if len(sys.argv) > 1 else 90
-    wanted = sys.argv[2].split(",") if len(sys.argv) > 2 else None
-    for s in compile_all(arch, wanted):
-        print(json.dumps(s.as_dict()), flush=True)
+    argv = sys.argv[1:]
+    warm = bool(argv) and argv[0] == "--warmup"
+    argv = argv[1:] if warm else argv
+    arch = int(argv[0]) if argv else 90
+    wanted = argv[1].split(",") if len(argv) > 1 else None
+    for row in warmup_launches(arch, wanted) if warm else (s.as_dict() for s in compile_all(arch, wanted)):
+        print(json.dumps(row), flush=True)
