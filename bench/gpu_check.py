@@ -50,8 +50,8 @@ class Report:
         self.write()
 
     def run(self, name: str, fn, need: float = 10.0) -> None:
-        """``fn()`` returns (status, detail, data); an exception is an ``error``, a rank group
-        that stopped answering a ``timeout``."""
+        """``fn()`` returns (status, detail, data); an exception (here or in a rank) is an
+        ``error`` with its traceback, a rank group that stopped answering a ``timeout``."""
         if self.left() < need:
             self.set(name, "skip", f"time budget spent ({self.budget:.0f} s)")
             return
@@ -60,7 +60,7 @@ class Report:
             status, detail, data = fn()
         except PhaseError as e:
             status, detail, data = (
-                ("timeout" if "no answer" in str(e) else "fail"),
+                ("timeout" if "no answer" in str(e) else "error"),  # else: a rank raised
                 str(e).splitlines()[0],
                 {},
             )

@@ -74,8 +74,10 @@ class Ranks:
             self.got.setdefault(ph, {})[rank] = payload
         return self.got[phase]
 
-    def close(self) -> None:
-        deadline = time.monotonic() + 10  # for the whole group: a hung W=4 costs 10 s, not 40
+    def close(self, grace: float = 10.0) -> None:
+        """Join the ranks, killing those still running after ``grace`` seconds (for the whole
+        group: a hung W=4 costs 10 s, not 40)."""
+        deadline = time.monotonic() + grace
         for p in self.procs:
             p.join(timeout=max(0.1, deadline - time.monotonic()))
         for p in self.procs:

@@ -9,6 +9,8 @@ import json
 import os
 import subprocess
 import sys
+import time
+import traceback
 import zipfile
 from pathlib import Path
 
@@ -18,7 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 
 import gpu_check as G  # noqa: E402
-from gpu_check_ranks import PhaseError  # noqa: E402
+from gpu_check_ranks import PhaseError, Ranks  # noqa: E402
 
 
 def test_sections_run_in_order_of_value():
@@ -31,7 +33,7 @@ def test_sections_run_in_order_of_value():
 
 def test_a_failing_section_does_not_hide_the_next(tmp_path):
     path = tmp_path / "r.json"
-    rep = G.Report(str(path), ["a", "b", "c", "d", "e"], budget=1000)
+    rep = G.Report(str(path), ["a", "b", "c", "d", "e", "f"], budget=1000)
 
     def crash():
         raise KeyError("boom")
@@ -39,19 +41,55 @@ def test_a_failing_section_does_not_hide_the_next(tmp_path):
     def hang():
         raise PhaseError("phase 'grads': ranks [1] gave no answer within 5 s")
 
+    def rank_raised():
+        raise PhaseError("phase 'grads': rank 0 failed:\nTraceback ...\nRuntimeError: no IPC")
+
     rep.run("a", crash)
     rep.run("b", hang)
-    rep.run("c", lambda: ("pass", "fine", {"x": 1}))
+    rep.run("c", rank_raised)
+    rep.run("d", lambda: ("pass", "fine", {"x": 1}))
     rep.budget = 0  # spent: later sections are skipped, and say why
-    rep.run("d", lambda: ("pass", "never", {}))
+    rep.run("e", lambda: ("pass", "never", {}))
     doc = json.loads(path.read_text())
     s = doc["sections"]
-    assert list(s) == ["a", "b", "c", "d", "e"]
+    assert list(s) == ["a", "b", "c", "d", "e", "f"]
     assert s["a"]["status"] == "error" and "KeyError: 'boom'" in s["a"]["error"]
     assert s["b"]["status"] == "timeout" and "gave no answer" in s["b"]["error"]
-    assert s["c"]["status"] == "pass" and s["c"]["x"] == 1 and s["c"]["error"] is None
-    assert s["d"]["status"] == "skip" and "budget" in s["d"]["detail"]
-    assert s["e"]["status"] == "skip" and s["e"]["detail"] == "not reached"
+    assert s["c"]["status"] == "error" and "RuntimeError: no IPC" in s["c"]["error"]
+    assert s["d"]["status"] == "pass" and s["d"]["x"] == 1 and s["d"]["error"] is None
+    assert s["e"]["status"] == "skip" and "budget" in s["e"]["detail"]
+    assert s["f"]["status"] == "skip" and s["f"]["detail"] == "not reached"
+
+
+def _rank_1_raises(rank, world, port, q):  # the shape of the real rank mains
+    try:
+        if rank == 1:
+            raise ValueError("planted")
+        q.put((rank, "grads", None, {"rank": rank}))
+    except BaseException:  # noqa: BLE001
+        q.put((rank, "grads", traceback.format_exc(), None))
+
+
+def _silent(rank, world, port, q):
+    time.sleep(120)
+
+
+def test_rank_groups_report_a_failed_rank_and_time_out_a_silent_one():
+    group = Ranks(_rank_1_raises, 2)
+    try:
+        with pytest.raises(PhaseError, match=r"rank 1 failed:(.|\n)*ValueError: planted"):
+            group.collect("grads", 120)
+    finally:
+        group.close()
+    group = Ranks(_silent, 2)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(PhaseError, match=r"ranks \[0, 1\] gave no answer within 3 s"):
+            group.collect("grads", 3)
+    finally:
+        group.close(grace=1)  # kills what still runs, in bounded time
+    assert time.monotonic() - t0 < 60
+    assert not any(p.is_alive() for p in group.procs)
 
 
 def _env() -> dict:
