@@ -122,7 +122,8 @@ def ipc_rank_main(rank: int, world: int, port: int, dev_kind: str, backend: str,
     try:
         torch.set_num_threads(1)
         import odcfn
-        from odcfn.kernels.cuda_ipc import TorchCollectives, cuda_ipc_transport
+        from odcfn.kernels.collective import TorchCollectives
+        from odcfn.kernels.cuda_ipc import cuda_ipc_transport
         from odcfn.models import QwenConfig, init_params, qwen_model
 
         device = _device(rank, dev_kind)
@@ -225,7 +226,7 @@ def nvshmem_rank_main(rank: int, world: int, port: int, q) -> None:
         os.environ.setdefault("NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME", "lo")
         os.environ.setdefault("NVSHMEM_REMOTE_TRANSPORT", "none")
         import odcfn
-        from odcfn.kernels.cuda_ipc import TorchCollectives
+        from odcfn.kernels.collective import TorchCollectives
 
         ndev = torch.cuda.device_count()
         device = _device(rank, "cuda")
