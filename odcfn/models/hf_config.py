@@ -134,6 +134,7 @@ def config_from_hf(hf: dict[str, Any]) -> QwenConfig:
             qk_norm=kind == "qwen3",
             o_bias=False if kind == "qwen2" else bias,
             rope_scaling=scaling,
+            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         )
     except KeyError as e:
         raise ValueError(f"config.json lacks {e.args[0]!r}") from None
@@ -175,7 +176,7 @@ def config_to_hf(cfg: QwenConfig, *, dtype: torch.dtype = torch.float32) -> dict
         "rms_norm_eps": cfg.rms_eps,
         "hidden_act": "silu",
         "attention_bias": cfg.qkv_bias,
-        "tie_word_embeddings": False,
+        "tie_word_embeddings": cfg.tie_embeddings,
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
     if cfg.rope_scaling is not None:

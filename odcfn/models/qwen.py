@@ -47,6 +47,7 @@ class QwenConfig:
     qk_norm: bool = False  # Qwen3: per-head RMSNorm of q and k before RoPE
     o_bias: bool = False  # Llama attention_bias=true also biases o_proj
     rope_scaling: RopeScaling | None = None
+    tie_embeddings: bool = False  # the head reads embed's matrix: one parameter, owned by embed
 
     def __post_init__(self) -> None:
         if self.head_dim is None:
@@ -92,7 +93,9 @@ def unit_shapes(cfg: QwenConfig) -> dict[str, PyTree]:
     shapes = {"embed": {"embed_tokens": {"weight": S([V, D])}}}
     for i in range(cfg.n_layers):
         shapes[f"layers.{i}"] = layer
-    shapes["head"] = {"norm": {"weight": S([D])}, "lm_head": {"weight": S([V, D])}}
+    shapes["head"] = {"norm": {"weight": S([D])}}
+    if not cfg.tie_embeddings:
+        shapes["head"]["lm_head"] = {"weight": S([V, D])}
     return shapes
 
 
@@ -162,8 +165,10 @@ def block_fwd(p: dict, x_TxD: torch.Tensor, mb: Microbatch, *, cfg: QwenConfig) 
 
 
 def head_fwd(p: dict, x_TxD: torch.Tensor, mb: Microbatch, *, cfg: QwenConfig) -> torch.Tensor:
-    """Summed cross-entropy over the microbatch's loss tokens (fp32 logits)."""
-    logits_TxV = linear(rms_norm(x_TxD, p["norm"]["weight"], cfg.rms_eps), p["lm_head"]).float()
+    """Summed cross-entropy over the microbatch's loss tokens (fp32 logits). Tied: the LM head
+    is the embedding matrix (``p["embed"]``, the used unit's subtree)."""
+    w_VxD = p["embed"]["embed_tokens"]["weight"] if cfg.tie_embeddings else p["lm_head"]["weight"]
+    logits_TxV = F.linear(rms_norm(x_TxD, p["norm"]["weight"], cfg.rms_eps), w_VxD).float()
     nll_T = F.cross_entropy(logits_TxV, mb.labels_T, reduction="none")
     return (nll_T * mb.loss_mask_T).sum()
 
@@ -173,7 +178,8 @@ def qwen_model(cfg: QwenConfig, *, dtype: torch.dtype = torch.float32) -> Model:
     units = [Unit("embed", embed_fwd, shapes["embed"])]
     for i in range(cfg.n_layers):
         units.append(Unit(f"layers.{i}", partial(block_fwd, cfg=cfg), shapes[f"layers.{i}"]))
-    units.append(Unit("head", partial(head_fwd, cfg=cfg), shapes["head"]))
+    uses = ("embed",) if cfg.tie_embeddings else ()
+    units.append(Unit("head", partial(head_fwd, cfg=cfg), shapes["head"], uses=uses))
     return Model(tuple(units), dtype=dtype)
 
 
@@ -205,8 +211,8 @@ class _UnitModule(nn.Module):
             out[k] = self._tree(child)
         return out
 
-    def forward(self, x, mb: Microbatch):
-        return self._fwd(self._tree(), x, mb)
+    def forward(self, x, mb: Microbatch, used: dict | None = None):
+        return self._fwd({**self._tree(), **(used or {})}, x, mb)
 
 
 class QwenModule(nn.Module):
@@ -220,6 +226,7 @@ class QwenModule(nn.Module):
             _UnitModule(shapes[f"layers.{i}"], partial(block_fwd, cfg=cfg)) for i in range(cfg.n_layers)
         )
         self.head = _UnitModule(shapes["head"], partial(head_fwd, cfg=cfg))
+        self.tied = cfg.tie_embeddings
 
     def load_params(self, params: dict) -> None:
         sd = {f"{u}.{n}": t for u, sub in params.items() for n, t in tree_named_leaves(sub)}
@@ -229,4 +236,5 @@ class QwenModule(nn.Module):
         x = self.embed(None, mb)
         for layer in self.layers:
             x = layer(x, mb)
-        return self.head(x, mb)
+        # tied: the head reads the embedding's own Parameter, so autograd sums both uses
+        return self.head(x, mb, {"embed": self.embed._tree()} if self.tied else None)
