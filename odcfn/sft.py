@@ -189,13 +189,14 @@ def train_rank(cfg: SFTConfig, rank: int, transport) -> dict[str, Any]:
     ck = latest(cfg.checkpoint_dir) if cfg.checkpoint.resume else None
     qcfg, model, initial = _build_model(cfg, None if ck is not None else mesh)
     d = cfg.data
-    data = read_dataset(
-        d.path,
-        vocab_size=qcfg.vocab_size,
-        max_length=d.max_length,
-        tokenizer=d.tokenizer,
-        cache_dir=d.cache_dir,
-    )
+    if d.tokenizer:  # chat transcripts, tokenized once and cached
+        from odcfn.chat_data import read_chat_jsonl
+
+        data = read_chat_jsonl(
+            d.path, d.tokenizer, vocab_size=qcfg.vocab_size, max_length=d.max_length, cache_dir=d.cache_dir
+        )
+    else:
+        data = read_dataset(d.path, vocab_size=qcfg.vocab_size, max_length=d.max_length)
     per_epoch = steps_per_epoch(data, cfg.data.batch_size)
     lr = _lr_fn(t)
     make_opt = odcfn.adamw if t.optimizer == "adamw" else odcfn.sgd
