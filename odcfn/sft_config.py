@@ -63,6 +63,7 @@ class ModelSection:
     head_dim: int | None = None
     qk_norm: bool = False
     o_bias: bool = False
+    tie_embeddings: bool = False
     seed: int = 0
 
     def __post_init__(self) -> None:
