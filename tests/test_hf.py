@@ -145,6 +145,7 @@ def test_names_follow_hf_layout_written_by_hand(tmp_path):
         ({"final_logit_softcapping": 30.0}, "final_logit_softcapping"),
         ({"quantization_config": {"quant_method": "gptq"}}, "quantization_config"),
         ({"head_dim": 7}, "head_dim=7 must be even"),
+        ({"pad_token_id": 99}, r"pad_token_id=99 is outside \[0, vocab_size=53\)"),
         ({"hidden_size": None}, "hidden_size"),
     ],
 )

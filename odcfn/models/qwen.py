@@ -48,6 +48,7 @@ class QwenConfig:
     o_bias: bool = False  # Llama attention_bias=true also biases o_proj
     rope_scaling: RopeScaling | None = None
     tie_embeddings: bool = False  # the head reads embed's matrix: one parameter, owned by embed
+    pad_token_id: int | None = None  # as nn.Embedding's padding_idx: its row gets no embedding grad
 
     def __post_init__(self) -> None:
         if self.head_dim is None:
@@ -56,6 +57,8 @@ class QwenConfig:
             object.__setattr__(self, "head_dim", self.d_model // self.n_heads)
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}")
+        if self.pad_token_id is not None and not 0 <= self.pad_token_id < self.vocab_size:
+            raise ValueError(f"pad_token_id={self.pad_token_id} is outside [0, vocab_size={self.vocab_size})")
         if self.head_dim < 2 or self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
@@ -151,8 +154,8 @@ def attention(p: dict, x_TxD: torch.Tensor, mb: Microbatch, cfg: QwenConfig) -> 
     return linear(rearrange(o_HxTxK, "h t k -> t (h k)"), p["o_proj"])
 
 
-def embed_fwd(p: dict, x: None, mb: Microbatch) -> torch.Tensor:
-    return F.embedding(mb.input_ids_T, p["embed_tokens"]["weight"])
+def embed_fwd(p: dict, x: None, mb: Microbatch, *, pad: int | None = None) -> torch.Tensor:
+    return F.embedding(mb.input_ids_T, p["embed_tokens"]["weight"], padding_idx=pad)
 
 
 def block_fwd(p: dict, x_TxD: torch.Tensor, mb: Microbatch, *, cfg: QwenConfig) -> torch.Tensor:
@@ -175,7 +178,7 @@ def head_fwd(p: dict, x_TxD: torch.Tensor, mb: Microbatch, *, cfg: QwenConfig) -
 
 def qwen_model(cfg: QwenConfig, *, dtype: torch.dtype = torch.float32) -> Model:
     shapes = unit_shapes(cfg)
-    units = [Unit("embed", embed_fwd, shapes["embed"])]
+    units = [Unit("embed", partial(embed_fwd, pad=cfg.pad_token_id), shapes["embed"])]
     for i in range(cfg.n_layers):
         units.append(Unit(f"layers.{i}", partial(block_fwd, cfg=cfg), shapes[f"layers.{i}"]))
     uses = ("embed",) if cfg.tie_embeddings else ()
@@ -221,7 +224,7 @@ class QwenModule(nn.Module):
     def __init__(self, cfg: QwenConfig) -> None:
         super().__init__()
         shapes = unit_shapes(cfg)
-        self.embed = _UnitModule(shapes["embed"], embed_fwd)
+        self.embed = _UnitModule(shapes["embed"], partial(embed_fwd, pad=cfg.pad_token_id))
         self.layers = nn.ModuleList(
             _UnitModule(shapes[f"layers.{i}"], partial(block_fwd, cfg=cfg)) for i in range(cfg.n_layers)
         )
