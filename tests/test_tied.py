@@ -59,6 +59,17 @@ def test_tied_gradient_is_embedding_use_plus_head_use(world):
                     assert len(rs) == n
 
 
+def test_work_stealing_on_a_tied_model():
+    model, full = qwen_model(TIED), init_params(TIED, seed=6)
+    batch = odcfn.random_batch([9, 3, 12, 5, 7, 4, 10], TIED.vocab_size, seed=8)
+    _, g_ref = odcfn.reference_value_and_grad(model, full, batch)
+    want = ref_shards(g_ref, model, 3)
+    out = run_grad_step(full, batch, model, 3, balance="work_stealing", max_tokens_per_microbatch=12)
+    for rank, (grads, m) in enumerate(out):
+        odcfn.tree_assert_allclose(grads, want[rank], rtol=2e-4, atol=2e-6, what=f"rank {rank}")
+        assert any(getattr(s, "uses", ()) == ("embed",) for s in m.plan.steps)
+
+
 def test_plan_shows_the_extra_gather():
     units = qwen_model(TIED).unit_names
     uses = ScheduleOptions(uses=qwen_model(TIED).uses)
