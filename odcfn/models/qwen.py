@@ -43,7 +43,9 @@ class QwenConfig:
     rope_theta: float = 10000.0
     rms_eps: float = 1e-6
     qkv_bias: bool = True  # Qwen2 has q/k/v biases; Llama does not
-    head_dim: int | None = None  # None: d_model // n_heads (Qwen3 sets its own)
+    # None: d_model // n_heads (Qwen3 sets its own). Resolved at construction, so
+    # dataclasses.replace(cfg, d_model=...) keeps the old head_dim: pass head_dim=None to re-derive
+    head_dim: int | None = None
     qk_norm: bool = False  # Qwen3: per-head RMSNorm of q and k before RoPE
     o_bias: bool = False  # Llama attention_bias=true also biases o_proj
     rope_scaling: RopeScaling | None = None
