@@ -180,6 +180,9 @@ def read_chat_jsonl(
 ) -> TokenDataset:
     """Chat transcripts as a ``TokenDataset``; errors name ``file:line`` and the field. The token
     ids are cached under ``cache_dir`` (default: ``<path>.odcfn-cache`` beside the data)."""
+    suffix = Path(path).suffix.lower()
+    if suffix not in (".jsonl", ".json"):
+        raise ValueError(f"{path}: chat data (a tokenizer is given) must be .jsonl, got {suffix!r}")
     tok = load_tokenizer(tokenizer_dir)
     root = Path(cache_dir) if cache_dir is not None else Path(f"{path}.odcfn-cache")
     final = root / chat_cache_key(path, tokenizer_dir, tok)

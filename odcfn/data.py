@@ -119,24 +119,10 @@ def read_parquet(
 
 
 def read_dataset(
-    path: str | os.PathLike,
-    *,
-    vocab_size: int | None = None,
-    max_length: int | None = None,
-    tokenizer: str | os.PathLike | None = None,
-    cache_dir: str | os.PathLike | None = None,
+    path: str | os.PathLike, *, vocab_size: int | None = None, max_length: int | None = None
 ) -> TokenDataset:
-    """``.jsonl``/``.json`` or ``.parquet``, by suffix. With ``tokenizer`` (a local tokenizer
-    directory) the JSONL holds chat transcripts instead (``odcfn.chat_data``)."""
+    """``.jsonl``/``.json`` or ``.parquet``, by suffix."""
     suffix = Path(path).suffix.lower()
-    if tokenizer is not None:
-        if suffix not in (".jsonl", ".json"):
-            raise ValueError(f"{path}: chat data (a tokenizer is given) must be .jsonl, got {suffix!r}")
-        from odcfn.chat_data import read_chat_jsonl
-
-        return read_chat_jsonl(
-            path, tokenizer, vocab_size=vocab_size, max_length=max_length, cache_dir=cache_dir
-        )
     if suffix in (".jsonl", ".json"):
         return read_jsonl(path, vocab_size=vocab_size, max_length=max_length)
     if suffix in (".parquet", ".pq"):

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
+from odcfn.model import unit_inputs
 from odcfn.schedule.cost import QuadraticCost, fit_quadratic
 
 __all__ = ["calibrate", "measure_unit_times"]
@@ -49,7 +50,8 @@ def measure_unit_times(
         for _ in range(repeats):
             x = None
             for unit in model.units:
-                p = tree_map(lambda t: t.detach().requires_grad_(), params[unit.name])
+                own = unit_inputs(unit, params[unit.name], params)  # tied: with what it uses
+                p = tree_map(lambda t: t.detach().requires_grad_(), own)
                 xin = (
                     x.detach().requires_grad_()
                     if isinstance(x, torch.Tensor) and x.is_floating_point()

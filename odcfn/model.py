@@ -17,7 +17,7 @@ import torch
 from odcfn.batch import Batch, Microbatch, pack
 from odcfn.tree import PyTree, tree_flatten_with_path, tree_map
 
-__all__ = ["Model", "Unit", "check_params", "reference_loss"]
+__all__ = ["Model", "Unit", "check_params", "reference_loss", "unit_inputs"]
 
 UnitFn = Callable[[PyTree, Any, Microbatch], Any]
 
@@ -27,6 +27,16 @@ class Unit:
     name: str
     fwd: UnitFn
     shapes: PyTree  # the unit's parameter subtree with torch.Size leaves
+    # earlier units whose parameters fwd reads too (tied weights): fwd gets each one's subtree
+    # under its unit name next to its own; the gradient of that use adds to the owner's
+    uses: tuple[str, ...] = ()
+
+
+def unit_inputs(unit: Unit, own: PyTree, used: Mapping[str, PyTree]) -> PyTree:
+    """The params ``unit.fwd`` receives: its own subtree plus ``{name: subtree}`` of its uses."""
+    if not unit.uses:
+        return own
+    return {**own, **{n: used[n] for n in unit.uses}}
 
 
 @dataclass(frozen=True)
@@ -40,6 +50,15 @@ class Model:
             raise ValueError(f"Model unit names must be unique, got {names}")
         if not names:
             raise ValueError("Model needs at least one unit")
+        for i, u in enumerate(self.units):
+            for n in u.uses:
+                if n not in names[:i]:
+                    raise ValueError(
+                        f"unit {u.name!r} uses {n!r}, which is not a unit before it "
+                        f"(units {names}): a used unit's backward must come after its user's"
+                    )
+                if isinstance(u.shapes, Mapping) and n in u.shapes:
+                    raise ValueError(f"unit {u.name!r} has its own parameter {n!r} and uses unit {n!r}")
 
     @property
     def unit_names(self) -> tuple[str, ...]:
@@ -52,6 +71,11 @@ class Model:
         raise KeyError(f"no unit named {name!r}; units are {self.unit_names}")
 
     @property
+    def uses(self) -> tuple[tuple[str, tuple[str, ...]], ...]:
+        """``(unit, units it also reads)`` for each unit with tied weights (``ScheduleOptions.uses``)."""
+        return tuple((u.name, u.uses) for u in self.units if u.uses)
+
+    @property
     def shapes(self) -> dict[str, PyTree]:
         return {u.name: u.shapes for u in self.units}
 
@@ -59,7 +83,7 @@ class Model:
         """Summed token loss of one microbatch on unsharded params."""
         x = None
         for u in self.units:
-            x = u.fwd(params[u.name], x, mb)
+            x = u.fwd(unit_inputs(u, params[u.name], params), x, mb)
         return x
 
 

@@ -20,7 +20,7 @@ import torch
 from odcfn.batch import Batch, Microbatch, pack
 from odcfn.kernels.base import Handle, Transport
 from odcfn.metrics import Event
-from odcfn.model import Model
+from odcfn.model import Model, unit_inputs
 from odcfn.schedule.plan import (
     AllGather,
     Backward,
@@ -63,6 +63,7 @@ class _Saved:
     x_in: Any
     flat: torch.Tensor | None
     y: Any
+    used: tuple[torch.Tensor, ...] = ()  # flat buffers of used units (tied weights) in the graph
 
 
 class _Executor:
@@ -90,6 +91,8 @@ class _Executor:
         self.saved: dict[tuple[str, int], _Saved] = {}
         self.grad_out: dict[int, Any] = {}  # mb -> grad w.r.t. the output of the unit in backward
         self.grads: dict[str, torch.Tensor | None] = {}
+        # unit -> gradient of its uses by later units (tied weights), added to its own backward's
+        self.shared: dict[str, torch.Tensor] = {}
         self.loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         self.scale = 1.0 / batch.num_loss_tokens
 
@@ -117,6 +120,17 @@ class _Executor:
         flat = self.bufs[unit].detach().requires_grad_()
         return flat, self.layout[unit].unflatten(flat)
 
+    def _inputs(self, s: Forward | Backward) -> tuple[torch.Tensor, Any, tuple[torch.Tensor, ...]]:
+        """``(own flat, what fwd receives, used units' flats)``; the plan must gather the uses."""
+        unit = self.units[s.unit]
+        if s.uses != unit.uses:
+            raise ValueError(f"plan step {s} does not gather what unit {s.unit!r} uses: {unit.uses}")
+        flat, params = self._params(s.unit)
+        used = {v: self._params(v) for v in unit.uses}
+        return flat, unit_inputs(unit, params, {v: t for v, (_, t) in used.items()}), tuple(
+            f for f, _ in used.values()
+        )
+
     def _mb(self, mb: int) -> Microbatch:
         if mb not in self.packed:
             self.packed[mb] = pack(self.batch, self.microbatches[mb]).to(self.device)
@@ -132,7 +146,7 @@ class _Executor:
         if isinstance(x, torch.Tensor) and x.is_floating_point():
             x = x.detach().requires_grad_()
         fwd = self.units[s.unit].fwd
-        flat, params = self._params(s.unit)
+        flat, params, used = self._inputs(s)
         if s.remat:
             with torch.no_grad():
                 y = fwd(params, x, data)
@@ -140,7 +154,7 @@ class _Executor:
         else:
             with torch.enable_grad():
                 y = fwd(params, x, data)
-            self.saved[(s.unit, mb)] = _Saved(x, flat, y)
+            self.saved[(s.unit, mb)] = _Saved(x, flat, y, used)
         if s.unit == self.last:
             self.loss_sum += y.detach().double()
         else:
@@ -149,27 +163,31 @@ class _Executor:
     def backward(self, s: Backward, mb: int) -> None:
         data = self._mb(mb)
         if data.empty:
-            self.grads[s.unit] = None
+            self.grads[s.unit] = self.shared.pop(s.unit, None)
             return
         sv = self.saved.pop((s.unit, mb))
-        flat, y = sv.flat, sv.y
+        flat, y, used = sv.flat, sv.y, sv.used
         if flat is None:  # rematerialise
-            flat, params = self._params(s.unit)
+            flat, params, used = self._inputs(s)
             with torch.enable_grad():
                 y = self.units[s.unit].fwd(params, sv.x_in, data)
         else:
-            self._wait(s.unit)  # a re-gather refills the storage the graph saved views of
+            for u in (s.unit, *s.uses):  # a re-gather refills the storage the graph saved views of
+                self._wait(u)
         gy = self.grad_out.pop(mb, None)
         if gy is None:
             gy = torch.full_like(y, self.scale)
-        inputs = [flat]
+        inputs = [flat, *used]
         has_x = isinstance(sv.x_in, torch.Tensor) and sv.x_in.requires_grad
         if has_x:
             inputs.append(sv.x_in)
         grads = torch.autograd.grad(y, inputs, gy)
-        self.grads[s.unit] = grads[0]
+        for v, g in zip(s.uses, grads[1 : 1 + len(used)]):  # the used unit pushes the sum, once
+            self.shared[v] = g if v not in self.shared else self.shared[v] + g
+        own = self.shared.pop(s.unit, None)
+        self.grads[s.unit] = grads[0] if own is None else grads[0] + own
         if has_x:
-            self.grad_out[mb] = grads[1]
+            self.grad_out[mb] = grads[-1]
 
     # --- the loop ---------------------------------------------------------------------------
     def run_steps(self, steps: Sequence[Step], offset: int, t0: float, events: list[Event]) -> Any:

@@ -14,6 +14,7 @@ Config (TOML or JSON), every key optional except ``data.path`` and ``train.steps
     [model]       # either a local HF checkpoint ...
     hf_path = "path/to/qwen2"             # ... or a fresh model:
     vocab_size = 256, d_model = 64, n_layers = 2, n_heads = 4, n_kv_heads = 2, d_ff = 128, seed = 0
+    head_dim, qk_norm, o_bias, tie_embeddings, qkv_bias, rope_theta   # QwenConfig's other fields
     [data]
     path = "train.jsonl", batch_size = 8, seed = 0, shuffle = true, max_length = 4096
     tokenizer = "path/to/tokenizer"       # optional: path holds {"messages": [...]} chat lines
@@ -92,6 +93,10 @@ def _build_model(cfg: SFTConfig, mesh=None):
         return qcfg, qwen_model(qcfg), shards
     # [model] names QwenConfig's fields (plus hf_path and seed): pass over the ones it has
     qcfg = QwenConfig(**{f.name: getattr(m, f.name) for f in fields(QwenConfig) if hasattr(m, f.name)})
+    if cfg.checkpoint.export_hf:  # refuse an unexportable model before training, not after
+        from odcfn.models.hf_config import model_type
+
+        model_type(qcfg)
     model = qwen_model(qcfg)
     return qcfg, model, None if mesh is None else shard(init_params(qcfg, seed=m.seed), model, mesh)
 
@@ -189,13 +194,14 @@ def train_rank(cfg: SFTConfig, rank: int, transport) -> dict[str, Any]:
     ck = latest(cfg.checkpoint_dir) if cfg.checkpoint.resume else None
     qcfg, model, initial = _build_model(cfg, None if ck is not None else mesh)
     d = cfg.data
-    data = read_dataset(
-        d.path,
-        vocab_size=qcfg.vocab_size,
-        max_length=d.max_length,
-        tokenizer=d.tokenizer,
-        cache_dir=d.cache_dir,
-    )
+    if d.tokenizer:  # chat transcripts, tokenized once and cached
+        from odcfn.chat_data import read_chat_jsonl
+
+        data = read_chat_jsonl(
+            d.path, d.tokenizer, vocab_size=qcfg.vocab_size, max_length=d.max_length, cache_dir=d.cache_dir
+        )
+    else:
+        data = read_dataset(d.path, vocab_size=qcfg.vocab_size, max_length=d.max_length)
     per_epoch = steps_per_epoch(data, cfg.data.batch_size)
     lr = _lr_fn(t)
     make_opt = odcfn.adamw if t.optimizer == "adamw" else odcfn.sgd

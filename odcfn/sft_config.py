@@ -60,6 +60,10 @@ class ModelSection:
     d_ff: int = 128
     rope_theta: float = 10000.0
     qkv_bias: bool = True
+    head_dim: int | None = None
+    qk_norm: bool = False
+    o_bias: bool = False
+    tie_embeddings: bool = False
     seed: int = 0
 
     def __post_init__(self) -> None:

@@ -12,13 +12,16 @@ params, opt_state = optimizer.update(grads, ...)             # each rank updates
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import torch
 
 from odcfn.batch import Batch
 from odcfn.metrics import StepMetrics
+from odcfn.model import Model
 from odcfn.optim import clip_scale
 from odcfn.runtime import execute
+from odcfn.schedule.plan import ScheduleOptions
 from odcfn.schedule.policy import prepare_program
 from odcfn.sharding import Layout, make_layout
 from odcfn.sharding.layout import check_shards
@@ -37,6 +40,14 @@ def _validate(state: TrainState, batch: Batch) -> Layout:
     return layout
 
 
+def _options(options: ScheduleOptions | None, model: Model) -> ScheduleOptions:
+    """The schedule options with the model's tied-weight uses, which the plan must gather."""
+    options = options or ScheduleOptions()
+    if options.uses and options.uses != model.uses:
+        raise ValueError(f"ScheduleOptions.uses={options.uses} differs from the model's {model.uses}")
+    return replace(options, uses=model.uses) if model.uses else options
+
+
 def _grads(state: TrainState, batch: Batch) -> tuple[dict[str, torch.Tensor], StepMetrics]:
     """The transport's accumulators (valid until its next step) and the step's metrics."""
     t0 = time.perf_counter()
@@ -45,7 +56,7 @@ def _grads(state: TrainState, batch: Batch) -> tuple[dict[str, torch.Tensor], St
     cap = cfg.max_tokens_per_microbatch or max(batch.lengths)
     program = prepare_program(
         cfg.balance, batch.lengths, units=model.unit_names, world_size=mesh.world_size, rank=mesh.rank,
-        max_tokens=cap, comm=cfg.comm, options=cfg.options, cost=cfg.cost,
+        max_tokens=cap, comm=cfg.comm, options=_options(cfg.options, model), cost=cfg.cost,
         fetch_add=transport.fetch_add, max_counters=getattr(transport, "max_counters", None),
     )
     dtype = cfg.compute_dtype or model.dtype

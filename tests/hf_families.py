@@ -36,6 +36,7 @@ FAMILIES = {
         "Llama",
         dict(vocab_size=47, hidden_size=20, num_hidden_layers=3, num_attention_heads=5,
              num_key_value_heads=1, head_dim=6, intermediate_size=36, attention_bias=True,
+             pad_token_id=3,  # the embedding row of the pad token gets no gradient from its use
              rms_norm_eps=1e-5, max_position_embeddings=128,
              rope_parameters={"rope_type": "llama3", "rope_theta": 500.0, "factor": 8.0,
                               "low_freq_factor": 1.0, "high_freq_factor": 4.0,

@@ -10,7 +10,6 @@ import torch
 
 from odcfn import chat_data
 from odcfn.chat_data import read_chat_jsonl
-from odcfn.data import read_dataset
 
 pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
@@ -93,21 +92,21 @@ def test_targets_are_exactly_the_assistant_turns(tmp_path, tok_dir):
 
 def test_cache_means_no_retokenizing(tmp_path, tok_dir, monkeypatch):
     data = _write(tmp_path / "c.jsonl", CHATS)
-    first = read_dataset(data, tokenizer=tok_dir, cache_dir=tmp_path / "cache")
+    first = read_chat_jsonl(data, tok_dir, cache_dir=tmp_path / "cache")
     assert len(list((tmp_path / "cache").iterdir())) == 1
 
     def boom(*a, **k):
         raise AssertionError("tokenized again")
 
     monkeypatch.setattr(chat_data, "tokenize_chat", boom)
-    again = read_dataset(data, tokenizer=tok_dir, cache_dir=tmp_path / "cache")
+    again = read_chat_jsonl(data, tok_dir, cache_dir=tmp_path / "cache")
     for a, b in zip(first.samples, again.samples):
         assert torch.equal(a.tokens, b.tokens) and torch.equal(a.loss_mask, b.loss_mask)
         assert b.tokens.dtype == torch.int32 and b.loss_mask.dtype == torch.bool
     # a changed data file is a new key: tokenized again
     _write(data, CHATS[:1])
     with pytest.raises(AssertionError, match="tokenized again"):
-        read_dataset(data, tokenizer=tok_dir, cache_dir=tmp_path / "cache")
+        read_chat_jsonl(data, tok_dir, cache_dir=tmp_path / "cache")
     # the default cache lives beside the data file
     monkeypatch.undo()
     read_chat_jsonl(data, tok_dir)
@@ -148,7 +147,7 @@ def test_bad_tokenizers_and_limits_are_named(tmp_path, tok_dir):
     with pytest.raises(ValueError, match=rf"c.jsonl:2: sample has \d+ tokens, more than max_length={short}"):
         read_chat_jsonl(data, tok_dir, max_length=short)
     with pytest.raises(ValueError, match="must be .jsonl"):
-        read_dataset(tmp_path / "c.parquet", tokenizer=tok_dir)
+        read_chat_jsonl(tmp_path / "c.parquet", tok_dir)
 
 
 def test_odcfn_train_on_chat_data(tmp_path, tok_dir):

@@ -28,6 +28,9 @@ def configs(draw):
         n_kv_heads=kv,
         d_ff=draw(st.integers(3, 20)),
         qkv_bias=draw(st.booleans()),
+        qk_norm=draw(st.booleans()),
+        o_bias=draw(st.booleans()),
+        tie_embeddings=draw(st.booleans()),  # head uses embed's matrix: an extra gather, one push
     )
 
 

@@ -10,11 +10,17 @@ import torch
 import odcfn
 from odcfn.batch import pack
 from odcfn.kernels.shm import ShmTransport
-from odcfn.models import QwenConfig, QwenModule, init_params, qwen_model
+from odcfn.models import QwenConfig, QwenModule, RopeScaling, init_params, qwen_model
 from odcfn.tree import tree_named_leaves
 from tests.mp_pool import mp_pool  # noqa: F401 - the session fixture
 
 CFG = QwenConfig(vocab_size=37, d_model=16, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=24)
+# the mirror's newer features: Qwen3 q/k norms, free head_dim, o_proj bias, llama3 RoPE, tied head
+FEATURES = QwenConfig(
+    vocab_size=29, d_model=12, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=20, head_dim=8,
+    qk_norm=True, o_bias=True, tie_embeddings=True,
+    rope_scaling=RopeScaling("llama3", 4.0, 8, low_freq_factor=1.0, high_freq_factor=4.0),
+)  # fmt: skip
 LR, STEPS = 1e-2, 3
 
 
@@ -22,13 +28,13 @@ def _named(tree):
     return {f"{u}.{n}": t.detach().clone() for u, sub in tree.items() for n, t in tree_named_leaves(sub)}
 
 
-def parity_worker(lengths, seed):
+def parity_worker(lengths, seed, cfg=CFG):
     torch.set_num_threads(1)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    model, full = qwen_model(CFG), init_params(CFG, seed=seed)
-    batch = odcfn.random_batch(lengths, CFG.vocab_size, seed=seed)
+    model, full = qwen_model(cfg), init_params(cfg, seed=seed)
+    batch = odcfn.random_batch(lengths, cfg.vocab_size, seed=seed)
     mesh = odcfn.Mesh.from_env()
     w, r = mesh.world_size, mesh.rank
     out = {}
@@ -44,7 +50,7 @@ def parity_worker(lengths, seed):
                     grads = {k: v.clone() for k, v in tr.grad_shards().items()}
             out[comm] = (grads, {k: v.clone() for k, v in state.params.items()})
 
-    module = QwenModule(CFG)
+    module = QwenModule(cfg)
     module.load_params(full)
     dmesh = init_device_mesh("cpu", (w,))
     for layer in module.layers:
@@ -65,11 +71,11 @@ def parity_worker(lengths, seed):
     return out, fsdp_grads, fsdp_params
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_fsdp2_matches_odcfn_collective_and_odc(mp_pool, world):  # noqa: F811
+@pytest.mark.parametrize(("world", "cfg"), [(2, CFG), (3, CFG), (3, FEATURES)], ids=["2", "3", "3-features"])
+def test_fsdp2_matches_odcfn_collective_and_odc(mp_pool, world, cfg):  # noqa: F811
     lengths = [9, 4, 7, 3, 6, 5][: 2 * world]  # every rank gets samples: FSDP2 needs all to join
-    out = mp_pool.run(parity_worker, world, args=(lengths, 3), timeout=180)
-    model = qwen_model(CFG)
+    out = mp_pool.run(parity_worker, world, args=(lengths, 3, cfg), timeout=180)
+    model = qwen_model(cfg)
     mesh = odcfn.Mesh(world, 0)
     fsdp_grads, fsdp_params = out[0][1], out[0][2]
     for comm in ("collective", "odc"):
@@ -81,5 +87,5 @@ def test_fsdp2_matches_odcfn_collective_and_odc(mp_pool, world):  # noqa: F811
             close(grads[name], fsdp_grads[name], rtol=1e-5, atol=1e-7, msg=f"{comm} grad {name}")
             close(params[name], fsdp_params[name], rtol=1e-4, atol=1e-5, msg=f"{comm} param {name}")
     # the step really moved the parameters (a parity test of a no-op would prove nothing)
-    init = _named(init_params(CFG, seed=3))
+    init = _named(init_params(cfg, seed=3))
     assert max((fsdp_params[k] - init[k]).abs().max().item() for k in init) > LR / 2

@@ -111,6 +111,7 @@ def test_names_follow_hf_layout_written_by_hand(tmp_path):
         d_ff=F,
         rope_theta=500.0,
         qkv_bias=False,
+        tie_embeddings=True,
     )
     layer = p["layers.0"]
     assert float(p["embed"]["embed_tokens"]["weight"][0, 0]) == 1.0
@@ -118,9 +119,8 @@ def test_names_follow_hf_layout_written_by_hand(tmp_path):
     assert float(layer["self_attn"]["v_proj"]["weight"][0, 0]) == 5.0
     assert float(layer["mlp"]["down_proj"]["weight"][0, 0]) == 10.0
     assert float(p["head"]["norm"]["weight"][0]) == 11.0
-    # tied: lm_head starts as a copy of the embedding, but is its own tensor
-    assert torch.equal(p["head"]["lm_head"]["weight"], p["embed"]["embed_tokens"]["weight"])
-    assert p["head"]["lm_head"]["weight"].data_ptr() != p["embed"]["embed_tokens"]["weight"].data_ptr()
+    # tied: one matrix, owned by embed; the head has none of its own
+    assert "lm_head" not in p["head"] and qwen_model(got_cfg).unit("head").uses == ("embed",)
     assert hf_name("head", "lm_head.weight") == "lm_head.weight"
     assert hf_name("layers.3", "mlp.up_proj.weight") == "model.layers.3.mlp.up_proj.weight"
 
@@ -145,6 +145,7 @@ def test_names_follow_hf_layout_written_by_hand(tmp_path):
         ({"final_logit_softcapping": 30.0}, "final_logit_softcapping"),
         ({"quantization_config": {"quant_method": "gptq"}}, "quantization_config"),
         ({"head_dim": 7}, "head_dim=7 must be even"),
+        ({"pad_token_id": 99}, r"pad_token_id=99 is outside \[0, vocab_size=53\)"),
         ({"hidden_size": None}, "hidden_size"),
     ],
 )

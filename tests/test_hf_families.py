@@ -27,11 +27,15 @@ def _hf_loss(ref, batch: odcfn.Batch) -> float:
     return total / batch.num_loss_tokens
 
 
-@pytest.mark.parametrize("name", list(FAMILIES))
-def test_loss_and_export_match_transformers(tmp_path, name):
-    ref = hf_model(name)
+CASES = [(n, False) for n in FAMILIES] + [("qwen2", True), ("qwen3", True), ("llama3", True)]
+
+
+@pytest.mark.parametrize(("name", "tied"), CASES, ids=[f"{n}{'-tied' if t else ''}" for n, t in CASES])
+def test_loss_and_export_match_transformers(tmp_path, name, tied):
+    ref = hf_model(name, tied=tied)
     ref.save_pretrained(tmp_path / "hf")
     cfg, params = from_hf(tmp_path / "hf")
+    assert cfg.tie_embeddings == tied and ("lm_head" in params["head"]) == (not tied)
     batch = odcfn.random_batch([7, 23, 12], cfg.vocab_size, seed=3)  # past the original context
     want = _hf_loss(ref, batch)
     got = float(odcfn.reference_loss(qwen_model(cfg), params, batch))
@@ -50,6 +54,9 @@ def test_loss_and_export_match_transformers(tmp_path, name):
         got_logits, want_logits = back.eval()(input_ids=ids).logits, ref(input_ids=ids).logits
     torch.testing.assert_close(got_logits, want_logits, rtol=0, atol=0)
     assert from_hf(tmp_path / "back")[0] == cfg
+    written = json.loads((tmp_path / "back" / "model.safetensors.index.json").read_text())["weight_map"]
+    assert ("lm_head.weight" in written) == (not tied)
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["tie_word_embeddings"] == tied
 
 
 def test_family_features_are_mapped():
@@ -124,3 +131,22 @@ def test_broken_sharded_index_is_named(tmp_path):
     index.write_text("[]")
     with pytest.raises(ValueError, match="not a safetensors index"):
         from_hf(tmp_path / "m")
+
+
+def test_tied_checkpoint_with_a_head_copy(tmp_path):
+    """Tied checkpoints that store lm_head.weight too: equal -> loads tied; different -> refused."""
+    from safetensors.torch import load_file, save_file
+
+    ref = hf_model("qwen2", tied=True)
+    ref.save_pretrained(tmp_path / "m", safe_serialization=True)
+    cfg, params = from_hf(tmp_path / "m")
+    to_hf(tmp_path / "c", params, cfg)
+    tensors = load_file(tmp_path / "c" / "model.safetensors")
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+    save_file(tensors, tmp_path / "c" / "model.safetensors")
+    got_cfg, got = from_hf(tmp_path / "c")
+    assert got_cfg.tie_embeddings and "lm_head" not in got["head"]
+    tensors["lm_head.weight"] += 1
+    save_file(tensors, tmp_path / "c" / "model.safetensors")
+    with pytest.raises(ValueError, match="lm_head.weight differs from model.embed_tokens.weight"):
+        from_hf(tmp_path / "c")

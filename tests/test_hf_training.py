@@ -1,6 +1,7 @@
 """End to end against transformers: 3 AdamW steps of odcfn (ODC, LB-Mini, W=3 ranks) from a
 Hugging Face checkpoint, exported with ``to_hf``, equal 3 steps of transformers' own model with
-``torch.optim.AdamW`` and the same weight-decay mask, per parameter kind."""
+``torch.optim.AdamW`` and the same weight-decay mask, per parameter kind; tied embeddings stay
+one matrix on both sides."""
 
 from __future__ import annotations
 
@@ -73,13 +74,17 @@ def _kind(name: str) -> str:
     return re.sub(r"layers\.\d+\.", "layers.*.", name)
 
 
-@pytest.mark.parametrize("name", ["qwen2", "qwen3", "llama3"])
-def test_three_adamw_steps_equal_transformers(tmp_path, name):
+CASES = [("qwen2", False), ("qwen2", True), ("qwen3", False), ("qwen3", True), ("llama3", False)]
+
+
+@pytest.mark.parametrize(("name", "tied"), CASES, ids=[f"{n}{'-tied' if t else ''}" for n, t in CASES])
+def test_three_adamw_steps_equal_transformers(tmp_path, name, tied):
     # moderate q/k: a saturated softmax leaves near-zero gradients, whose sign (fp32 summation
     # order) Adam would turn into full-size steps
-    ref = hf_model(name, qk_noise=0.25)
+    ref = hf_model(name, qk_noise=0.25, tied=tied)  # tied: Qwen2.5 / Qwen3 small sizes
     ref.save_pretrained(tmp_path / "hf")
     cfg = from_hf(tmp_path / "hf")[0]
+    assert cfg.tie_embeddings == tied
     start = {n: p.detach().clone() for n, p in ref.named_parameters()}
     decayed = {
         hf_name(u, p) for u, sub in qwen_model(cfg).shapes.items()

@@ -6,6 +6,7 @@ import json
 import math
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -239,15 +240,19 @@ def test_init_writes_a_runnable_example(tmp_path, capsys):
     assert cli.main(["train"]) == 2  # neither --config nor --init
 
 
-def test_finetune_from_a_local_hf_checkpoint(tmp_path):
+QWEN3_TIED = replace(QCFG, head_dim=6, qk_norm=True, qkv_bias=False, tie_embeddings=True)
+
+
+@pytest.mark.parametrize("qcfg", [QCFG, QWEN3_TIED], ids=["qwen2", "qwen3-tied"])
+def test_finetune_from_a_local_hf_checkpoint(tmp_path, qcfg):
     """model.hf_path: each rank reads its shards of the HF weights; step 1's loss is the
-    single-process loss of those weights on step 0's minibatch."""
+    single-process loss of those weights on step 0's minibatch; the export is the same family."""
     from odcfn.data import batch_at, read_jsonl
     from odcfn.models import from_hf, init_params, to_hf
 
-    params = odcfn.tree_map(lambda t: t + 0.01 * torch.randn(t.shape), init_params(QCFG, seed=5))
-    to_hf(tmp_path / "base", params, QCFG, max_shard_bytes=5000)
-    cfg = _setup(tmp_path, steps=2, every=0)
+    params = odcfn.tree_map(lambda t: t + 0.01 * torch.randn(t.shape), init_params(qcfg, seed=5))
+    to_hf(tmp_path / "base", params, qcfg, max_shard_bytes=5000)
+    cfg = _setup(tmp_path, steps=2, every=0, extra='export_hf = "hf-out"\n')
     text = cfg.read_text()
     cfg.write_text(
         text[: text.index("[model]")] + '[model]\nhf_path = "base"\n' + text[text.index("[data]") :]
@@ -255,8 +260,10 @@ def test_finetune_from_a_local_hf_checkpoint(tmp_path):
     assert cli.main(["train", "--config", str(cfg), "--quiet"]) == 0
     first = _metrics(tmp_path)[0]["loss"]
     batch = batch_at(read_jsonl(tmp_path / "train.jsonl"), 0, 4)
-    want = float(odcfn.reference_loss(qwen_model(QCFG), from_hf(tmp_path / "base")[1], batch))
+    want = float(odcfn.reference_loss(qwen_model(qcfg), from_hf(tmp_path / "base")[1], batch))
     assert first == pytest.approx(want, rel=1e-5)
+    out_cfg, out = from_hf(tmp_path / "hf-out")
+    assert out_cfg == qcfg and ("lm_head" in out["head"]) == (not qcfg.tie_embeddings)
 
 
 def test_tensorboard_scalars_when_asked(tmp_path, monkeypatch, capsys):
@@ -286,3 +293,11 @@ def test_tensorboard_scalars_when_asked(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # not installed
     assert cli.main(["train", "--config", str(cfg), "--quiet", "--no-resume"]) == 0
     assert "tensorboard is not installed" in capsys.readouterr().err
+
+
+def test_unexportable_model_is_refused_before_training(tmp_path):
+    cfg = _setup(tmp_path, steps=2, every=0, extra='export_hf = "hf-out"\n')
+    cfg.write_text(cfg.read_text().replace("[model]\n", "[model]\nqk_norm = true\n"))  # + q/k/v bias
+    with pytest.raises(ValueError, match="qkv_bias == o_bias"):
+        cli.main(["train", "--config", str(cfg), "--quiet"])
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()

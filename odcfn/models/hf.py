@@ -7,9 +7,9 @@ Name mapping (HF -> odcfn): ``model.embed_tokens.*`` -> ``embed.embed_tokens.*``
 ``model.layers.{i}.*`` -> ``layers.{i}.*`` (same names below), ``model.norm.*`` -> ``head.norm.*``,
 ``lm_head.*`` -> ``head.lm_head.*``. Both use the rotate-half RoPE layout, so q/k weights need no
 permutation. ``config.json`` is translated by ``odcfn.models.hf_config``. Tied embeddings
-(``tie_word_embeddings``) are untied on load: ``lm_head`` starts as a copy of the embedding
-and the two train separately; ``to_hf`` therefore writes ``lm_head.weight`` and
-``tie_word_embeddings: false``.
+(``tie_word_embeddings``) stay tied: the model has no ``head.lm_head`` (the head uses the
+embedding), ``to_hf`` writes no ``lm_head.weight``; a tied checkpoint that stores a copy of it
+anyway loads only if the copy equals the embedding.
 """
 
 from __future__ import annotations
@@ -84,7 +84,6 @@ def _resolve(path: str | os.PathLike) -> tuple[QwenConfig, dict[str, Any], dict[
     hf_cfg = json.loads(cfg_file.read_text())
     cfg = config_from_hf(hf_cfg)
     where = _read_tensors(root)
-    tied = bool(hf_cfg.get("tie_word_embeddings", False))
     names: dict[str, list] = {}
     used = set()
     for unit, shapes in unit_shapes(cfg).items():
@@ -92,8 +91,6 @@ def _resolve(path: str | os.PathLike) -> tuple[QwenConfig, dict[str, Any], dict[
         names[unit] = []
         for p, shape in zip(paths, leaves):
             name = hf_name(unit, p)
-            if name == "lm_head.weight" and name not in where and tied:
-                name = "model.embed_tokens.weight"
             if name not in where:
                 raise ValueError(f"{root}: tensor {name!r} (for {unit}.{p}) is missing")
             got = tuple(where[name].get_slice(name).get_shape())
@@ -103,6 +100,14 @@ def _resolve(path: str | os.PathLike) -> tuple[QwenConfig, dict[str, Any], dict[
                 )
             names[unit].append((p, name, tuple(shape)))
             used.add(name)
+    if cfg.tie_embeddings and "lm_head.weight" in where:  # some tied checkpoints store a copy
+        head, emb = (where[n].get_tensor(n) for n in ("lm_head.weight", "model.embed_tokens.weight"))
+        if not torch.equal(head, emb):
+            raise ValueError(
+                f"{root}: config.json has tie_word_embeddings=true but lm_head.weight differs from "
+                "model.embed_tokens.weight: set it to false to load an untied model"
+            )
+        used.add("lm_head.weight")
     unused = sorted(k for k in where if k not in used and not k.endswith("rotary_emb.inv_freq"))
     if unused:
         raise ValueError(

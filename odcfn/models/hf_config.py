@@ -96,6 +96,16 @@ def _rope(hf: dict[str, Any], kind: str) -> tuple[float, RopeScaling | None]:
         raise ValueError(f"config.json {key}: {e}") from None
 
 
+def _pad(hf: dict[str, Any]) -> int | None:
+    """transformers builds ``nn.Embedding(vocab, d, padding_idx=pad_token_id)``: that row gets no
+    gradient from the embedding (a negative id counts from the end, as there)."""
+    pad = hf.get("pad_token_id")
+    if pad is None:
+        return None
+    pad = int(pad)
+    return pad + int(hf.get("vocab_size") or 0) if pad < 0 else pad  # nn.Embedding's reading
+
+
 def config_from_hf(hf: dict[str, Any]) -> QwenConfig:
     """A ``QwenConfig`` from a Hugging Face ``config.json`` dict (Qwen2/2.5, Qwen3, Llama)."""
     kind = hf.get("model_type")
@@ -134,6 +144,8 @@ def config_from_hf(hf: dict[str, Any]) -> QwenConfig:
             qk_norm=kind == "qwen3",
             o_bias=False if kind == "qwen2" else bias,
             rope_scaling=scaling,
+            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            pad_token_id=_pad(hf),
         )
     except KeyError as e:
         raise ValueError(f"config.json lacks {e.args[0]!r}") from None
@@ -175,7 +187,8 @@ def config_to_hf(cfg: QwenConfig, *, dtype: torch.dtype = torch.float32) -> dict
         "rms_norm_eps": cfg.rms_eps,
         "hidden_act": "silu",
         "attention_bias": cfg.qkv_bias,
-        "tie_word_embeddings": False,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "pad_token_id": cfg.pad_token_id,
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
     if cfg.rope_scaling is not None:

@@ -43,10 +43,14 @@ class QwenConfig:
     rope_theta: float = 10000.0
     rms_eps: float = 1e-6
     qkv_bias: bool = True  # Qwen2 has q/k/v biases; Llama does not
-    head_dim: int | None = None  # None: d_model // n_heads (Qwen3 sets its own)
+    # None: d_model // n_heads (Qwen3 sets its own). Resolved at construction, so
+    # dataclasses.replace(cfg, d_model=...) keeps the old head_dim: pass head_dim=None to re-derive
+    head_dim: int | None = None
     qk_norm: bool = False  # Qwen3: per-head RMSNorm of q and k before RoPE
     o_bias: bool = False  # Llama attention_bias=true also biases o_proj
     rope_scaling: RopeScaling | None = None
+    tie_embeddings: bool = False  # the head reads embed's matrix: one parameter, owned by embed
+    pad_token_id: int | None = None  # as nn.Embedding's padding_idx: its row gets no embedding grad
 
     def __post_init__(self) -> None:
         if self.head_dim is None:
@@ -55,6 +59,8 @@ class QwenConfig:
             object.__setattr__(self, "head_dim", self.d_model // self.n_heads)
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}")
+        if self.pad_token_id is not None and not 0 <= self.pad_token_id < self.vocab_size:
+            raise ValueError(f"pad_token_id={self.pad_token_id} is outside [0, vocab_size={self.vocab_size})")
         if self.head_dim < 2 or self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
@@ -92,7 +98,9 @@ def unit_shapes(cfg: QwenConfig) -> dict[str, PyTree]:
     shapes = {"embed": {"embed_tokens": {"weight": S([V, D])}}}
     for i in range(cfg.n_layers):
         shapes[f"layers.{i}"] = layer
-    shapes["head"] = {"norm": {"weight": S([D])}, "lm_head": {"weight": S([V, D])}}
+    shapes["head"] = {"norm": {"weight": S([D])}}
+    if not cfg.tie_embeddings:
+        shapes["head"]["lm_head"] = {"weight": S([V, D])}
     return shapes
 
 
@@ -148,8 +156,8 @@ def attention(p: dict, x_TxD: torch.Tensor, mb: Microbatch, cfg: QwenConfig) -> 
     return linear(rearrange(o_HxTxK, "h t k -> t (h k)"), p["o_proj"])
 
 
-def embed_fwd(p: dict, x: None, mb: Microbatch) -> torch.Tensor:
-    return F.embedding(mb.input_ids_T, p["embed_tokens"]["weight"])
+def embed_fwd(p: dict, x: None, mb: Microbatch, *, pad: int | None = None) -> torch.Tensor:
+    return F.embedding(mb.input_ids_T, p["embed_tokens"]["weight"], padding_idx=pad)
 
 
 def block_fwd(p: dict, x_TxD: torch.Tensor, mb: Microbatch, *, cfg: QwenConfig) -> torch.Tensor:
@@ -162,18 +170,21 @@ def block_fwd(p: dict, x_TxD: torch.Tensor, mb: Microbatch, *, cfg: QwenConfig) 
 
 
 def head_fwd(p: dict, x_TxD: torch.Tensor, mb: Microbatch, *, cfg: QwenConfig) -> torch.Tensor:
-    """Summed cross-entropy over the microbatch's loss tokens (fp32 logits)."""
-    logits_TxV = linear(rms_norm(x_TxD, p["norm"]["weight"], cfg.rms_eps), p["lm_head"]).float()
+    """Summed cross-entropy over the microbatch's loss tokens (fp32 logits). Tied: the LM head
+    is the embedding matrix (``p["embed"]``, the used unit's subtree)."""
+    w_VxD = p["embed"]["embed_tokens"]["weight"] if cfg.tie_embeddings else p["lm_head"]["weight"]
+    logits_TxV = F.linear(rms_norm(x_TxD, p["norm"]["weight"], cfg.rms_eps), w_VxD).float()
     nll_T = F.cross_entropy(logits_TxV, mb.labels_T, reduction="none")
     return (nll_T * mb.loss_mask_T).sum()
 
 
 def qwen_model(cfg: QwenConfig, *, dtype: torch.dtype = torch.float32) -> Model:
     shapes = unit_shapes(cfg)
-    units = [Unit("embed", embed_fwd, shapes["embed"])]
+    units = [Unit("embed", partial(embed_fwd, pad=cfg.pad_token_id), shapes["embed"])]
     for i in range(cfg.n_layers):
         units.append(Unit(f"layers.{i}", partial(block_fwd, cfg=cfg), shapes[f"layers.{i}"]))
-    units.append(Unit("head", partial(head_fwd, cfg=cfg), shapes["head"]))
+    uses = ("embed",) if cfg.tie_embeddings else ()
+    units.append(Unit("head", partial(head_fwd, cfg=cfg), shapes["head"], uses=uses))
     return Model(tuple(units), dtype=dtype)
 
 
@@ -205,8 +216,8 @@ class _UnitModule(nn.Module):
             out[k] = self._tree(child)
         return out
 
-    def forward(self, x, mb: Microbatch):
-        return self._fwd(self._tree(), x, mb)
+    def forward(self, x, mb: Microbatch, used: dict | None = None):
+        return self._fwd({**self._tree(), **(used or {})}, x, mb)
 
 
 class QwenModule(nn.Module):
@@ -215,11 +226,12 @@ class QwenModule(nn.Module):
     def __init__(self, cfg: QwenConfig) -> None:
         super().__init__()
         shapes = unit_shapes(cfg)
-        self.embed = _UnitModule(shapes["embed"], embed_fwd)
+        self.embed = _UnitModule(shapes["embed"], partial(embed_fwd, pad=cfg.pad_token_id))
         self.layers = nn.ModuleList(
             _UnitModule(shapes[f"layers.{i}"], partial(block_fwd, cfg=cfg)) for i in range(cfg.n_layers)
         )
         self.head = _UnitModule(shapes["head"], partial(head_fwd, cfg=cfg))
+        self.tied = cfg.tie_embeddings
 
     def load_params(self, params: dict) -> None:
         sd = {f"{u}.{n}": t for u, sub in params.items() for n, t in tree_named_leaves(sub)}
@@ -229,4 +241,5 @@ class QwenModule(nn.Module):
         x = self.embed(None, mb)
         for layer in self.layers:
             x = layer(x, mb)
-        return self.head(x, mb)
+        # tied: the head reads the embedding's own Parameter, so autograd sums both uses
+        return self.head(x, mb, {"embed": self.embed._tree()} if self.tied else None)

@@ -68,12 +68,14 @@ class Forward:
     unit: str
     mb: int
     remat: bool = False  # keep only the input; recompute the unit inside Backward
+    uses: tuple[str, ...] = ()  # other units whose gathered parameters it reads (tied weights)
 
 
 @dataclass(frozen=True)
 class Backward:
     unit: str
     mb: int
+    uses: tuple[str, ...] = ()  # their gradient from this use adds to their own backward's
 
 
 @dataclass(frozen=True)
@@ -111,11 +113,15 @@ class ScheduleOptions:
     prefetch: int = 1  # gathers issued this many compute steps ahead of their use
     reshard_after_forward: bool = True  # free gathered params after forward, re-gather for backward
     remat: frozenset[str] = field(default_factory=frozenset)  # units recomputed in backward
+    # (unit, earlier units whose parameters it also reads): tied weights. train_step fills it
+    # from the model (``Model.uses``); each use costs a gather of the used unit
+    uses: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.prefetch, int) or self.prefetch < 0:
             raise ValueError(f"ScheduleOptions.prefetch must be an int >= 0, got {self.prefetch!r}")
         object.__setattr__(self, "remat", frozenset(self.remat))
+        object.__setattr__(self, "uses", tuple((str(u), tuple(vs)) for u, vs in self.uses))
 
 
 @dataclass(frozen=True)
@@ -147,6 +153,8 @@ class Plan:
                 args.append(f"mb{s.mb}")
             if getattr(s, "remat", False):
                 args.append("remat")
+            if getattr(s, "uses", ()):
+                args.append("uses " + ",".join(s.uses))
             lines.append(f"  {i:4d}  {type(s).__name__:<18}{' '.join(args)}".rstrip())
         return "\n".join(lines)
 
@@ -156,17 +164,37 @@ def microbatch_steps(units: Sequence[str], mb: int, comm: Comm, options: Schedul
     gather = Gather if comm == "odc" else AllGather
     push = ScatterAccumulate if comm == "odc" else ReduceScatter
     reshard = options.reshard_after_forward
+    uses = dict(options.uses)
     last = len(units) - 1
     steps: list[Step] = []
+    held: set[str] = set()
+    borrowed: dict[str, list[str]] = {}  # used units gathered for a unit's forward, still held
+
+    def get(names: Sequence[str]) -> list[str]:
+        """Gather what is not held; returns what it gathered."""
+        fresh = [n for n in names if n not in held]
+        steps.extend(gather(n) for n in fresh)
+        held.update(fresh)
+        return fresh
+
+    def drop(names: Sequence[str]) -> None:
+        steps.extend(Release(n) for n in names)
+        held.difference_update(names)
+
     for i, u in enumerate(units):
-        steps += [gather(u), Forward(u, mb, remat=u in options.remat)]
+        get([u])
+        extra = get(uses.get(u, ()))
+        steps.append(Forward(u, mb, remat=u in options.remat, uses=uses.get(u, ())))
         if reshard and i < last:  # the last unit's backward follows at once: keep it
-            steps.append(Release(u))
+            drop([u, *extra])
+        else:
+            borrowed[u] = extra
     for i in range(last, -1, -1):
         u = units[i]
-        if reshard and i < last:
-            steps.append(gather(u))
-        steps += [Backward(u, mb), push(u), Release(u)]
+        get([u])
+        extra = borrowed.pop(u, []) + get(uses.get(u, ()))
+        steps += [Backward(u, mb, uses=uses.get(u, ())), push(u)]
+        drop([u, *extra])
     return steps
 
 
@@ -198,7 +226,9 @@ def _hoist_gathers(steps: list[Step], depth: int) -> list[Step]:
         i, passed = len(out) - 1, 0
         while i > 0 and passed < depth:
             prev = out[i - 1]
-            if getattr(prev, "unit", None) == s.unit or isinstance(prev, Sync):
+            if getattr(prev, "unit", None) == s.unit or s.unit in getattr(prev, "uses", ()):
+                break
+            if isinstance(prev, Sync):
                 break
             out[i - 1], out[i] = out[i], out[i - 1]
             i -= 1
@@ -225,6 +255,12 @@ def _check_remat(units: Sequence[str], options: ScheduleOptions) -> None:
     unknown = sorted(options.remat - set(units))
     if unknown:
         raise ValueError(f"ScheduleOptions.remat names units the model does not have: {unknown}")
+    for u, used in options.uses:
+        if u not in units or any(v not in units[: units.index(u)] for v in used):
+            raise ValueError(
+                f"ScheduleOptions.uses has {u!r} using {list(used)}: each must be a unit before it "
+                f"(units {list(units)})"
+            )
 
 
 def compile_plan(

@@ -73,6 +73,7 @@ class Engine:
     def __init__(self, work: Workload, mesh: Mesh, comm: CommModel, record: bool) -> None:
         self.work, self.mesh, self.comm, self.record = work, mesh, comm, record
         self.index = {u: i for i, u in enumerate(work.units)}
+        self.deps: list[tuple[int, ...]] = [()] * len(work.units)  # units a unit also reads (tied)
         shares = work.shares()
         self.fwd_share = [s * work.fwd_fraction for s in shares]
         self.bwd_share = [s * (1.0 - work.fwd_fraction) for s in shares]
@@ -103,6 +104,9 @@ class Engine:
                 raise ValueError(
                     f"plan step refers to unit {e.args[0]!r}, not in the workload {self.work.units}"
                 ) from None
+            for s in steps:  # a tied unit's compute also waits for the gather of what it uses
+                if getattr(s, "uses", ()):
+                    self.deps[self.index[s.unit]] = tuple(self.index[v] for v in s.uses)
             self._codes[key] = hit
         return hit
 
@@ -118,6 +122,9 @@ class Engine:
             code, u, mb, remat = codes[pc]
             if code == _FWD or code == _BWD:
                 start = st.t if st.t >= st.ready[u] else st.ready[u]
+                for v in self.deps[u]:
+                    if st.ready[v] > start:
+                        start = st.ready[v]
                 c = mb_cost[mb]
                 if code == _FWD:
                     dur = c * self.fwd_share[u]

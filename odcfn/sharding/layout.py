@@ -65,6 +65,19 @@ class UnitLayout:
 class Layout:
     units: tuple[UnitLayout, ...]
     mesh: Mesh
+    uses: tuple[tuple[str, tuple[str, ...]], ...] = ()  # tied weights: (unit, units it also reads)
+
+    def __str__(self) -> str:
+        m = self.mesh
+        lines = [f"Layout({len(self.units)} units, {m.shard_count} shards, {m.sharding} sharding)"]
+        users = dict(self.uses)
+        for u in self.units:
+            tie = f"  + reads {', '.join(users[u.name])} (tied: one copy)" if u.name in users else ""
+            lines.append(
+                f"  {u.name:<12} {u.numel:>12,} params  {len(u.paths):>3} leaves  "
+                f"shard {u.shard_size:,} (+{u.padded_numel - u.numel} pad){tie}"
+            )
+        return "\n".join(lines)
 
     def __getitem__(self, name: str) -> UnitLayout:
         for u in self.units:
@@ -84,7 +97,7 @@ def make_layout(model: Model, mesh: Mesh) -> Layout:
         units.append(
             UnitLayout(u.name, tuple(paths), tuple(tuple(s) for s in shapes), treedef, mesh.shard_count)
         )
-    return Layout(tuple(units), mesh)
+    return Layout(tuple(units), mesh, model.uses)
 
 
 def shard(params: Mapping[str, PyTree], model: Model, mesh: Mesh) -> dict[str, torch.Tensor]:
