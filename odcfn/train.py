@@ -17,6 +17,7 @@ from dataclasses import replace
 import torch
 
 from odcfn.batch import Batch
+from odcfn.kernels.base import supports_odc
 from odcfn.metrics import StepMetrics
 from odcfn.model import Model
 from odcfn.optim import clip_scale
@@ -35,6 +36,11 @@ def _validate(state: TrainState, batch: Batch) -> Layout:
         raise TypeError(f"state must be an odcfn.TrainState (TrainState.create), got {type(state).__name__}")
     if not isinstance(batch, Batch):
         raise TypeError(f"batch must be an odcfn.Batch, got {type(batch).__name__}")
+    if state.config.comm == "odc" and not supports_odc(state.transport):
+        raise TypeError(
+            f"comm='odc' needs a point-to-point transport (ShmTransport, LocalWorld's, the GPU ones); "
+            f"{type(state.transport).__name__} only does collectives: use StepConfig(comm='collective')"
+        )
     layout = make_layout(state.model, state.mesh)
     check_shards(state.params, layout, state.model.dtype)
     return layout
@@ -57,7 +63,8 @@ def _grads(state: TrainState, batch: Batch) -> tuple[dict[str, torch.Tensor], St
     program = prepare_program(
         cfg.balance, batch.lengths, units=model.unit_names, world_size=mesh.world_size, rank=mesh.rank,
         max_tokens=cap, comm=cfg.comm, options=_options(cfg.options, model), cost=cfg.cost,
-        fetch_add=transport.fetch_add, max_counters=getattr(transport, "max_counters", None),
+        fetch_add=getattr(transport, "fetch_add", None),
+        max_counters=getattr(transport, "max_counters", None),
     )
     dtype = cfg.compute_dtype or model.dtype
     device = next(iter(state.params.values())).device  # compute follows the parameter shards

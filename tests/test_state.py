@@ -10,6 +10,7 @@ import torch
 
 import odcfn
 from odcfn.tree import tree_leaves, tree_map
+from tests.mp_pool import mp_pool  # noqa: F401 - the session fixture
 from tests.util import tiny
 
 
@@ -102,3 +103,23 @@ def test_save_load_state_resumes_bit_identically(tmp_path):
     assert all(odcfn.run_local(fn, 2))
     with pytest.raises(TypeError, match="state must be a TrainState"):
         odcfn.save(tmp_path / "x", {"params": 1})
+
+
+def test_odc_on_a_collectives_only_transport_is_refused_before_any_communication(mp_pool):  # noqa: F811
+    out = mp_pool.run(collective_only_worker, 2)
+    assert all("comm='odc' needs a point-to-point transport" in msg for msg in out)
+
+
+def collective_only_worker():
+    cfg, model, full = tiny()
+    mesh = odcfn.Mesh.from_env()
+    with odcfn.CollectiveTransport(mesh, timeout=30) as tr:
+        state = odcfn.TrainState.create(params=full, model=model, optimizer=odcfn.sgd(0.1), transport=tr)
+        before = tr.collectives.calls.copy() if hasattr(tr.collectives, "calls") else None
+        try:
+            odcfn.grad_step(state, odcfn.random_batch([4, 5], cfg.vocab_size))
+        except TypeError as e:
+            after = tr.collectives.calls.copy() if before is not None else None
+            assert before == after, "refused after communicating"
+            return str(e)
+    return "no error"

@@ -236,12 +236,6 @@ class CollectiveTransport(StepCollectives):
     def flush(self) -> None:
         return None  # every collective completed in place
 
-    def fetch_add(self, counter: int, n: int = 1) -> int:
-        # Only so that train.py, which still hands ``transport.fetch_add`` to every program,
-        # keeps working; it goes once train.py reads it with getattr(transport, "fetch_add", None).
-        raise TypeError("CollectiveTransport has no shared counters: work stealing needs comm='odc' "
-                        "on a point-to-point transport (ShmTransport, the GPU transports)")
-
     def grad_shards(self) -> dict[str, torch.Tensor]:
         return self._acc
 
