@@ -26,15 +26,14 @@ from odcfn.schedule.plan import (
     Backward,
     Forward,
     Gather,
-    Piece,
     Plan,
     ReduceScatter,
     Release,
     ScatterAccumulate,
     Step,
     Sync,
-    assemble_plan,
 )
+from odcfn.schedule.program import Piece, assemble_plan
 from odcfn.sharding import Layout
 
 __all__ = ["ExecResult", "execute"]

@@ -12,16 +12,8 @@ from hypothesis import strategies as st
 
 from odcfn.schedule.balance import lb_mini
 from odcfn.schedule.cost import TokenCost
-from odcfn.schedule.plan import (
-    Action,
-    Forward,
-    Gather,
-    ScheduleOptions,
-    Sync,
-    compile_plan,
-    owner_steps,
-    realised_plan,
-)
+from odcfn.schedule.plan import Forward, Gather, ScheduleOptions, Sync, compile_plan
+from odcfn.schedule.program import Action, owner_steps, realised_plan
 from odcfn.schedule.steal import ArrayCounters, steal_plan
 from odcfn.schedule.steal import rank_program as program
 

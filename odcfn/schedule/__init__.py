@@ -10,13 +10,11 @@ from odcfn.schedule.balance import (
 from odcfn.schedule.cost import QuadraticCost, TokenCost, flops_cost
 from odcfn.schedule.lengths import DATASETS, aime_rl, longalign, swe_smith
 from odcfn.schedule.plan import (
-    Action,
     AllGather,
     Assignment,
     Backward,
     Forward,
     Gather,
-    Piece,
     Plan,
     ReduceScatter,
     Release,
@@ -26,6 +24,7 @@ from odcfn.schedule.plan import (
     compile_plan,
 )
 from odcfn.schedule.policy import POLICIES, PolicyInfo, prepare_program
+from odcfn.schedule.program import Action, Piece
 from odcfn.schedule.simmodel import A100_COMM, ZERO_COMM, CommModel, SimResult, Workload, lower_bound_makespan
 from odcfn.schedule.simulate import compile_plans, simulate, simulate_work_stealing
 from odcfn.schedule.steal import StealPlan, WorkStealing, steal_plan

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 from odcfn.schedule.balance import BALANCERS, WORK_STEALING, Balancer, get_balancer
 from odcfn.schedule.cost import DEFAULT_COST, CostModel
-from odcfn.schedule.plan import Comm, Piece, ScheduleOptions, compile_plan, owner_steps, stealing_pieces
+from odcfn.schedule.plan import Comm, ScheduleOptions, compile_plan
+from odcfn.schedule.program import Piece, owner_steps, stealing_pieces
 from odcfn.schedule.steal import StealPlan, TransportCounters, WorkStealing, rank_program, steal_plan
 
 __all__ = [

@@ -16,17 +16,8 @@ from collections.abc import Callable, Iterator, Sequence
 import numpy as np
 
 from odcfn.schedule.cost import DEFAULT_COST, CostModel
-from odcfn.schedule.plan import (
-    Assignment,
-    Comm,
-    Piece,
-    Plan,
-    ScheduleOptions,
-    assemble_plan,
-    compile_plan,
-    stealing_fragment,
-    stealing_pieces,
-)
+from odcfn.schedule.plan import Assignment, Comm, Plan, ScheduleOptions, compile_plan
+from odcfn.schedule.program import Piece, assemble_plan, stealing_fragment, stealing_pieces
 from odcfn.schedule.simengine import SYNC, Engine, RankClock, mesh_for, sim_result
 from odcfn.schedule.simmodel import (
     A100_COMM,
@@ -177,7 +168,7 @@ def simulate_work_stealing(
     record: bool = True,
 ) -> SimResult:
     """Work stealing as the runtime runs it: every rank's program is the runtime's own
-    (``plan.stealing_pieces`` over ``steal.rank_program``) on counters that behave like a
+    (``program.stealing_pieces`` over ``steal.rank_program``) on counters that behave like a
     transport's ``fetch_add``, run by the same loop as static plans.
 
     ``overhead`` (seconds; default: what one stolen fragment's transfers add on an idle rank

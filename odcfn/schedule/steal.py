@@ -35,7 +35,8 @@ import numpy as np
 
 from odcfn.schedule.balance import check_lengths, lb_mini
 from odcfn.schedule.cost import DEFAULT_COST, CostModel
-from odcfn.schedule.plan import Action, Assignment
+from odcfn.schedule.plan import Assignment
+from odcfn.schedule.program import Action
 
 __all__ = [
     "DEFAULT_TOLERANCE",
