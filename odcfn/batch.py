@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["Batch", "Microbatch", "Sample", "pack", "random_batch"]
+__all__ = ["Batch", "Microbatch", "Sample", "check_token_range", "pack", "random_batch"]
 
 
 @dataclass(frozen=True)
@@ -137,3 +137,18 @@ def _desc(x: object) -> str:
     if isinstance(x, torch.Tensor):
         return f"tensor of shape {tuple(x.shape)} and dtype {x.dtype}"
     return type(x).__name__
+
+
+def check_token_range(batch: Batch, vocab_size: int | None) -> None:
+    """``ValueError`` naming the first sample with a token id outside ``[0, vocab_size)``."""
+    if vocab_size is None:
+        return
+    for i, s in enumerate(batch.samples):
+        lo, hi = int(s.tokens.min()), int(s.tokens.max())
+        if lo < 0 or hi >= vocab_size:
+            bad = lo if lo < 0 else hi
+            pos = int((s.tokens == bad).nonzero()[0, 0])
+            raise ValueError(
+                f"batch sample {i}: token id {bad} at position {pos} is outside the model's "
+                f"vocabulary [0, {vocab_size})"
+            )

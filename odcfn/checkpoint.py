@@ -206,7 +206,7 @@ def save(
                 lambda m: f"the files of ranks {m} for step {step} in {root} (did every rank call save?)",
                 writers,
             )
-            doc = _manifest(mesh, layout, step, attempt, skeleton, extra, stage.dir, writers)
+            doc = _manifest(model, mesh, layout, step, attempt, skeleton, extra, stage.dir, writers)
             _atomic_write_text(stage.dir / MANIFEST, json.dumps(doc, indent=1))
             stage.commit(overwrite)
         else:
@@ -221,7 +221,7 @@ def save(
     return root
 
 
-def _manifest(mesh, layout, step, attempt, skeleton, extra, where: Path, writers) -> dict:
+def _manifest(model, mesh, layout, step, attempt, skeleton, extra, where: Path, writers) -> dict:
     return {
         "format": FORMAT,
         "version": VERSION,
@@ -248,6 +248,7 @@ def _manifest(mesh, layout, step, attempt, skeleton, extra, where: Path, writers
             for u in layout.units
         },
         "tree": skeleton,
+        "model": {"config": model.config_key, "vocab_size": model.vocab_size},
         "extra": dict(extra or {}),
     }
 
@@ -317,6 +318,12 @@ def load(path: str | os.PathLike, *, model: Model, mesh: Mesh) -> tuple[dict[str
 def _load(root: Path, doc: dict, model: Model, mesh: Mesh) -> tuple[dict[str, torch.Tensor], Any, int]:
     layout = make_layout(model, mesh)
     check_units(doc, layout, root)
+    saved = doc.get("model", {}).get("config", "")
+    if saved and model.config_key and saved != model.config_key:
+        raise CheckpointError(
+            f"checkpoint {root} was saved from a model of another config ({saved}); this model is "
+            f"{model.config_key} (the parameter shapes match, their meaning does not)"
+        )
     files = check_files(doc, root)
     handles: dict[int, Any] = {}
 

@@ -41,10 +41,21 @@ def unit_inputs(unit: Unit, own: PyTree, used: Mapping[str, PyTree]) -> PyTree:
 
 @dataclass(frozen=True)
 class Model:
+    """Ordered units; the last returns the summed token loss. ``vocab_size``: token ids must lie
+    in ``[0, vocab_size)`` (checked on every rank before any communication; None: unchecked).
+    ``config_key``: a description of the config that built the model (head counts, RoPE base,
+    ...), which shapes alone do not capture: checkpoints record it and refuse another model's,
+    and ranks whose models differ disagree in the sync's fingerprint."""
+
     units: tuple[Unit, ...]
     dtype: torch.dtype = torch.float32
+    vocab_size: int | None = None
+    config_key: str = ""
 
     def __post_init__(self) -> None:
+        v = self.vocab_size
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ValueError(f"Model.vocab_size must be a positive int or None, got {v!r}")
         names = [u.name for u in self.units]
         if len(set(names)) != len(names):
             raise ValueError(f"Model unit names must be unique, got {names}")

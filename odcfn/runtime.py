@@ -55,6 +55,7 @@ class ExecResult:
     loss_sum: float  # global, after the sync
     grad_norm: float  # global L2 norm of the unclipped gradient of the normalised loss
     events: list[Event] = field(default_factory=list)
+    riders: torch.Tensor | None = None  # the summed extra stats the caller had ride the sync
 
 
 @dataclass
@@ -78,6 +79,7 @@ class _Executor:
         self.model, self.layout, self.batch = model, layout, batch
         self.t, self.dtype, self.device = transport, compute_dtype, device
         self.rank, self.last = transport.mesh.rank, model.unit_names[-1]
+        self.riders: torch.Tensor | None = None
         self.units = {u.name: u for u in model.units}
         self.prev = {u: (model.units[i - 1].name if i else None) for i, u in enumerate(model.unit_names)}
         self.bufs: dict[str, torch.Tensor] = {}
@@ -239,7 +241,10 @@ class _Executor:
             norm2 += g.double().square().sum()
         # after the replica all-reduce every replica holds the same shard: count it once
         norm2 = norm2 / len(self.t.mesh.replica_group)
-        return self.t.sync(torch.stack([self.loss_sum, norm2]))
+        stats = torch.stack([self.loss_sum, norm2])
+        if self.riders is not None:  # e.g. the minibatch fingerprint: same sync, no extra trip
+            stats = torch.cat([stats, self.riders.to(stats.device, torch.float64)])
+        return self.t.sync(stats)
 
 
 def execute(
@@ -252,12 +257,15 @@ def execute(
     compute_dtype: torch.dtype,
     comm: str = "odc",
     device: torch.device | str = "cpu",
+    riders: torch.Tensor | None = None,
 ) -> tuple[ExecResult, Plan]:
     """Run a rank's program (``odcfn.schedule.policy.prepare_program``: a static plan is one
     piece, work stealing one piece per decision) up to and including its one Sync; the
-    transport then holds this rank's gradient shards. Returns the result and the plan that ran."""
+    transport then holds this rank's gradient shards. Returns the result and the plan that ran.
+    ``riders``: float64 values summed over the ranks in the same sync (``ExecResult.riders``)."""
     t0 = time.perf_counter()
     ex = _Executor(model, layout, batch, transport, compute_dtype, torch.device(device))
+    ex.riders = riders
     events: list[Event] = []
     ran: list[Piece] = []
     stats = None
@@ -270,4 +278,4 @@ def execute(
     if stats is None:
         raise ValueError("the program has no Sync step")
     plan = assemble_plan(ex.rank, comm, model.unit_names, ran)
-    return ExecResult(float(stats[0]), float(stats[1].clamp_min(0).sqrt()), events), plan
+    return ExecResult(float(stats[0]), float(stats[1].clamp_min(0).sqrt()), events, stats[2:]), plan

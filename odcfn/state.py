@@ -41,7 +41,9 @@ class StepConfig:
     longest sample of each minibatch). ``compute_dtype``: what gathers deliver and units compute
     in (master shards and accumulators stay fp32). ``max_grad_norm``: clip by the global norm the
     one sync carries. ``cost``: the cost model balancers use. ``loss``: the per-token loss the
-    head unit applies (None: token cross-entropy).
+    head unit applies (None: token cross-entropy). ``nonfinite``: a minibatch whose loss or
+    gradient norm is NaN/inf raises ``FloatingPointError`` on every rank ("raise"), or is skipped
+    ("skip": params, optimizer state and step unchanged, ``metrics.extra["skipped_nonfinite"]``).
     """
 
     comm: Comm = "odc"
@@ -52,6 +54,7 @@ class StepConfig:
     max_grad_norm: float | None = None
     cost: CostModel | None = None
     loss: Any = None
+    nonfinite: str = "raise"
 
     def __post_init__(self) -> None:
         if self.comm not in ("odc", "collective"):
@@ -74,6 +77,8 @@ class StepConfig:
         bad = isinstance(g, bool) or not isinstance(g, (int, float)) or not 0 < g < math.inf
         if g is not None and bad:
             raise ValueError(f"StepConfig.max_grad_norm must be a finite number > 0 or None, got {g!r}")
+        if self.nonfinite not in ("raise", "skip"):
+            raise ValueError(f"StepConfig.nonfinite must be 'raise' or 'skip', got {self.nonfinite!r}")
         if self.cost is not None and not callable(self.cost):
             raise TypeError(
                 f"StepConfig.cost must be a cost model (length -> cost), got {type(self.cost).__name__}"

@@ -11,12 +11,14 @@ params, opt_state = optimizer.update(grads, ...)             # each rank updates
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import replace
 
 import torch
 
-from odcfn.batch import Batch
+from odcfn import fingerprint
+from odcfn.batch import Batch, check_token_range
 from odcfn.kernels.base import supports_odc
 from odcfn.metrics import StepMetrics
 from odcfn.model import Model
@@ -43,6 +45,7 @@ def _validate(state: TrainState, batch: Batch) -> Layout:
         )
     layout = make_layout(state.model, state.mesh)
     check_shards(state.params, layout, state.model.dtype)
+    check_token_range(batch, state.model.vocab_size)
     return layout
 
 
@@ -52,6 +55,18 @@ def _options(options: ScheduleOptions | None, model: Model) -> ScheduleOptions:
     if options.uses and options.uses != model.uses:
         raise ValueError(f"ScheduleOptions.uses={options.uses} differs from the model's {model.uses}")
     return replace(options, uses=model.uses) if model.uses else options
+
+
+def _fingerprint(state: TrainState, batch: Batch, layout: Layout) -> tuple[list[int], list[str]]:
+    """This rank's minibatch fingerprint words and what each describes (for the error)."""
+    m, mesh = state.model, state.mesh
+    key = (f"{[(u.name, u.shard_size) for u in layout.units]} W={mesh.world_size} "
+           f"{mesh.sharding}/{mesh.node_size} {m.dtype} {m.config_key}")
+    words = fingerprint.minibatch_words(batch, state.config, key)
+    lengths = repr(batch.lengths) if len(batch) <= 16 else f"{batch.lengths[:16]}... ({len(batch)} samples)"
+    detail = [f"lengths {lengths}, {batch.num_loss_tokens} loss tokens", f"token hash {words[1]:05x}",
+              fingerprint.stable_repr(state.config)[:300], key[:300]]
+    return words, detail
 
 
 def _grads(state: TrainState, batch: Batch) -> tuple[dict[str, torch.Tensor], StepMetrics]:
@@ -68,12 +83,22 @@ def _grads(state: TrainState, batch: Batch) -> tuple[dict[str, torch.Tensor], St
     )
     dtype = cfg.compute_dtype or model.dtype
     device = next(iter(state.params.values())).device  # compute follows the parameter shards
+    words, detail = _fingerprint(state, batch, layout)
     before = transport.counters.copy()
     transport.begin_step(layout, state.params, dtype)
     result, plan = execute(
         program, model=model, layout=layout, batch=batch, transport=transport,
-        compute_dtype=dtype, comm=cfg.comm, device=device,
+        compute_dtype=dtype, comm=cfg.comm, device=device, riders=fingerprint.encode(words, device),
     )
+    # every rank sees the same sums, so every rank raises alike (before any optimizer step)
+    fingerprint.check_agreement(result.riders, mesh.world_size, words, detail)
+    finite = math.isfinite(result.loss_sum) and math.isfinite(result.grad_norm)
+    if not finite and cfg.nonfinite == "raise":
+        raise FloatingPointError(
+            f"step {state.step}: the minibatch's loss sum is {result.loss_sum} and its gradient norm "
+            f"{result.grad_norm}: refusing the step (params and optimizer state unchanged; "
+            "StepConfig(nonfinite='skip') skips such steps instead)"
+        )
     metrics = StepMetrics(
         loss=result.loss_sum / batch.num_loss_tokens,
         grad_norm=result.grad_norm,
@@ -85,6 +110,8 @@ def _grads(state: TrainState, batch: Batch) -> tuple[dict[str, torch.Tensor], St
         counters=transport.counters - before,
         events=result.events,
     )
+    if not finite:
+        metrics.extra["skipped_nonfinite"] = True
     return transport.grad_shards(), metrics
 
 
@@ -101,6 +128,8 @@ def grad_step(state: TrainState, batch: Batch) -> tuple[dict[str, torch.Tensor],
 def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, StepMetrics]:
     """One optimizer step on one minibatch: ``(new state, metrics)``."""
     grads, metrics = _grads(state, batch)
+    if metrics.extra.get("skipped_nonfinite"):  # nonfinite="skip": nothing changes
+        return state, metrics
     scale = clip_scale(metrics.grad_norm, state.config.max_grad_norm)
     optimizer = state.optimizer.for_layout(make_layout(state.model, state.mesh))  # a decay mask needs it
     params, opt_state = optimizer.update(grads, state.opt_state, state.params, grad_scale=scale)

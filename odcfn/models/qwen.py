@@ -185,7 +185,7 @@ def qwen_model(cfg: QwenConfig, *, dtype: torch.dtype = torch.float32) -> Model:
         units.append(Unit(f"layers.{i}", partial(block_fwd, cfg=cfg), shapes[f"layers.{i}"]))
     uses = ("embed",) if cfg.tie_embeddings else ()
     units.append(Unit("head", partial(head_fwd, cfg=cfg), shapes["head"], uses=uses))
-    return Model(tuple(units), dtype=dtype)
+    return Model(tuple(units), dtype=dtype, vocab_size=cfg.vocab_size, config_key=repr(cfg))
 
 
 # --- the nn.Module mirror (same names, same math) -----------------------------------------
