@@ -54,6 +54,7 @@ class Row:
     lower_bound_bubble_rate: float
     samples_per_s: float  # simulated
     speedup: float  # samples/s relative to collective+lb-micro in the same cell
+    time_to_bound: float  # step time over the lower bound's (summed over the minibatches)
 
 
 def default_cost() -> QuadraticCost:
@@ -127,6 +128,7 @@ def run_cell(
                 1.0 - lb_busy / lb_time,
                 sps,
                 sps / base,
+                rank_time / lb_time,
             )
         )
     return rows
@@ -145,11 +147,13 @@ def sweep(
 
 
 def format_table(rows: Sequence[Row]) -> str:
-    """One line per cell: bubble rates of the three policies and the lower bound, and the ODC
-    policies' samples/s relative to Collective + LB-Micro."""
+    """One line per cell: bubble rates of the three policies and the lower bound, the ODC
+    policies' samples/s relative to Collective + LB-Micro, and each policy's step time over
+    the lower bound's."""
     head = (
         f"{'dataset':<10} {'D':>5} {'s/D':>4} | {'bubble: coll+micro':>18} {'odc+mini':>9} "
-        f"{'odc+ws':>7} {'bound':>6} | {'x mini':>6} {'x ws':>6}"
+        f"{'odc+ws':>7} {'bound':>6} | {'x mini':>6} {'x ws':>6} | {'time/bound: micro':>17} "
+        f"{'mini':>5} {'ws':>5}"
     )
     lines = [head, "-" * len(head)]
     cells: dict[tuple, dict[str, Row]] = {}
@@ -160,6 +164,7 @@ def format_table(rows: Sequence[Row]) -> str:
         lines.append(
             f"{ds:<10} {d:>5} {s:>4} | {c.bubble_rate:>18.1%} {m.bubble_rate:>9.1%} "
             f"{w.bubble_rate:>7.1%} {c.lower_bound_bubble_rate:>6.1%} | {m.speedup:>5.2f}x {w.speedup:>5.2f}x"
+            f" | {c.time_to_bound:>17.3f} {m.time_to_bound:>5.3f} {w.time_to_bound:>5.3f}"
         )
     return "\n".join(lines)
 
