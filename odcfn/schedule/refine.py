@@ -20,6 +20,8 @@ import numpy as np
 __all__ = ["collective_time", "refine_loads", "refine_slots"]
 
 _EPS = 1e-12
+_PAIR_LIMIT = 12  # two-for-two exchanges scan every pair of a subset: small subsets only,
+_PAIR_PARTNERS = 8  # and only with the lightest few subsets
 
 
 def collective_time(mb_costs: Sequence[Sequence[float]]) -> float:
@@ -30,13 +32,20 @@ def collective_time(mb_costs: Sequence[Sequence[float]]) -> float:
 
 
 def refine_loads(
-    parts: Sequence[Sequence[int]], costs: Sequence[float], *, moves: bool, rounds: int = 160
+    parts: Sequence[Sequence[int]],
+    costs: Sequence[float],
+    *,
+    moves: bool,
+    rounds: int = 160,
+    exchanges: int = 0,
 ) -> list[list[int]]:
     """Lower the max load: move one item (if ``moves``) or swap two items between the heaviest
     subset and *any* other whenever that lowers the pair's maximum below the current maximum;
     when none does, swap the lightest subset up (the pair's minimum rises, nothing reaches the
-    maximum). Every step narrows a pair, so the sum of squared loads falls: no cycles. Swaps
-    keep subset sizes; moves do not."""
+    maximum). Before that, up to ``exchanges`` times (with small subsets), an exchange of one
+    or two items for one or two with one of the lightest subsets.
+    Every step narrows a pair, so the sum of squared loads falls: no cycles. Swaps keep subset
+    sizes; moves and uneven exchanges do not (``moves=False`` skips both)."""
     k = len(parts)
     parts = [list(p) for p in parts]
     n = len(costs)
@@ -56,50 +65,107 @@ def refine_loads(
         best, move = top - _EPS * max(1.0, top), None  # the new pair max to beat
         # swaps: item i of h <-> item j elsewhere, d = c_i - c_j > 0
         d = c[mine][:, None] - c[None, :]
-        other = loads[owner][None, :]
-        pair = np.maximum(top - d, other + d)
+        pair = np.maximum(top - d, loads[owner][None, :] + d)
         pair[(d <= 0) | (owner == h)[None, :]] = np.inf
         a, b = np.unravel_index(int(np.argmin(pair)), pair.shape)
         if pair[a, b] < best:
             best, move = float(pair[a, b]), (int(mine[a]), int(b))
         if moves and len(mine) > 1:
-            to = loads[None, :] + c[mine][:, None]
-            pm = np.maximum(top - c[mine][:, None], to)
+            pm = np.maximum(top - c[mine][:, None], loads[None, :] + c[mine][:, None])
             pm[:, h] = np.inf
             a2, o2 = np.unravel_index(int(np.argmin(pm)), pm.shape)
             if pm[a2, o2] < best:
                 best, move = float(pm[a2, o2]), (int(mine[a2]), -1 - int(o2))
-        if move is None:
-            # the heaviest is stuck: raise the lightest instead (swap up with any subset that
-            # stays above it, none reaching the max), which can unstick it next round
-            h = int(np.argmin(loads))
-            mine = np.asarray(parts[h], dtype=np.int64)
-            low = loads[h]
-            d = c[None, :] - c[mine][:, None]  # item j elsewhere comes in, item i goes out
-            other = loads[owner][None, :]
-            pair = np.minimum(low + d, other - d)
-            bad = (d <= 0) | (owner == h)[None, :] | (low + d >= top) | (mine.size == 0)
-            pair = np.where(bad, -np.inf, pair)
-            if pair.size == 0:
-                break
-            a, b = np.unravel_index(int(np.argmax(pair)), pair.shape)
-            if not pair[a, b] > low + _EPS * max(1.0, top):
-                break
-            move = (int(mine[a]), int(b))
-        i, j = move
-        o = int(owner[j]) if j >= 0 else -1 - j
-        parts[h].remove(i)
-        parts[o].append(i)
-        owner[i] = o
-        loads[h] -= c[i]
-        loads[o] += c[i]
-        if j >= 0:
-            parts[o].remove(j)
-            parts[h].append(j)
-            owner[j] = h
-            loads[h] += c[j]
-            loads[o] -= c[j]
+        if move is not None:
+            _apply(parts, owner, loads, c, h, *move)
+            continue
+        if exchanges > 0 and max(len(p) for p in parts) <= _PAIR_LIMIT:
+            ex = _exchange(parts, c, loads, h, top - _EPS * max(1.0, top), even=not moves)
+            exchanges -= 1
+            if ex is not None:
+                out, o, back = ex
+                for i in out:
+                    parts[h].remove(i)
+                    parts[o].append(i)
+                    owner[i] = o
+                for j in back:
+                    parts[o].remove(j)
+                    parts[h].append(j)
+                    owner[j] = h
+                delta = c[list(out)].sum() - c[list(back)].sum()
+                loads[h] -= delta
+                loads[o] += delta
+                continue
+        # the heaviest is stuck: raise the lightest instead (swap up with any subset that
+        # stays above it, none reaching the max), which can unstick it next round
+        h = int(np.argmin(loads))
+        mine = np.asarray(parts[h], dtype=np.int64)
+        low = loads[h]
+        d = c[None, :] - c[mine][:, None]  # item j elsewhere comes in, item i goes out
+        other = loads[owner][None, :]
+        pair = np.minimum(low + d, other - d)
+        bad = (d <= 0) | (owner == h)[None, :] | (low + d >= top) | (mine.size == 0)
+        pair = np.where(bad, -np.inf, pair)
+        if pair.size == 0:
+            break
+        a, b = np.unravel_index(int(np.argmax(pair)), pair.shape)
+        if not pair[a, b] > low + _EPS * max(1.0, top):
+            break
+        _apply(parts, owner, loads, c, h, int(mine[a]), int(b))
     return parts
+
+
+def _apply(
+    parts: list[list[int]], owner: np.ndarray, loads: np.ndarray, c: np.ndarray, h: int, i: int, j: int
+) -> None:
+    """Item i leaves subset h for item j's subset, j comes back (a swap), or for subset
+    ``-1 - j`` when ``j < 0`` (a move)."""
+    o = int(owner[j]) if j >= 0 else -1 - j
+    parts[h].remove(i)
+    parts[o].append(i)
+    owner[i] = o
+    loads[h] -= c[i]
+    loads[o] += c[i]
+    if j >= 0:
+        parts[o].remove(j)
+        parts[h].append(j)
+        owner[j] = h
+        loads[h] += c[j]
+        loads[o] -= c[j]
+
+
+def _exchange(
+    parts: Sequence[Sequence[int]], c: np.ndarray, loads: np.ndarray, h: int, beat: float, *, even: bool
+) -> tuple[tuple[int, ...], int, tuple[int, ...]] | None:
+    """The best exchange of one or two items of subset ``h`` for one or two of one of the
+    lightest subsets whose new pair maximum is below ``beat`` (what single swaps miss)."""
+    units: list[tuple[int, ...]] = []
+    unit_owner: list[int] = []
+    partners = np.argsort(loads, kind="stable")[:_PAIR_PARTNERS].tolist()
+    for r in [h] + [r for r in partners if r != h]:
+        p = parts[r]
+        for x in range(len(p)):
+            units.append((p[x],))
+            unit_owner.append(r)
+            for y in range(x + 1, len(p)):
+                units.append((p[x], p[y]))
+                unit_owner.append(r)
+    uo = np.asarray(unit_owner, dtype=np.int64)
+    cu = np.fromiter((sum(c[i] for i in u) for u in units), dtype=np.float64, count=len(units))
+    mine = np.flatnonzero(uo == h)
+    if mine.size == 0:
+        return None
+    d = cu[mine][:, None] - cu[None, :]
+    pair = np.maximum(loads[h] - d, loads[uo][None, :] + d)
+    ok = (d > 0) & (uo != h)[None, :]
+    if even:
+        size = np.fromiter((len(u) for u in units), dtype=np.int64, count=len(units))
+        ok &= size[mine][:, None] == size[None, :]
+    pair = np.where(ok, pair, np.inf)
+    a, b = np.unravel_index(int(np.argmin(pair)), pair.shape)
+    if not pair[a, b] < beat:
+        return None
+    return units[int(mine[a])], int(uo[b]), units[int(b)]
 
 
 def refine_slots(
