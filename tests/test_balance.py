@@ -507,3 +507,22 @@ def test_shm_work_stealing_across_processes(mp_pool):  # noqa: F811
             odcfn.tree_assert_allclose(
                 {k: torch.from_numpy(v) for k, v in grads.items()}, want, rtol=1e-5, atol=1e-7
             )
+
+
+def test_simulate_quality_reports_both_balancers_over_the_bound(capsys):
+    import argparse
+
+    from odcfn.schedule import sweep
+
+    cells = sweep.balancer_quality(["aime-rl"], [4], [1, 4], minibatches=2)
+    assert [(c["devices"], c["samples_per_device"]) for c in cells] == [(4, 1), (4, 4)]
+    one, four = cells
+    assert one["lb_micro"] == pytest.approx(1.0) and one["lb_mini"] == pytest.approx(1.0)  # 1 each
+    assert four["lb_micro"] >= 1.0 - 1e-12 and four["lb_mini"] >= 1.0 - 1e-12
+    p = argparse.ArgumentParser()
+    sweep.add_arguments(p)
+    args = p.parse_args(["--quality", "--devices", "4", "--samples-per-device", "4", "--datasets", "aime-rl",
+                         "--minibatches", "2"])
+    assert sweep.main(args) == 0
+    out = capsys.readouterr().out
+    assert "LB-Micro coll. time/bound" in out and f"{four['lb_micro']:.4f}" in out
