@@ -6,11 +6,12 @@ rank, never by hash order or randomness.
 
 - ``round_robin``: sample i -> rank i % W, packed in order (no balancing at all).
 - ``local_sort``: samples sorted by cost, dealt round-robin, one sample per microbatch.
-- ``lb_micro``: equal sample counts per rank (Karmarkar-Karp with equal-size chunks, then swap
-  refinement), then the same number of microbatches on every rank, heaviest first. This is what
-  a collective (FSDP) schedule can use: every rank must run the same number of microbatches.
-- ``lb_mini``: free partition (unequal counts allowed; the equal-count partition is a candidate
-  too, so it is never worse), then each rank packs its own microbatches. Needs ODC.
+- ``lb_micro``: equal sample counts per rank, chosen for the collective time (the sum over
+  microbatch slots of the heaviest rank's microbatch: what a collective (FSDP) schedule waits
+  for, since every rank issues the same collectives for its j-th microbatch). Ranks with fewer
+  microbatches are padded with empty ones by the collective compile.
+- ``lb_mini``: free partition (unequal counts allowed) minimising the max rank load, never worse
+  than Karmarkar-Karp + swaps nor than LPT; then each rank packs its own microbatches. Needs ODC.
 - work stealing is dynamic (``odcfn.schedule.steal``): LB-Mini's lists, then idle or fast ranks
   take samples from slow ones at run time, in ``odcfn.train.grad_step(balance="work_stealing")``
   and in ``odcfn.schedule.simulate.simulate_work_stealing``.
