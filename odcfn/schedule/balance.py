@@ -48,7 +48,7 @@ Balancer = Callable[[Sequence[int], int, int], Assignment]
 WORK_STEALING = "work_stealing"
 _KK_FREE_LIMIT = 1 << 17
 _REFINE_ALL_LIMIT = 1 << 12  # up to here every LB-Mini candidate is refined (a few ms)
-_EXCHANGE_WORK = 2048  # LB-Mini's two-for-two exchange steps: 4 at 64 x 8 (each ~0.4 ms there)
+_EXCHANGE_WORK = 1024  # LB-Mini's two-for-two exchange steps: 2 at 64 x 8 (each ~0.4 ms there)
 # collective-time refinement steps: each scans every item, so fewer on big inputs (12 at 64 x 8)
 _SLOT_WORK = 6144
 
