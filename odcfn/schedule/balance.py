@@ -6,11 +6,12 @@ rank, never by hash order or randomness.
 
 - ``round_robin``: sample i -> rank i % W, packed in order (no balancing at all).
 - ``local_sort``: samples sorted by cost, dealt round-robin, one sample per microbatch.
-- ``lb_micro``: equal sample counts per rank (Karmarkar-Karp with equal-size chunks, then swap
-  refinement), then the same number of microbatches on every rank, heaviest first. This is what
-  a collective (FSDP) schedule can use: every rank must run the same number of microbatches.
-- ``lb_mini``: free partition (unequal counts allowed; the equal-count partition is a candidate
-  too, so it is never worse), then each rank packs its own microbatches. Needs ODC.
+- ``lb_micro``: equal sample counts per rank, chosen for the collective time (the sum over
+  microbatch slots of the heaviest rank's microbatch: what a collective (FSDP) schedule waits
+  for, since every rank issues the same collectives for its j-th microbatch). Ranks with fewer
+  microbatches are padded with empty ones by the collective compile.
+- ``lb_mini``: free partition (unequal counts allowed) minimising the max rank load, never worse
+  than Karmarkar-Karp + swaps nor than LPT; then each rank packs its own microbatches. Needs ODC.
 - work stealing is dynamic (``odcfn.schedule.steal``): LB-Mini's lists, then idle or fast ranks
   take samples from slow ones at run time, in ``odcfn.train.grad_step(balance="work_stealing")``
   and in ``odcfn.schedule.simulate.simulate_work_stealing``.
@@ -21,15 +22,18 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Sequence
 from functools import partial
+from operator import itemgetter
 
 from odcfn.schedule.cost import DEFAULT_COST, CostModel
 from odcfn.schedule.plan import Assignment
+from odcfn.schedule.refine import collective_time, level_pack, refine_loads, refine_slots
 
 __all__ = [
     "BALANCERS",
     "WORK_STEALING",
     "Balancer",
     "check_lengths",
+    "collective_time",
     "get_balancer",
     "kk_partition",
     "lb_micro",
@@ -42,8 +46,11 @@ __all__ = [
 
 Balancer = Callable[[Sequence[int], int, int], Assignment]
 WORK_STEALING = "work_stealing"
-_EPS = 1e-12
 _KK_FREE_LIMIT = 1 << 17
+_REFINE_ALL_LIMIT = 1 << 12  # up to here every LB-Mini candidate is refined (a few ms)
+_EXCHANGE_WORK = 1024  # LB-Mini's two-for-two exchange steps: 2 at 64 x 8 (each ~0.4 ms there)
+# collective-time refinement steps: each scans every item, so fewer on big inputs (12 at 64 x 8)
+_SLOT_WORK = 6144
 
 
 def check_lengths(lengths: Sequence[int], max_tokens: int) -> None:
@@ -120,11 +127,16 @@ def kk_partition(costs: Sequence[float], k: int, *, equal_counts: bool = False) 
     while len(heap) > 1:
         _, _, a = heapq.heappop(heap)
         _, _, b = heapq.heappop(heap)
-        a_full = a + [(0.0, [])] * (k - len(a))
-        b_asc = [(0.0, [])] * (k - len(b)) + b[::-1]
-        merged = [(sa + sb, ia + ib) for (sa, ia), (sb, ib) in zip(a_full, b_asc)]
-        merged.sort(key=lambda s: -s[0])
-        merged = [s for s in merged if s[1]] if not equal_counts else merged
+        # position i pairs a[i] with b[k-1-i] (the missing subsets are empty); only the overlap
+        # k-len(b) <= i < len(a) adds up, extending a's consumed item lists in place
+        first = k - len(b)
+        merged = a[:first]
+        for i in range(first, len(a)):
+            (sa, ia), (sb, ib) = a[i], b[k - 1 - i]
+            ia.extend(ib)
+            merged.append((sa + sb, ia))
+        merged += b[: k - max(len(a), first)][::-1]
+        merged.sort(key=itemgetter(0), reverse=True)  # stable, like sorting by -sum
         lo = merged[-1][0] if len(merged) == k else 0.0
         tie += 1
         heapq.heappush(heap, (-(merged[0][0] - lo), tie, merged))
@@ -144,48 +156,6 @@ def _lpt(costs: Sequence[float], k: int) -> list[list[int]]:
     return parts
 
 
-def _refine(
-    parts: list[list[int]], costs: Sequence[float], *, moves: bool, rounds: int = 200
-) -> list[list[int]]:
-    """Local search on the heaviest subset: move one item (if ``moves``) or swap two items with
-    one of the lightest subsets whenever that lowers the pair's maximum. Swaps keep counts."""
-    parts = [list(p) for p in parts]
-    loads = [sum(costs[i] for i in p) for p in parts]
-    k = len(parts)
-    for _ in range(rounds):
-        h = max(range(k), key=lambda r: (loads[r], -r))
-        best: tuple[float, int, int | None, int | None] | None = None
-        for o in heapq.nsmallest(8, range(k), key=lambda r: (loads[r], r)):
-            if o == h:
-                continue
-            gap = loads[h] - loads[o]
-            if moves:
-                for i in parts[h]:
-                    new_max = max(loads[h] - costs[i], loads[o] + costs[i])
-                    if new_max < loads[h] - _EPS and (best is None or new_max < best[0]):
-                        best = (new_max, o, i, None)
-            for i in parts[h]:
-                for j in parts[o]:
-                    d = costs[i] - costs[j]
-                    if 0 < d < gap:
-                        new_max = max(loads[h] - d, loads[o] + d)
-                        if new_max < loads[h] - _EPS and (best is None or new_max < best[0]):
-                            best = (new_max, o, i, j)
-        if best is None:
-            break
-        _, o, i, j = best
-        parts[h].remove(i)
-        parts[o].append(i)
-        loads[h] -= costs[i]
-        loads[o] += costs[i]
-        if j is not None:
-            parts[o].remove(j)
-            parts[h].append(j)
-            loads[h] += costs[j]
-            loads[o] -= costs[j]
-    return parts
-
-
 def _max_load(parts: Sequence[Sequence[int]], costs: Sequence[float]) -> float:
     return max(sum(costs[i] for i in p) for p in parts)
 
@@ -197,17 +167,23 @@ def _ranked(parts: Sequence[Sequence[int]], costs: Sequence[float]) -> list[list
     return sorted(out, key=lambda p: (-sum(costs[i] for i in p), p))
 
 
-def _equal_count_partition(costs: Sequence[float], k: int) -> list[list[int]]:
-    return _ranked(_refine(kk_partition(costs, k, equal_counts=True), costs, moves=False), costs)
-
-
 def _free_partition(costs: Sequence[float], k: int) -> list[list[int]]:
-    """Best of KK (when small enough to be quick), LPT and the equal-count solution (so never
-    worse than LB-Micro's), each refined."""
-    candidates = [_refine(_lpt(costs, k), costs, moves=True), _equal_count_partition(costs, k)]
-    if len(costs) * k <= _KK_FREE_LIMIT:  # free KK merges cost O(k) each: O(n k) in all
-        candidates.insert(0, _refine(kk_partition(costs, k), costs, moves=True))
-    return _ranked(min(candidates, key=lambda p: _max_load(p, costs)), costs)
+    """KK refined by moves and swaps (when small enough to be quick), else LPT refined; raw
+    LPT (so the result is within LPT's 4/3 of the optimum) and the equal-count KK partition
+    are candidates too, refined as well when small or when they start better; the best gets
+    a few two-for-two exchanges on top."""
+    n = len(costs)
+    small = n * k <= _KK_FREE_LIMIT  # free KK merges cost O(k) each: O(n k) in all
+    first = refine_loads(kk_partition(costs, k) if small else _lpt(costs, k), costs, moves=True)
+    best, top = first, _max_load(first, costs)
+    others = ([_lpt(costs, k)] if small else []) + [kk_partition(costs, k, equal_counts=True)]
+    for p in sorted(others, key=lambda p: _max_load(p, costs)):
+        if _max_load(p, costs) < top or n * k <= _REFINE_ALL_LIMIT:
+            p = refine_loads(p, costs, moves=True)
+        if _max_load(p, costs) < top:
+            best, top = p, _max_load(p, costs)
+    steps = min(16, max(2, _EXCHANGE_WORK // n))
+    return _ranked(refine_loads(best, costs, moves=True, exchanges=steps), costs)
 
 
 def _ffd(items: Sequence[int], lengths: Sequence[int], cap: int) -> list[list[int]]:
@@ -264,20 +240,49 @@ def local_sort(
     return tuple(tuple((i,) for i in order[r::world_size]) for r in range(world_size))
 
 
+def _spread(
+    parts: Sequence[Sequence[int]], lengths: Sequence[int], costs: Sequence[float], cap: int
+) -> list[list[list[int]]]:
+    """Every rank's samples over ``m`` microbatches, ``m`` = the most first-fit needs on any
+    rank: cheapest-first by cost, else by tokens, else the rank's own first-fit (fewer, then:
+    the collective pads it with empty ones). Never more than ``m``: each slot costs time."""
+    m = max(len(_ffd(p, lengths, cap)) for p in parts if p) if any(parts) else 0
+    out = []
+    for p in parts:
+        packed = _pack_exact(p, m, lengths, costs, cap) or _pack_exact(p, m, lengths, lengths, cap)
+        out.append(packed if packed is not None else _ffd(p, lengths, cap))
+    return out
+
+
+def _chunks(costs: Sequence[float], k: int) -> list[list[list[int]]]:
+    """Sorted by cost, dealt round-robin, one sample per microbatch: always valid, and its
+    collective time is at most ``max cost + total / k`` (slot j's heaviest sample is no
+    heavier than the mean of slot j-1), i.e. at most twice the optimum."""
+    order = sorted(range(len(costs)), key=lambda i: (-costs[i], i))
+    return [[[i] for i in order[r::k]] for r in range(k)]
+
+
 def lb_micro(
     lengths: Sequence[int], world_size: int, max_tokens: int, *, cost: CostModel = DEFAULT_COST
 ) -> Assignment:
-    """Equal sample counts per rank (cost-balanced), the same microbatch count on every rank."""
+    """Equal sample counts per rank (floor or ceil of n / W), chosen for the collective time:
+    the sum over microbatch slots of the heaviest rank's microbatch (``collective_time``).
+    Candidates: the slot-first level packing, the equal-count KK partition spread over the
+    fewest microbatches, and sorted chunks (the 2x bound); the best is refined on the
+    collective time itself. Heaviest microbatch first."""
     check_lengths(lengths, max_tokens)
     _check_world(world_size)
     costs = [cost(n) for n in lengths]
-    parts = _equal_count_partition(costs, world_size)
-    m = max(len(_ffd(p, lengths, max_tokens)) for p in parts if p) if any(parts) else 0
-    while True:
-        packed = [_pack_exact(p, m, lengths, costs, max_tokens) for p in parts]
-        if all(x is not None for x in packed):
-            return tuple(_heaviest_first(x, costs) for x in packed)  # type: ignore[arg-type]
-        m += 1  # cheapest-first spreading can fail where first-fit succeeded: one more each
+    kk = kk_partition(costs, world_size, equal_counts=True)  # verl's rank split
+    candidates = [
+        level_pack(costs, lengths, world_size, max_tokens),
+        _spread(kk, lengths, costs, max_tokens),
+        _chunks(costs, world_size),
+    ]
+    times = [collective_time([[sum(costs[i] for i in mb) for mb in r] for r in p]) for p in candidates]
+    best = candidates[times.index(min(times))]
+    best = refine_slots(best, costs, lengths, max_tokens, rounds=min(64, max(8, _SLOT_WORK // len(costs))))
+    return tuple(_heaviest_first([sorted(mb, key=lambda i: (-costs[i], i)) for mb in r], costs) for r in best)
 
 
 def lb_mini(

@@ -13,14 +13,16 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
-from odcfn.schedule.balance import lb_micro, lb_mini
+from odcfn.schedule.balance import collective_time, lb_micro, lb_mini
 from odcfn.schedule.cost import QWEN25_7B, QuadraticCost, flops_cost
 from odcfn.schedule.lengths import DATASETS, get_dataset
+from odcfn.schedule.plan import Assignment
 from odcfn.schedule.simulate import (
     A100_COMM,
     ZERO_COMM,
@@ -33,7 +35,7 @@ from odcfn.schedule.simulate import (
 )
 from odcfn.sharding import Mesh
 
-__all__ = ["POLICIES", "Row", "add_arguments", "main", "run_cell", "sweep"]
+__all__ = ["POLICIES", "Row", "add_arguments", "balancer_quality", "main", "run_cell", "sweep"]
 
 POLICIES = ("collective+lb-micro", "odc+lb-mini", "odc+work-stealing")
 A100_BF16_FLOPS = 312e12
@@ -54,6 +56,7 @@ class Row:
     lower_bound_bubble_rate: float
     samples_per_s: float  # simulated
     speedup: float  # samples/s relative to collective+lb-micro in the same cell
+    time_to_bound: float  # step time over the lower bound's (summed over the minibatches)
 
 
 def default_cost() -> QuadraticCost:
@@ -127,6 +130,7 @@ def run_cell(
                 1.0 - lb_busy / lb_time,
                 sps,
                 sps / base,
+                rank_time / lb_time,
             )
         )
     return rows
@@ -144,12 +148,71 @@ def sweep(
     ]
 
 
+def balancer_quality(
+    datasets: Sequence[str],
+    devices: Sequence[int],
+    samples_per_device: Sequence[int],
+    *,
+    minibatches: int = 16,
+    cost: QuadraticCost | None = None,
+    seed: int = 0,
+    micro: Callable[..., Assignment] = lb_micro,
+    mini: Callable[..., Assignment] = lb_mini,
+) -> list[dict[str, object]]:
+    """The balancers alone, on the sweep's minibatches (no simulator): per cell the mean over
+    ``minibatches`` of LB-Micro's collective time (sum over microbatch slots of the heaviest
+    rank's microbatch) and of LB-Mini's max rank load, each over the bound ``max(max cost,
+    total / D)``."""
+    cost = cost or default_cost()
+    out = []
+    for name in datasets:
+        ds = get_dataset(name)
+        for d in devices:
+            for s in samples_per_device:
+                r_micro, r_mini = [], []
+                for k in range(minibatches):
+                    lengths = ds.sample(d * s, seed=seed * 1000 + k)
+                    costs = [cost(n) for n in lengths]
+                    bound = max(max(costs), sum(costs) / d)
+                    a = micro(lengths, d, ds.max_tokens, cost=cost)
+                    b = mini(lengths, d, ds.max_tokens, cost=cost)
+                    slots = [[sum(costs[i] for i in mb) for mb in r] for r in a]
+                    r_micro.append(collective_time(slots) / bound)
+                    r_mini.append(max(sum(costs[i] for mb in r for i in mb) for r in b) / bound)
+                out.append(
+                    dict(
+                        dataset=name,
+                        devices=d,
+                        samples_per_device=s,
+                        lb_micro=statistics.mean(r_micro),
+                        lb_mini=statistics.mean(r_mini),
+                    )
+                )
+    return out
+
+
+def format_quality(cells: Sequence[dict[str, object]]) -> str:
+    head = (
+        f"{'dataset':<10} {'D':>5} {'s/D':>4} | {'LB-Micro coll. time/bound':>25} "
+        f"{'LB-Mini max load/bound':>22}"
+    )
+    lines = [head, "-" * len(head)]
+    for c in cells:
+        lines.append(
+            f"{c['dataset']:<10} {c['devices']:>5} {c['samples_per_device']:>4} | {c['lb_micro']:>25.4f} "
+            f"{c['lb_mini']:>22.4f}"
+        )
+    return "\n".join(lines)
+
+
 def format_table(rows: Sequence[Row]) -> str:
-    """One line per cell: bubble rates of the three policies and the lower bound, and the ODC
-    policies' samples/s relative to Collective + LB-Micro."""
+    """One line per cell: bubble rates of the three policies and the lower bound, the ODC
+    policies' samples/s relative to Collective + LB-Micro, and each policy's step time over
+    the lower bound's."""
     head = (
         f"{'dataset':<10} {'D':>5} {'s/D':>4} | {'bubble: coll+micro':>18} {'odc+mini':>9} "
-        f"{'odc+ws':>7} {'bound':>6} | {'x mini':>6} {'x ws':>6}"
+        f"{'odc+ws':>7} {'bound':>6} | {'x mini':>6} {'x ws':>6} | {'time/bound: micro':>17} "
+        f"{'mini':>5} {'ws':>5}"
     )
     lines = [head, "-" * len(head)]
     cells: dict[tuple, dict[str, Row]] = {}
@@ -160,6 +223,7 @@ def format_table(rows: Sequence[Row]) -> str:
         lines.append(
             f"{ds:<10} {d:>5} {s:>4} | {c.bubble_rate:>18.1%} {m.bubble_rate:>9.1%} "
             f"{w.bubble_rate:>7.1%} {c.lower_bound_bubble_rate:>6.1%} | {m.speedup:>5.2f}x {w.speedup:>5.2f}x"
+            f" | {c.time_to_bound:>17.3f} {m.time_to_bound:>5.3f} {w.time_to_bound:>5.3f}"
         )
     return "\n".join(lines)
 
@@ -193,6 +257,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=None, help="microbatch cap (default: dataset max)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON list of rows instead")
+    p.add_argument(
+        "--quality",
+        action="store_true",
+        help="the balancers alone: LB-Micro's collective time and LB-Mini's max load over the bound",
+    )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -203,6 +272,15 @@ def main(args: argparse.Namespace) -> int:
         print("odcfn simulate: --minibatches and --units must be >= 1", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
+    if args.quality:
+        cells = balancer_quality(
+            args.datasets, args.devices, args.samples_per_device, minibatches=args.minibatches, seed=args.seed
+        )
+        print(json.dumps(cells) if args.json else format_quality(cells))
+        if not args.json:
+            took = time.perf_counter() - t0
+            print(f"({len(cells)} cells in {took:.1f} s, {args.minibatches} minibatches per cell)")
+        return 0
     try:
         rows = sweep(
             args.datasets,
