@@ -147,7 +147,7 @@ def test_a_rank_dying_mid_save_is_noticed_and_the_old_checkpoint_survives(mp_poo
         outcome, took = info.value.results[survivor]
         assert outcome.startswith("CheckpointError") and f"rank {victim} (pid" in outcome, outcome
         assert "died during the save" in outcome
-    assert took < TIMEOUT / 4, took  # liveness, not the timeout (measured: ~0.1-0.5 s)
+    assert took < TIMEOUT / 4, took  # liveness, not the timeout (measured: 0.28-0.35 s)
     # the committed step-1 checkpoint is intact: loadable, step 1, the original values
     p, _, step = load(path, model=MODEL, mesh=odcfn.Mesh(1))
     assert step == 1
