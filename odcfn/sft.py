@@ -356,11 +356,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="start from scratch: delete out_dir's checkpoints and restart its metrics log",
     )
-    parser.add_argument(
-        "--resume-anyway",
-        action="store_true",
-        help="resume out_dir's run although its stored config or dataset differs from this one",
-    )
+    parser.add_argument("--resume-anyway", action="store_true", help="resume though config/data changed")
     parser.add_argument("--quiet", action="store_true", help="no per-step progress lines")
 
 
@@ -380,10 +376,9 @@ def main(args: argparse.Namespace) -> int:
         train = replace(train, steps=args.steps)
     if args.world_size is not None:
         train = replace(train, world_size=args.world_size)
-    if args.no_resume:
-        ckpt = replace(ckpt, resume=False)
-    if getattr(args, "resume_anyway", False):
-        ckpt = replace(ckpt, resume_anyway=True)
+    if args.no_resume or args.resume_anyway:
+        ckpt = replace(ckpt, resume=ckpt.resume and not args.no_resume,
+                       resume_anyway=ckpt.resume_anyway or args.resume_anyway)
     if args.quiet:
         log = replace(log, progress=False)
     cfg = replace(
