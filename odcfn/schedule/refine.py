@@ -71,11 +71,12 @@ def refine_loads(
         if pair[a, b] < best:
             best, move = float(pair[a, b]), (int(mine[a]), int(b))
         if moves and len(mine) > 1:
-            pm = np.maximum(top - c[mine][:, None], loads[None, :] + c[mine][:, None])
-            pm[:, h] = np.inf
-            a2, o2 = np.unravel_index(int(np.argmin(pm)), pm.shape)
-            if pm[a2, o2] < best:
-                best, move = float(pm[a2, o2]), (int(mine[a2]), -1 - int(o2))
+            # a move's best target is the lightest other subset, whatever the item
+            o2 = int(np.argmin(np.where(np.arange(k) == h, np.inf, loads)))
+            pm = np.maximum(top - c[mine], loads[o2] + c[mine])
+            a2 = int(np.argmin(pm))
+            if pm[a2] < best:
+                best, move = float(pm[a2]), (int(mine[a2]), -1 - o2)
         if move is not None:
             _apply(parts, owner, loads, c, h, *move)
             continue
