@@ -1,5 +1,6 @@
 """odcfn: FSDP training with On-Demand Communication, JAX-style over PyTorch."""
 
+from odcfn import losses
 from odcfn.batch import Batch, Microbatch, Sample, pack, random_batch
 from odcfn.kernels import (
     CollectiveTransport,
@@ -59,6 +60,7 @@ __all__ = [
     "get_balancer",
     "grad_step",
     "launch",
+    "losses",
     "load",
     "make_layout",
     "pack",

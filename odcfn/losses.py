@@ -32,11 +32,14 @@ __all__ = [
     "AGG_MODES",
     "KL_TYPES",
     "CrossEntropy",
+    "LogProbs",
     "PolicyGradient",
     "TokenLoss",
     "aggregation_weights",
     "cross_entropy",
+    "check_loss",
     "head_stats",
+    "loss_metrics",
     "kl_penalty",
     "policy_gradient",
     "token_entropy",
@@ -239,15 +242,55 @@ def policy_gradient(
     )
 
 
+@dataclass(frozen=True)
+class LogProbs:
+    """Not a loss: in its microbatches the head returns per-token ``[logp_T (, entropy_T)]``
+    (``odcfn.log_probs``' forward-only pass)."""
+
+    temperature: float = 1.0
+    entropy: bool = False
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.temperature, (int, float)) and self.temperature > 0):
+            raise ValueError(f"temperature must be > 0, got {self.temperature!r}")
+
+    def weights(self, batch: Batch) -> None:
+        return None
+
+
+def check_loss(loss: object) -> object:
+    """``loss`` if it has what the runtime calls, else a TypeError naming what it lacks."""
+    need = ("validate", "weights", "per_token", "metric_names", "temperature")
+    missing = [a for a in need if not hasattr(loss, a)]
+    if missing:
+        raise TypeError(
+            f"StepConfig.loss must be a loss object (odcfn.losses.cross_entropy(), "
+            f"policy_gradient(...) or a TokenLoss subclass); {type(loss).__name__} lacks {missing}"
+        )
+    return loss
+
+
 def head_stats(logits_TxV: torch.Tensor, mb: Microbatch) -> torch.Tensor:
     """What a head unit returns when its microbatch carries a loss: the fp32 vector
-    ``[sum(weight * loss_T), *metric sums]`` (metrics detached; only entry 0 is differentiated)."""
+    ``[sum(weight * loss_T), *metric sums]`` (metrics detached; only entry 0 is differentiated),
+    or, under ``LogProbs``, the ``[k, T]`` per-token log-probs (and entropies)."""
     loss = mb.loss
     logits = logits_TxV.float() / loss.temperature if loss.temperature != 1.0 else logits_TxV.float()
     logp_T = -F.cross_entropy(logits, mb.labels_T, reduction="none")
+    if isinstance(loss, LogProbs):
+        return torch.stack([logp_T, token_entropy(logits)] if loss.entropy else [logp_T])
     loss_T, metrics = loss.per_token(logp_T, logits, mb.extras)
     w, m = mb.weight_T, mb.loss_mask_T
     out = [(loss_T * w).sum()]
     for k in loss.metric_names:
         out.append((metrics[k].detach() * (m if k in loss.mean_metrics else w)).sum())
     return torch.stack(out)
+
+
+def loss_metrics(loss: object, sums: tuple[float, ...], num_loss_tokens: int) -> dict[str, float]:
+    """The synced metric sums as figures: ``mean_metrics`` over the loss tokens, the others as
+    aggregated (by the loss's weights)."""
+    if loss is None:
+        return {}
+    mean = getattr(loss, "mean_metrics", frozenset())
+    return {k: v / num_loss_tokens if k in mean else v for k, v in zip(loss.metric_names, sums)}
