@@ -1,0 +1,181 @@
+"""The RL section of ``odcfn bench``: GRPO policy updates on AIME-RL-like rollouts.
+
+The paper's RL headline (GRPO with verl, AIME, +11% samples/s) is capped by verl's rule that
+every device processes the same number of samples. Three contenders run side by side on the same
+minibatches: ``collective+lb-micro`` (the FSDP baseline under that rule), ``odc+lb-micro`` (ODC
+under the same rule) and ``odc+lb-mini`` (ODC with free per-rank counts).
+
+Data: groups of ``group_size`` responses per prompt; each group shares its prompt (no loss on
+it); response lengths follow ``odcfn.schedule.lengths.aime_rl`` (correct answers short, wrong
+ones ~3x longer, a spike at the generation cap), divided by ``length_scale``. The reward is 1 for
+the shorter half of each group (the paper: wrong answers run longer), advantages are
+group-normalised, old/ref log-probs sit near the random model's (ratios near 1). The loss is
+``policy_gradient(kl_loss_coef=0.001)`` (token-mean, low-var KL: verl's GRPO recipe).
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from odcfn.batch import Batch, Sample
+from odcfn.schedule.lengths import AIME_RESPONSE_CAP, aime_rl
+
+__all__ = ["RL_POLICIES", "rl_batch", "rl_lengths", "rl_loss", "rl_max_tokens"]
+
+RL_POLICIES = ("collective+lb-micro", "odc+lb-micro", "odc+lb-mini")
+PROMPT_RANGE = (100, 400)  # aime_rl's prompt lengths (tokens)
+
+
+def rl_max_tokens(length_scale: int) -> int:
+    return (AIME_RESPONSE_CAP + PROMPT_RANGE[1]) // length_scale
+
+
+def rl_lengths(n: int, group_size: int, length_scale: int, seed: int) -> tuple[tuple[int, int], ...]:
+    """``n`` (prompt, total) lengths; consecutive groups of ``group_size`` share a prompt."""
+    rng = random.Random(f"bench-rl/{seed}")
+    totals = aime_rl(n, seed=seed, scale=1.0)
+    out = []
+    for i, t in enumerate(totals):
+        if i % group_size == 0:
+            prompt = rng.randint(*PROMPT_RANGE)
+        response = max(1, t - rng.randint(*PROMPT_RANGE))  # aime_rl's own prompt draw, removed
+        out.append((max(1, prompt // length_scale), max(2, (prompt + response) // length_scale)))
+    cap = rl_max_tokens(length_scale)
+    return tuple((min(p, cap - 1), min(t, cap)) for p, t in out)
+
+
+def rl_batch(n: int, group_size: int, length_scale: int, vocab: int, seed: int) -> Batch:
+    lengths = rl_lengths(n, group_size, length_scale, seed)
+    g = torch.Generator().manual_seed(seed)
+    base = -torch.log(torch.tensor(float(vocab)))
+    samples = []
+    for start in range(0, n, group_size):
+        group = lengths[start:start + group_size]
+        p = group[0][0]
+        prompt = torch.randint(0, vocab, (p,), generator=g)
+        totals = torch.tensor([float(t) for _, t in group])
+        reward = (totals <= totals.median()).float()
+        adv = (reward - reward.mean()) / (reward.std() + 1e-6) if len(group) > 1 else reward * 0
+        for (_, t), a in zip(group, adv):
+            tokens = torch.cat([prompt, torch.randint(0, vocab, (max(0, t - p),), generator=g)])[:t]
+            mask = torch.arange(t) >= p
+            extras = {
+                "advantages": torch.full((t,), float(a)),
+                "old_logprobs": base + 0.05 * torch.randn(t, generator=g),
+                "ref_logprobs": base + 0.05 * torch.randn(t, generator=g),
+            }
+            samples.append(Sample(tokens, loss_mask=mask, extras=extras))
+    return Batch(tuple(samples))
+
+
+def rl_loss():
+    from odcfn.losses import policy_gradient
+
+    return policy_gradient(kl_loss_coef=0.001, kl_loss_type="low_var_kl", loss_agg_mode="token-mean")
+
+
+# --- the section ---------------------------------------------------------------------------
+
+
+def _logprob_loop(w, steps: int, warmup: int, cost, mesh, transport, barrier) -> list[dict]:
+    """One rank: train_step and log_probs on the same minibatch, alternately, both timed."""
+    import time
+
+    from odcfn.bench.workload import make_batch
+    from odcfn.logprobs import log_probs
+    from odcfn.models import init_params, qwen_model
+    from odcfn.optim import adamw
+    from odcfn.state import StepConfig, TrainState
+    from odcfn.train import train_step
+
+    config = StepConfig(comm="odc", balance="lb_mini", cost=cost, loss=w.loss,
+                        max_tokens_per_microbatch=w.max_tokens_per_microbatch)
+    state = TrainState.create(params=init_params(w.model, seed=w.seed), model=qwen_model(w.model),
+                              optimizer=adamw(w.lr), transport=transport, config=config)
+    out = []
+    for step in range(warmup + steps):
+        batch = make_batch(w, step)
+        barrier()
+        t0 = time.perf_counter()
+        state, _ = train_step(state, batch)
+        t1 = time.perf_counter()
+        barrier()
+        t2 = time.perf_counter()
+        log_probs(state, batch)
+        t3 = time.perf_counter()
+        if step >= warmup:
+            out.append({"step": step, "train_s": t1 - t0, "log_probs_s": t3 - t2})
+    return out
+
+
+def _logprob_process_worker(w, steps: int, warmup: int, cost) -> list[dict]:
+    import torch.distributed as dist
+
+    from odcfn.kernels.shm import ShmTransport
+    from odcfn.sharding import Mesh
+
+    torch.set_num_threads(1)
+    mesh = Mesh.from_env()
+    with ShmTransport(mesh, timeout=300.0) as tr:
+        return _logprob_loop(w, steps, warmup, cost, mesh, tr, dist.barrier)
+
+
+def log_prob_cost(w, steps: int, warmup: int, cost, backend: str) -> dict:
+    """Median over minibatches of the slowest rank's log_probs time / its train_step time."""
+    import statistics
+    import threading
+
+    W = w.world_size
+    if backend == "process":
+        from odcfn.launch import launch
+
+        per_rank = launch(_logprob_process_worker, W, args=(w, steps, warmup, cost), timeout=1200.0)
+    else:
+        from odcfn.kernels.local import run_local
+        from odcfn.sharding import Mesh
+
+        b = threading.Barrier(W)
+        per_rank = run_local(
+            lambda r, tr: _logprob_loop(w, steps, warmup, cost, Mesh(W, r), tr, lambda: b.wait(300)), W,
+            timeout=300.0,
+        )
+    train = [max(recs[i]["train_s"] for recs in per_rank) for i in range(steps)]
+    lp = [max(recs[i]["log_probs_s"] for recs in per_rank) for i in range(steps)]
+    return {"train_step_s": train, "log_probs_s": lp,
+            "log_probs_over_train_step": statistics.median(a / b for a, b in zip(lp, train)),
+            "policy": "odc+lb-mini", "definition": "median over minibatches of (slowest rank's "
+            "log_probs time) / (slowest rank's train_step time) on the same minibatch"}
+
+
+def section(ctx) -> dict:
+    """GRPO updates on AIME-RL-like rollouts: the three contenders side by side, then the
+    log-prob pass against a train step on the same minibatches."""
+    from odcfn.bench.sections import _compare
+
+    w = ctx.workload.with_(dataset="aime-rl", length_scale=max(1, ctx.workload.length_scale // 2))
+    ctx.log(f"   AIME-RL-like lengths / {w.length_scale}, groups of {w.group_size}, "
+            f"{w.samples_per_rank} samples per rank, loss {rl_loss()}")
+    from odcfn.bench.runner import step_records
+
+    res, per_rank = _compare(ctx, w, RL_POLICIES)
+    # verl's constraint, visible: samples each rank ran, per timed minibatch
+    res["samples_per_rank"] = {
+        p: [[sum(len(mb) for mb in r["microbatches"]) for r in recs] for recs in step_records(per_rank, p)]
+        for p in RL_POLICIES
+    }
+    lengths = [n for s in range(ctx.warmup, ctx.warmup + ctx.steps) for n in _totals(w, s)]
+    res["lengths"] = {"length_scale": w.length_scale, "group_size": w.group_size,
+                      "mean": sum(lengths) / len(lengths), "max": max(lengths),
+                      "max_tokens_per_microbatch": w.max_tokens_per_microbatch}
+    res["loss"] = repr(rl_loss())
+    ctx.log("   log_probs vs train_step on the same minibatches")
+    res["log_probs"] = log_prob_cost(w, ctx.steps, ctx.warmup, ctx.cost, ctx.backend)
+    return res
+
+
+def _totals(w, step: int) -> tuple[int, ...]:
+    from odcfn.bench.workload import make_lengths
+
+    return make_lengths(w, step)
