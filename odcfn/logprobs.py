@@ -132,5 +132,6 @@ def gather_params(state: TrainState, dst: int | None = None) -> dict | None:
             transport.gather(u.name, buf).wait()
         out[u.name] = u.unflatten(buf)
     transport.flush()
-    transport.sync(torch.zeros(1, dtype=torch.float64))
+    device = next(iter(state.params.values())).device
+    transport.sync(torch.zeros(1, dtype=torch.float64, device=device))
     return out if want else None

@@ -120,3 +120,14 @@ def test_bad_extras_fail_before_any_communication_on_every_rank():
 
     with pytest.raises(TypeError, match="StepConfig.loss must be a loss object"):
         run_grad_step(full, batch, model, 1, loss="policy_gradient")
+
+
+def test_bf16_compute_keeps_the_loss_in_fp32():
+    batch = rollout_batch([9, 3, 7, 5], [2, 1, 3, 0], CFG.vocab_size, seed=7)
+    full, model = _params(7), qwen_model(CFG)
+    loss = losses.policy_gradient(kl_loss_coef=0.1, entropy_coeff=0.01, loss_agg_mode="seq-mean-token-mean")
+    want_loss, want_metrics, _ = reference(full, batch, kl_loss_coef=0.1, entropy_coeff=0.01,
+                                           loss_agg_mode="seq-mean-token-mean")
+    for _, m in run_grad_step(full, batch, model, 2, loss=loss, compute_dtype=torch.bfloat16):
+        assert m.loss == pytest.approx(want_loss, rel=2e-2, abs=2e-3)  # bf16 weights, fp32 loss
+        assert m.extra["entropy"] == pytest.approx(float(want_metrics["entropy"]), rel=2e-2)

@@ -44,7 +44,7 @@ def test_bench_rl_section(capsys):
     rl = r["rl"]
     assert set(rl["policies"]) == set(RL_POLICIES)
     assert rl["losses_match"] is True  # the same GRPO loss whatever the schedule
-    counts = rl["samples_per_rank"]
+    counts = rl["samples_per_rank_by_step"]
     for policy in ("collective+lb-micro", "odc+lb-micro"):  # verl's equal-count rule
         assert all(len(set(step)) == 1 for step in counts[policy]), counts
     assert all(sum(step) == 8 for p in RL_POLICIES for step in counts[p])

@@ -161,7 +161,7 @@ def section(ctx) -> dict:
 
     res, per_rank = _compare(ctx, w, RL_POLICIES)
     # verl's constraint, visible: samples each rank ran, per timed minibatch
-    res["samples_per_rank"] = {
+    res["samples_per_rank_by_step"] = {
         p: [[sum(len(mb) for mb in r["microbatches"]) for r in recs] for recs in step_records(per_rank, p)]
         for p in RL_POLICIES
     }
