@@ -37,8 +37,8 @@ def test_rl_batches_are_grpo_groups():
 def test_bench_rl_section(capsys):
     p = argparse.ArgumentParser()
     bench.add_arguments(p)
-    args = p.parse_args(["--json", "--only", "rl", "--steps", "1", "--warmup", "0", "--cost", "default",
-                         "--samples-per-rank", "4", *TINY])
+    args = p.parse_args(["--json", "--quick", "--only", "rl", "--steps", "1", "--warmup", "0",
+                         "--cost", "default", "--samples-per-rank", "4", *TINY])
     assert bench.main(args) == 0
     r = json.loads(capsys.readouterr().out)
     rl = r["rl"]
@@ -53,3 +53,6 @@ def test_bench_rl_section(capsys):
               "rl_log_probs_over_train_step"):
         assert r["ratios"][k] > 0, k
     assert r["targets"]["rl_odc_lb_mini_over_collective_lb_micro"]["target"] == 1.10
+    sim = {(x["devices"], x["samples_per_device"]): x for x in rl["simulated"]}
+    assert set(sim) == {(8, 2), (8, 4)} and all(x["collective+lb-micro"] == 1.0 for x in sim.values())
+    assert sim[(8, 2)]["odc+lb-mini"] > 1.0  # one-sided: the simulator's bubbles are deterministic

@@ -117,7 +117,7 @@ def main(args: argparse.Namespace) -> int:
         "primitives": lambda: S.primitives(ctx, sizes),
         "straggler": lambda: S.straggler(ctx, STRAGGLER_SLOWDOWN),
         "simulator": lambda: S.simulator(ctx, report),
-        "rl": lambda: RL.section(ctx),
+        "rl": lambda: RL.section(ctx, (8,) if args.quick else (8, 64, 1024)),
     }
     # the simulator replays end_to_end's plans, so it runs after it
     for name in sorted(sections, key=lambda s: s == "simulator"):

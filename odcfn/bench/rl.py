@@ -149,9 +149,9 @@ def log_prob_cost(w, steps: int, warmup: int, cost, backend: str) -> dict:
             "log_probs time) / (slowest rank's train_step time) on the same minibatch"}
 
 
-def section(ctx) -> dict:
-    """GRPO updates on AIME-RL-like rollouts: the three contenders side by side, then the
-    log-prob pass against a train step on the same minibatches."""
+def section(ctx, sim_devices=(8, 64, 1024)) -> dict:
+    """GRPO updates on AIME-RL-like rollouts: the three contenders side by side, the log-prob
+    pass against a train step on the same minibatches, and the simulator at scale."""
     from odcfn.bench.sections import _compare
 
     w = ctx.workload.with_(dataset="aime-rl", length_scale=max(1, ctx.workload.length_scale // 2))
@@ -172,6 +172,8 @@ def section(ctx) -> dict:
     res["loss"] = repr(rl_loss())
     ctx.log("   log_probs vs train_step on the same minibatches")
     res["log_probs"] = log_prob_cost(w, ctx.steps, ctx.warmup, ctx.cost, ctx.backend)
+    ctx.log(f"   simulator at {list(sim_devices)} devices")
+    res["simulated"] = [r for spd in (2, 4) for r in simulate_rl(sim_devices, spd)]
     return res
 
 
@@ -179,3 +181,39 @@ def _totals(w, step: int) -> tuple[int, ...]:
     from odcfn.bench.workload import make_lengths
 
     return make_lengths(w, step)
+
+
+def simulate_rl(devices=(8, 64, 1024), samples_per_device: int = 4, minibatches: int = 4) -> list[dict]:
+    """The same three contenders at scale, in the simulator (``odcfn simulate``'s model: a 7B
+    model at 45% MFU of an A100, its communication model, 8 ranks per node, full AIME-RL
+    lengths): samples/s relative to collective+lb-micro, with and without equal counts."""
+    from odcfn.schedule.balance import lb_micro, lb_mini
+    from odcfn.schedule.lengths import get_dataset
+    from odcfn.schedule.simulate import Workload as SimWorkload
+    from odcfn.schedule.simulate import compile_plans, simulate
+    from odcfn.schedule.sweep import A100_COMM, MODEL_PARAMS, RANKS_PER_NODE, default_cost
+    from odcfn.sharding import Mesh
+
+    ds, cost = get_dataset("aime-rl"), default_cost()
+    work = SimWorkload.uniform(8, model_bytes=2 * MODEL_PARAMS)
+    rows = []
+    for d in devices:
+        mesh = Mesh(d, 0, RANKS_PER_NODE if d % RANKS_PER_NODE == 0 else None)
+        acc = {p: [0.0, 0.0] for p in RL_POLICIES}  # samples, step time
+        for k in range(minibatches):
+            lengths = ds.sample(d * samples_per_device, seed=k)
+            equal = lb_micro(lengths, d, ds.max_tokens, cost=cost)
+            free = lb_mini(lengths, d, ds.max_tokens, cost=cost)
+            plans = {
+                "collective+lb-micro": compile_plans(work.units, equal, "collective"),
+                "odc+lb-micro": compile_plans(work.units, equal, "odc"),
+                "odc+lb-mini": compile_plans(work.units, free, "odc"),
+            }
+            for p, pl in plans.items():
+                res = simulate(pl, lengths, workload=work, cost=cost, comm=A100_COMM, mesh=mesh, record=False)
+                acc[p][0] += res.num_samples
+                acc[p][1] += res.makespan
+        base = acc["collective+lb-micro"][0] / acc["collective+lb-micro"][1]
+        rows.append({"devices": d, "samples_per_device": samples_per_device,
+                     **{p: (n / t) / base for p, (n, t) in acc.items()}})
+    return rows

@@ -277,6 +277,10 @@ def render(report: dict) -> str:
                 out.append(f"   lengths: mean {ln['mean']:.0f}, max {ln['max']} tokens (AIME / "
                            f"{ln['length_scale']}), groups of {ln['group_size']}; log_probs costs "
                            f"{lp['log_probs_over_train_step']:.2f}x a train_step")
+                rows = [[x["devices"], x["samples_per_device"], x["odc+lb-micro"], x["odc+lb-mini"]]
+                        for x in sec["simulated"]]
+                out += ["   simulator (7B, full AIME-RL lengths), samples/s over collective+lb-micro:",
+                        table(rows, ["devices", "samples/device", "odc+lb-micro x", "odc+lb-mini x"])]
         elif sec:
             out += ["", f"{title}: {sec.get('skipped') or sec.get('error')}"]
     f = report.get("fsdp2") or {}
