@@ -50,7 +50,7 @@ def test_log_probs_equal_transformers(checkpoint, world, comm, balance, temperat
     ref, path = checkpoint
     cfg, full = from_hf(path)
     model = qwen_model(cfg)
-    batch = rollout_batch([9, 4, 13, 2, 7, 11, 5], [2, 1, 3, 0, 1, 2, 0], cfg.vocab_size, seed=1)
+    batch = rollout_batch([9, 4, 13, 1, 7, 11, 5], [2, 1, 3, 0, 1, 2, 0], cfg.vocab_size, seed=1)
     want_lp, want_ent = _hf_logprobs(ref, batch, temperature)
 
     def fn(rank, tr):
