@@ -13,20 +13,20 @@ from odcfn.tree import tree_named_leaves
 
 
 @lru_cache(maxsize=16)
-def _hf_model(cfg):
+def _hf_model(cfg, dtype=torch.float32):
     import transformers
 
     d = config_to_hf(cfg)
     cls = transformers.Qwen2ForCausalLM if d["model_type"] == "qwen2" else transformers.LlamaForCausalLM
     conf = (transformers.Qwen2Config if d["model_type"] == "qwen2" else transformers.LlamaConfig)(**d)
     conf._attn_implementation = "eager"
-    return cls(conf).eval()
+    return cls(conf).eval().to(dtype)
 
 
-def hf_logits_fn(cfg, params):
+def hf_logits_fn(cfg, params, dtype=torch.float32):
     """``tokens_L -> logits_LxV`` of transformers' model on odcfn's ``params`` (grads flow to
-    ``params``' leaves)."""
-    model = _hf_model(cfg)
+    ``params``' leaves; ``dtype`` float64 for a reference without float32's own error)."""
+    model = _hf_model(cfg, dtype)
     sd = {hf_name(u, p): t for u, sub in params.items() for p, t in tree_named_leaves(sub)}
     return lambda tokens: torch.func.functional_call(model, sd, (tokens[None],)).logits[0]
 

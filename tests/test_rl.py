@@ -34,11 +34,17 @@ def _params(seed):
 
 
 def reference(full, batch, **cfg):
-    params = odcfn.tree_map(lambda t: t.clone().requires_grad_(), full)
-    loss, metrics = reference_rl_loss(hf_logits_fn(CFG, params), batch, **cfg)
+    """In float64: the reference carries none of float32's error, the tolerance is odcfn's."""
+    params = odcfn.tree_map(lambda t: t.double().requires_grad_(), full)
+    loss, metrics = reference_rl_loss(hf_logits_fn(CFG, params, torch.float64), batch, **cfg)
     leaves, treedef = odcfn.tree.tree_flatten(params)
-    grads = torch.autograd.grad(loss, leaves)
-    return float(loss.detach()), metrics, odcfn.tree.tree_unflatten(treedef, list(grads))
+    grads = [g.float() for g in torch.autograd.grad(loss, leaves)]
+    return float(loss.detach()), metrics, odcfn.tree.tree_unflatten(treedef, grads)
+
+
+def _atol(grads) -> float:
+    """float32's absolute error grows with the gradient's scale (KL and entropy terms)."""
+    return ATOL * max(1.0, max(float(g.abs().max()) for g in odcfn.tree.tree_leaves(grads)))
 
 
 POLICIES = [("odc", "round_robin"), ("odc", "lb_mini"), ("odc", "lb_micro"), ("odc", "work_stealing"),
@@ -61,7 +67,8 @@ def test_sharded_policy_gradient_equals_reference(cfg, world, policy, data):
     out = run_grad_step(full, batch, model, world, comm=comm, balance=balance,
                         max_tokens_per_microbatch=cap, loss=losses.policy_gradient(**cfg))
     for rank, (grads, m) in enumerate(out):
-        odcfn.tree_assert_allclose(grads, want[rank], rtol=RTOL, atol=ATOL, what=f"{policy} rank {rank}")
+        odcfn.tree_assert_allclose(grads, want[rank], rtol=RTOL, atol=_atol(want_grads),
+                                   what=f"{policy} rank {rank}")
         assert m.loss == pytest.approx(want_loss, rel=1e-5, abs=1e-6)
         for k, v in want_metrics.items():
             assert m.extra[k] == pytest.approx(float(v), rel=1e-5, abs=1e-6), k
