@@ -39,19 +39,19 @@ class _ForwardOnly(_Executor):
         super().__init__(*args, **kw)
         self.head_out: dict[int, torch.Tensor] = {}
 
-    def forward(self, s: Forward) -> None:
-        data = self._mb(s.mb)
+    def forward(self, s: Forward, mb: int) -> None:
+        data = self._mb(mb)
         if data.empty:
             return
         prev = self.prev[s.unit]
-        x = None if prev is None else self.outs.pop((prev, s.mb))
+        x = None if prev is None else self.outs.pop((prev, mb))
         _, params = self._params(s.unit)
         with torch.no_grad():
             y = self.units[s.unit].fwd(params, x, data)
         if s.unit == self.last:
-            self.head_out[s.mb] = y
+            self.head_out[mb] = y
         else:
-            self.outs[(s.unit, s.mb)] = y
+            self.outs[(s.unit, mb)] = y
 
 
 def _check(state: TrainState, batch: Batch) -> None:
@@ -94,7 +94,7 @@ def log_probs(
     ex.microbatches.extend(plan.microbatches)
     events: list[Event] = []
     t0 = time.perf_counter()
-    ex.run_steps(plan.steps[:-1], t0, events)  # all but the Sync: ours carries the values
+    ex.run_steps(plan.steps[:-1], 0, t0, events)  # all but the Sync: ours carries the values
     out = torch.zeros(k, offsets[-1], dtype=torch.float64, device=device)
     for mb, y in ex.head_out.items():
         at = 0

@@ -64,7 +64,7 @@ def machine() -> dict:
 
 
 def main(args: argparse.Namespace) -> int:
-    from odcfn.bench import rl as RL
+    from odcfn.bench import rl_section as RL
     from odcfn.bench import sections as S
     from odcfn.bench.runner import pick_backend
     from odcfn.bench.workload import Workload, model_config
