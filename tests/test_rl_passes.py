@@ -42,11 +42,12 @@ def _hf_logprobs(ref, batch, temperature):
     return lp, ent
 
 
-@pytest.mark.parametrize("world, comm, balance, temperature", [
-    (2, "odc", "lb_mini", 1.0), (3, "odc", "work_stealing", 0.8), (2, "collective", "lb_micro", 1.0),
-    (4, "odc", "round_robin", 1.3),
+@pytest.mark.parametrize("world, comm, balance, temperature, hybrid", [
+    (2, "odc", "lb_mini", 1.0, False), (3, "odc", "work_stealing", 0.8, False),
+    (2, "collective", "lb_micro", 1.0, False), (4, "odc", "round_robin", 1.3, False),
+    (4, "odc", "lb_mini", 1.0, True),
 ])
-def test_log_probs_equal_transformers(checkpoint, world, comm, balance, temperature):
+def test_log_probs_equal_transformers(checkpoint, world, comm, balance, temperature, hybrid):
     ref, path = checkpoint
     cfg, full = from_hf(path)
     model = qwen_model(cfg)
@@ -64,7 +65,8 @@ def test_log_probs_equal_transformers(checkpoint, world, comm, balance, temperat
         both = odcfn.log_probs(state, batch, temperature=temperature, entropy=True)
         return lp, both, mid - before
 
-    for lp, (lp2, ent), counters in odcfn.run_local(fn, world):
+    mesh = dict(ranks_per_node=2, sharding="hybrid") if hybrid else {}
+    for lp, (lp2, ent), counters in odcfn.run_local(fn, world, **mesh):
         assert len(lp) == len(batch)
         for i, s in enumerate(batch.samples):
             assert lp[i].shape == (s.length - 1,) and lp[i].dtype == torch.float32
@@ -74,7 +76,7 @@ def test_log_probs_equal_transformers(checkpoint, world, comm, balance, temperat
         assert counters.syncs == 1 and counters.scatters == 0
         units = len(model.units)
         if comm == "odc":
-            assert counters.collectives == 0 and counters.gathers <= units
+            assert counters.collectives == 0 and counters.gathers <= units  # once per unit
         else:
             assert counters.collectives == units
 
