@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from odcfn.batch import Batch
+from odcfn.batch import Batch, check_token_range
 from odcfn.losses import LogProbs
 from odcfn.metrics import Event
 from odcfn.runtime import _Executor
@@ -27,6 +27,7 @@ from odcfn.schedule.policy import policy_info, resolve_policy
 from odcfn.sharding import make_layout
 from odcfn.sharding.layout import check_shards
 from odcfn.state import TrainState
+from odcfn.train import _options
 
 __all__ = ["gather_params", "log_probs"]
 
@@ -45,7 +46,7 @@ class _ForwardOnly(_Executor):
             return
         prev = self.prev[s.unit]
         x = None if prev is None else self.outs.pop((prev, mb))
-        _, params = self._params(s.unit)
+        _, params, _ = self._inputs(s)  # its own params and those it reads (tied weights)
         with torch.no_grad():
             y = self.units[s.unit].fwd(params, x, data)
         if s.unit == self.last:
@@ -76,11 +77,13 @@ def log_probs(
     cfg, model, transport, mesh = state.config, state.model, state.transport, state.mesh
     layout = make_layout(model, mesh)
     check_shards(state.params, layout, model.dtype)
+    check_token_range(batch, model.vocab_size)
     cap = cfg.max_tokens_per_microbatch or max(batch.lengths)
     info = policy_info(cfg.balance)
     balance = "lb_mini" if info is not None and not info.collective else cfg.balance
     assignment = resolve_policy(balance, cfg.comm, cfg.cost)(batch.lengths, mesh.world_size, cap)
-    plan = compile_forward_plan(model.unit_names, assignment, mesh.rank, cfg.comm, cfg.options)
+    options = _options(cfg.options, model)  # with the model's tied-weight uses
+    plan = compile_forward_plan(model.unit_names, assignment, mesh.rank, cfg.comm, options)
     dtype = cfg.compute_dtype or model.dtype
     device = next(iter(state.params.values())).device
     k = 2 if entropy else 1

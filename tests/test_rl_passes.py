@@ -14,11 +14,11 @@ from tests.rl_ref import rollout_batch
 transformers = pytest.importorskip("transformers")
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
+@pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])
+def checkpoint(tmp_path_factory, request):
     hf_cfg = transformers.Qwen2Config(
         vocab_size=41, hidden_size=16, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=24, rms_norm_eps=1e-6, rope_theta=5000.0, tie_word_embeddings=False,
+        intermediate_size=24, rms_norm_eps=1e-6, rope_theta=5000.0, tie_word_embeddings=request.param,
     )
     torch.manual_seed(0)
     ref = transformers.Qwen2ForCausalLM(hf_cfg).eval()
@@ -74,9 +74,9 @@ def test_log_probs_equal_transformers(checkpoint, world, comm, balance, temperat
             torch.testing.assert_close(lp2[i], lp[i], rtol=0, atol=0)
             torch.testing.assert_close(ent[i].double(), want_ent[i], rtol=0, atol=1e-5)
         assert counters.syncs == 1 and counters.scatters == 0
-        units = len(model.units)
+        units = len(model.units) + sum(len(u.uses) for u in model.units)  # tied: the head reads embed
         if comm == "odc":
-            assert counters.collectives == 0 and counters.gathers <= units  # once per unit
+            assert counters.collectives == 0 and counters.gathers <= units  # once per unit (and use)
         else:
             assert counters.collectives == units
 
