@@ -138,3 +138,19 @@ def test_bf16_compute_keeps_the_loss_in_fp32():
     for _, m in run_grad_step(full, batch, model, 2, loss=loss, compute_dtype=torch.bfloat16):
         assert m.loss == pytest.approx(want_loss, rel=2e-2, abs=2e-3)  # bf16 weights, fp32 loss
         assert m.extra["entropy"] == pytest.approx(float(want_metrics["entropy"]), rel=2e-2)
+
+
+def test_ranks_with_different_advantages_are_refused():
+    full, model = _params(0), qwen_model(CFG)
+    batches = [rollout_batch([6, 5, 7], [1, 1, 1], CFG.vocab_size, seed=s) for s in (0, 0)]
+    a = batches[1].samples[0]
+    extras = dict(a.extras, advantages=a.extras["advantages"] + 1.0)  # same tokens, other rewards
+    batches[1] = odcfn.Batch((odcfn.Sample(a.tokens, a.loss_mask, extras), *batches[1].samples[1:]))
+
+    def fn(rank, tr):
+        state = odcfn.TrainState.create(params=full, model=model, optimizer=odcfn.sgd(0.0), transport=tr,
+                                        config=odcfn.StepConfig(loss=losses.policy_gradient()))
+        odcfn.grad_step(state, batches[rank])
+
+    with pytest.raises(ValueError, match="ranks disagree on the minibatch"):
+        odcfn.run_local(fn, 2)
