@@ -1,5 +1,6 @@
 """odcfn: FSDP training with On-Demand Communication, JAX-style over PyTorch."""
 
+from odcfn import losses
 from odcfn.batch import Batch, Microbatch, Sample, pack, random_batch
 from odcfn.kernels import (
     CollectiveTransport,
@@ -11,6 +12,7 @@ from odcfn.kernels import (
     run_local,
 )
 from odcfn.launch import LaunchError, launch
+from odcfn.logprobs import gather_params, log_probs
 from odcfn.measure import calibrate
 from odcfn.metrics import StepMetrics
 from odcfn.model import Model, Unit, check_params, reference_loss
@@ -56,9 +58,12 @@ __all__ = [
     "chrome_trace",
     "clip_scale",
     "compile_plan",
+    "gather_params",
     "get_balancer",
     "grad_step",
     "launch",
+    "log_probs",
+    "losses",
     "load",
     "make_layout",
     "pack",

@@ -7,8 +7,9 @@ keeps attention and positions inside each sample.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -18,10 +19,16 @@ __all__ = ["Batch", "Microbatch", "Sample", "check_token_range", "pack", "random
 @dataclass(frozen=True)
 class Sample:
     """One sequence. ``loss_mask[t]`` says whether token ``t`` is a prediction target
-    (predicted from position ``t - 1``); token 0 is never a target."""
+    (predicted from position ``t - 1``); token 0 is never a target.
+
+    ``extras`` maps names to per-token 1-D float tensors of the tokens' length (RL rollout data:
+    ``advantages``, ``old_logprobs``, ``ref_logprobs``); ``extras[k][t]`` belongs to token ``t``
+    as a target, like ``loss_mask[t]``. They are stored (copied) as float32.
+    """
 
     tokens: torch.Tensor
     loss_mask: torch.Tensor | None = None
+    extras: Mapping[str, torch.Tensor] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.tokens, torch.Tensor) or self.tokens.dim() != 1:
@@ -36,6 +43,7 @@ class Sample:
                     f"Sample.loss_mask must have the tokens' shape {tuple(self.tokens.shape)}, "
                     f"got {_desc(self.loss_mask)}"
                 )
+        object.__setattr__(self, "extras", _check_extras(self.extras, self.tokens.numel()))
 
     @property
     def length(self) -> int:
@@ -63,6 +71,13 @@ class Batch:
         for i, s in enumerate(samples):
             if not isinstance(s, Sample):
                 raise TypeError(f"Batch.samples[{i}] is {type(s).__name__}, expected odcfn.Sample")
+        keys = set(samples[0].extras)
+        for i, s in enumerate(samples):
+            if set(s.extras) != keys:
+                raise ValueError(
+                    f"Batch.samples[{i}] has extras {sorted(s.extras)}, samples[0] has {sorted(keys)}: "
+                    "every sample of a minibatch carries the same extras"
+                )
         object.__setattr__(self, "samples", samples)
         object.__setattr__(self, "lengths", tuple(s.length for s in samples))
         object.__setattr__(self, "num_loss_tokens", sum(s.num_loss_tokens for s in samples))
@@ -83,6 +98,12 @@ class Microbatch:
     positions_T: torch.Tensor
     seqlens: tuple[int, ...]
     sample_ids: tuple[int, ...]
+    # per target token, aligned with labels_T (0 after each sample's last token)
+    extras: Mapping[str, torch.Tensor] = field(default_factory=dict)
+    # the loss seam (``odcfn.losses``): the loss the head unit computes and its per-token weights
+    # from the whole minibatch; None: the head returns the summed cross-entropy (the default)
+    loss: Any = None
+    weight_T: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -98,23 +119,47 @@ class Microbatch:
         return Microbatch(
             move(self.input_ids_T), move(self.labels_T), move(self.loss_mask_T),
             move(self.positions_T), self.seqlens, self.sample_ids,
+            {k: move(v) for k, v in self.extras.items()}, self.loss,
+            None if self.weight_T is None else move(self.weight_T),
         )
 
 
-def pack(batch: Batch, sample_ids: Sequence[int]) -> Microbatch:
-    """Concatenate the given samples; labels are next tokens inside each sample."""
-    ids, labels, mask, pos = [], [], [], []
+def _shift(x: torch.Tensor) -> torch.Tensor:
+    """Per-token values of a sample -> per-position values aligned with its labels."""
+    return torch.cat([x[1:], x.new_zeros(1)])
+
+
+def pack(
+    batch: Batch,
+    sample_ids: Sequence[int],
+    *,
+    loss: Any = None,
+    weights: Sequence[torch.Tensor] | None = None,
+) -> Microbatch:
+    """Concatenate the given samples; labels are next tokens inside each sample.
+
+    ``weights`` (one per-token tensor per sample of the batch, aligned like extras, e.g. from
+    ``loss.weights(batch)``) and ``loss`` ride along for the head unit.
+    """
+    ids, labels, mask, pos, w = [], [], [], [], []
+    extras: dict[str, list[torch.Tensor]] = {k: [] for k in batch.samples[0].extras}
     for i in sample_ids:
         s = batch.samples[i]
         t = s.tokens.long()
         m = torch.ones_like(t, dtype=torch.bool) if s.loss_mask is None else s.loss_mask.bool()
         ids.append(t)
-        labels.append(torch.cat([t[1:], t.new_zeros(1)]))
-        mask.append(torch.cat([m[1:], m.new_zeros(1)]))
+        labels.append(_shift(t))
+        mask.append(_shift(m))
         pos.append(torch.arange(t.numel()))
+        for k, v in s.extras.items():
+            extras[k].append(_shift(v))
+        if weights is not None:
+            w.append(_shift(weights[i].float()))
     if not ids:
         z = torch.zeros(0, dtype=torch.long)
-        return Microbatch(z, z, torch.zeros(0), z, (), ())
+        zf = torch.zeros(0)
+        return Microbatch(z, z, zf, z, (), (), {k: zf for k in extras}, loss,
+                          None if weights is None else zf)
     return Microbatch(
         input_ids_T=torch.cat(ids),
         labels_T=torch.cat(labels),
@@ -122,6 +167,9 @@ def pack(batch: Batch, sample_ids: Sequence[int]) -> Microbatch:
         positions_T=torch.cat(pos),
         seqlens=tuple(int(x.numel()) for x in ids),
         sample_ids=tuple(int(i) for i in sample_ids),
+        extras={k: torch.cat(v) for k, v in extras.items()},
+        loss=loss,
+        weight_T=torch.cat(w) if weights is not None else None,
     )
 
 
@@ -131,6 +179,29 @@ def random_batch(lengths: Sequence[int], vocab_size: int, *, seed: int = 0) -> B
     return Batch(
         tuple(Sample(torch.randint(0, vocab_size, (int(n),), generator=g)) for n in lengths)
     )
+
+
+def _check_extras(extras: Any, n: int) -> Mapping[str, torch.Tensor]:
+    if extras is None:
+        return {}
+    if not isinstance(extras, Mapping):
+        raise TypeError(f"Sample.extras must be a dict of per-token tensors, got {type(extras).__name__}")
+    out = {}
+    for k, v in extras.items():
+        if not isinstance(k, str):
+            raise TypeError(f"Sample.extras keys must be str, got {k!r}")
+        if not isinstance(v, torch.Tensor) or v.dim() != 1 or v.numel() != n:
+            raise ValueError(
+                f"Sample.extras[{k!r}] must be a 1-D tensor of the tokens' length {n}, got {_desc(v)}"
+            )
+        if not v.is_floating_point():
+            raise TypeError(f"Sample.extras[{k!r}] must be a float tensor, got {v.dtype}")
+        v = v.detach().to(torch.float32)
+        if not bool(torch.isfinite(v).all()):
+            bad = int((~torch.isfinite(v)).nonzero()[0, 0])
+            raise ValueError(f"Sample.extras[{k!r}] is not finite at token {bad} ({float(v[bad])})")
+        out[k] = v
+    return out
 
 
 def _desc(x: object) -> str:

@@ -61,6 +61,8 @@ def minibatch_words(batch: Batch, config: Any, layout_key: str) -> list[int]:
         tokens.update(s.tokens.to("cpu", torch.int64).contiguous().numpy().tobytes())
         mask = s.loss_mask
         tokens.update(b"-" if mask is None else mask.to("cpu", torch.uint8).contiguous().numpy().tobytes())
+        for k in sorted(s.extras):  # RL rollout data (advantages, log-probs) must agree too
+            tokens.update(k.encode() + s.extras[k].to("cpu", torch.float32).contiguous().numpy().tobytes())
     return [
         _word(repr(tuple(batch.lengths)), str(batch.num_loss_tokens)),
         _word(tokens.digest()),

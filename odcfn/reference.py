@@ -1,7 +1,14 @@
-"""The single-process reference every sharded path is tested against: ``torch.func`` on the
-unsharded pytree over the whole minibatch."""
+"""Single-process references every sharded path is tested against.
+
+``reference_value_and_grad``: ``torch.func`` on the unsharded pytree over the whole minibatch
+(the SFT loss). ``reference_rl_loss``: the RL losses written a second time, independently of
+``odcfn.losses``: per sample, unpacked, on a padded ``[samples, max_len - 1]`` response matrix
+the way verl-style trainers compute them, from logits any function gives per sample.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -9,9 +16,101 @@ from odcfn.batch import Batch
 from odcfn.model import Model, reference_loss
 from odcfn.tree import PyTree
 
-__all__ = ["reference_value_and_grad"]
+__all__ = ["reference_rl_loss", "reference_value_and_grad"]
 
 
 def reference_value_and_grad(model: Model, params: PyTree, batch: Batch) -> tuple[torch.Tensor, PyTree]:
     grads, loss = torch.func.grad_and_value(lambda p: reference_loss(model, p, batch))(params)
     return loss, grads
+
+
+def _padded(rows: list[torch.Tensor]) -> torch.Tensor:
+    out = torch.zeros(len(rows), max(r.numel() for r in rows), dtype=rows[0].dtype)
+    for i, r in enumerate(rows):
+        out[i, : r.numel()] = r
+    return out
+
+
+def reference_rl_loss(
+    logits_fn: Callable[[torch.Tensor], torch.Tensor],
+    batch: Batch,
+    *,
+    kind: str = "policy_gradient",
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.2,
+    clip_ratio_c: float = 3.0,
+    kl_loss_coef: float = 0.0,
+    kl_loss_type: str = "low_var_kl",
+    entropy_coeff: float = 0.0,
+    loss_agg_mode: str = "token-mean",
+    loss_scale_factor: float | None = None,
+    temperature: float = 1.0,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The minibatch loss (differentiable through ``logits_fn``) and its metrics.
+
+    ``logits_fn(tokens_L) -> logits_LxV`` runs the model on one unpacked sample. ``kind`` is
+    ``"policy_gradient"`` or ``"cross_entropy"`` (the latter ignores the policy parameters).
+    """
+    logp_rows, ent_rows, mask_rows = [], [], []
+    ex_rows: dict[str, list[torch.Tensor]] = {k: [] for k in ("advantages", "old_logprobs", "ref_logprobs")}
+    for s in batch.samples:
+        logits = logits_fn(s.tokens.long()).float()[:-1] / temperature  # position t predicts t+1
+        logprobs = torch.log_softmax(logits, dim=-1)
+        logp_rows.append(logprobs.gather(-1, s.tokens.long()[1:, None])[:, 0])
+        ent_rows.append(-(logprobs.exp() * logprobs).sum(-1))
+        mask = torch.ones(s.length - 1) if s.loss_mask is None else s.loss_mask[1:].float()
+        mask_rows.append(mask)
+        for k in ex_rows:
+            ex_rows[k].append(s.extras[k][1:] if k in s.extras else torch.zeros(s.length - 1))
+    logp, ent, mask = _padded(logp_rows), _padded(ent_rows), _padded(mask_rows)
+    ex = {k: _padded(v) for k, v in ex_rows.items()}
+
+    def agg(x: torch.Tensor) -> torch.Tensor:
+        per_seq = (x * mask).sum(-1)
+        n_seq = mask.sum(-1)
+        live = n_seq > 0
+        if loss_agg_mode == "token-mean":
+            return (x * mask).sum() / mask.sum()
+        if loss_agg_mode == "seq-mean-token-mean":
+            return (per_seq[live] / n_seq[live]).mean()
+        if loss_agg_mode == "seq-mean-token-sum":
+            return per_seq[live].mean()
+        if loss_agg_mode == "seq-mean-token-sum-norm":
+            return per_seq.sum() / loss_scale_factor
+        raise ValueError(loss_agg_mode)
+
+    def token_mean(x: torch.Tensor) -> torch.Tensor:
+        return (x * mask).sum() / mask.sum()
+
+    if kind == "cross_entropy":
+        return agg(-logp), {}
+    adv, old, ref = ex["advantages"], ex["old_logprobs"], ex["ref_logprobs"]
+    neg_kl = torch.clamp(logp - old, -20.0, 20.0)
+    ratio = torch.exp(neg_kl)
+    pg1 = -adv * ratio
+    pg2 = -adv * torch.clamp(ratio, 1 - clip_ratio_low, 1 + clip_ratio_high)
+    pg_max = torch.max(pg1, pg2)
+    pg3 = -adv * clip_ratio_c
+    pg = torch.where(adv < 0, torch.min(pg3, pg_max), pg_max)
+    if kl_loss_type in ("kl", "k1"):
+        kl = logp - ref
+    elif kl_loss_type == "abs":
+        kl = (logp - ref).abs()
+    elif kl_loss_type in ("mse", "k2"):
+        kl = 0.5 * (logp - ref) ** 2
+    elif kl_loss_type in ("low_var_kl", "k3"):
+        d = torch.clamp(ref - logp, -20.0, 20.0)
+        kl = torch.clamp(torch.exp(d) - d - 1, -10.0, 10.0)
+    else:
+        raise ValueError(kl_loss_type)
+    pg_loss, kl_loss, entropy = agg(pg), agg(kl), agg(ent)
+    loss = pg_loss - entropy_coeff * entropy + (kl_loss_coef * kl_loss if kl_loss_coef else 0.0)
+    metrics = {
+        "pg_loss": pg_loss,
+        "pg_clipfrac": token_mean((pg2 > pg1).float()),
+        "pg_clipfrac_lower": token_mean(((pg_max > pg3) & (adv < 0)).float()),
+        "ppo_kl": token_mean(-neg_kl),
+        "kl_loss": kl_loss if kl_loss_coef else torch.zeros(()),
+        "entropy": entropy,
+    }
+    return loss, {k: v.detach() for k, v in metrics.items()}

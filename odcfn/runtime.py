@@ -52,10 +52,11 @@ _KIND = {
 
 @dataclass
 class ExecResult:
-    loss_sum: float  # global, after the sync
+    loss_sum: float  # global, after the sync (with a loss object: the weighted, i.e. final, loss)
     grad_norm: float  # global L2 norm of the unclipped gradient of the normalised loss
     events: list[Event] = field(default_factory=list)
     riders: torch.Tensor | None = None  # the summed extra stats the caller had ride the sync
+    loss_metrics: tuple[float, ...] = ()  # a loss object's metric sums, in its metric_names order
 
 
 @dataclass
@@ -75,6 +76,7 @@ class _Executor:
         transport: Transport,
         compute_dtype: torch.dtype,
         device: torch.device,
+        loss: Any = None,
     ) -> None:
         self.model, self.layout, self.batch = model, layout, batch
         self.t, self.dtype, self.device = transport, compute_dtype, device
@@ -94,8 +96,13 @@ class _Executor:
         self.grads: dict[str, torch.Tensor | None] = {}
         # unit -> gradient of its uses by later units (tied weights), added to its own backward's
         self.shared: dict[str, torch.Tensor] = {}
-        self.loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-        self.scale = 1.0 / batch.num_loss_tokens
+        # a loss object (odcfn.losses): the head returns [weighted loss, metric sums...], the
+        # weights (from the whole minibatch) already normalise it; None: the summed token loss
+        self.loss = loss
+        self.weights = None if loss is None else loss.weights(batch)
+        n = 1 + len(getattr(loss, "metric_names", ()))
+        self.loss_sum = torch.zeros(n if loss is not None else (), dtype=torch.float64, device=device)
+        self.scale = 1.0 if loss is not None else 1.0 / batch.num_loss_tokens
 
     # --- parameters -------------------------------------------------------------------------
     def _buffer(self, unit: str) -> torch.Tensor:
@@ -134,7 +141,8 @@ class _Executor:
 
     def _mb(self, mb: int) -> Microbatch:
         if mb not in self.packed:
-            self.packed[mb] = pack(self.batch, self.microbatches[mb]).to(self.device)
+            mb_ids = self.microbatches[mb]
+            self.packed[mb] = pack(self.batch, mb_ids, loss=self.loss, weights=self.weights).to(self.device)
         return self.packed[mb]
 
     # --- compute ----------------------------------------------------------------------------
@@ -178,6 +186,8 @@ class _Executor:
         gy = self.grad_out.pop(mb, None)
         if gy is None:
             gy = torch.full_like(y, self.scale)
+            if y.dim():  # [loss, metrics...]: only the loss is differentiated
+                gy[1:] = 0.0
         inputs = [flat, *used]
         has_x = isinstance(sv.x_in, torch.Tensor) and sv.x_in.requires_grad
         if has_x:
@@ -241,7 +251,8 @@ class _Executor:
             norm2 += g.double().square().sum()
         # after the replica all-reduce every replica holds the same shard: count it once
         norm2 = norm2 / len(self.t.mesh.replica_group)
-        stats = torch.stack([self.loss_sum, norm2])
+        s = self.loss_sum.reshape(-1)  # [loss sum, grad-norm^2, the loss's metric sums, riders]
+        stats = torch.cat([s[:1], norm2.reshape(1), s[1:]])
         if self.riders is not None:  # e.g. the minibatch fingerprint: same sync, no extra trip
             stats = torch.cat([stats, self.riders.to(stats.device, torch.float64)])
         return self.t.sync(stats)
@@ -258,13 +269,14 @@ def execute(
     comm: str = "odc",
     device: torch.device | str = "cpu",
     riders: torch.Tensor | None = None,
+    loss: Any = None,
 ) -> tuple[ExecResult, Plan]:
     """Run a rank's program (``odcfn.schedule.policy.prepare_program``: a static plan is one
     piece, work stealing one piece per decision) up to and including its one Sync; the
     transport then holds this rank's gradient shards. Returns the result and the plan that ran.
     ``riders``: float64 values summed over the ranks in the same sync (``ExecResult.riders``)."""
     t0 = time.perf_counter()
-    ex = _Executor(model, layout, batch, transport, compute_dtype, torch.device(device))
+    ex = _Executor(model, layout, batch, transport, compute_dtype, torch.device(device), loss)
     ex.riders = riders
     events: list[Event] = []
     ran: list[Piece] = []
@@ -278,4 +290,7 @@ def execute(
     if stats is None:
         raise ValueError("the program has no Sync step")
     plan = assemble_plan(ex.rank, comm, model.unit_names, ran)
-    return ExecResult(float(stats[0]), float(stats[1].clamp_min(0).sqrt()), events, stats[2:]), plan
+    m = len(getattr(loss, "metric_names", ())) if loss is not None else 0
+    extra = tuple(float(x) for x in stats[2:2 + m])
+    result = ExecResult(float(stats[0]), float(stats[1].clamp_min(0).sqrt()), events, stats[2 + m:], extra)
+    return result, plan

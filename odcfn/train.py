@@ -20,6 +20,7 @@ import torch
 from odcfn import fingerprint
 from odcfn.batch import Batch, check_token_range
 from odcfn.kernels.base import supports_odc
+from odcfn.losses import check_loss, loss_metrics
 from odcfn.metrics import StepMetrics
 from odcfn.model import Model
 from odcfn.optim import clip_scale
@@ -74,6 +75,8 @@ def _grads(state: TrainState, batch: Batch) -> tuple[dict[str, torch.Tensor], St
     t0 = time.perf_counter()
     layout = _validate(state, batch)
     cfg, model, transport, mesh = state.config, state.model, state.transport, state.mesh
+    if cfg.loss is not None:  # the extras the loss needs, on every rank, before any communication
+        check_loss(cfg.loss).validate(batch)
     cap = cfg.max_tokens_per_microbatch or max(batch.lengths)
     program = prepare_program(
         cfg.balance, batch.lengths, units=model.unit_names, world_size=mesh.world_size, rank=mesh.rank,
@@ -89,6 +92,7 @@ def _grads(state: TrainState, batch: Batch) -> tuple[dict[str, torch.Tensor], St
     result, plan = execute(
         program, model=model, layout=layout, batch=batch, transport=transport,
         compute_dtype=dtype, comm=cfg.comm, device=device, riders=fingerprint.encode(words, device),
+        loss=cfg.loss,
     )
     # every rank sees the same sums, so every rank raises alike (before any optimizer step)
     fingerprint.check_agreement(result.riders, mesh.world_size, words, detail)
@@ -100,7 +104,7 @@ def _grads(state: TrainState, batch: Batch) -> tuple[dict[str, torch.Tensor], St
             "StepConfig(nonfinite='skip') skips such steps instead)"
         )
     metrics = StepMetrics(
-        loss=result.loss_sum / batch.num_loss_tokens,
+        loss=result.loss_sum if cfg.loss is not None else result.loss_sum / batch.num_loss_tokens,
         grad_norm=result.grad_norm,
         num_samples=len(batch),
         num_tokens=sum(batch.lengths),
@@ -109,6 +113,7 @@ def _grads(state: TrainState, batch: Batch) -> tuple[dict[str, torch.Tensor], St
         plan=plan,
         counters=transport.counters - before,
         events=result.events,
+        extra=loss_metrics(cfg.loss, result.loss_metrics, batch.num_loss_tokens),
     )
     if not finite:
         metrics.extra["skipped_nonfinite"] = True

@@ -12,9 +12,9 @@ NOTEBOOKS = sorted(EXAMPLES.glob("*.ipynb"))
 nbformat = pytest.importorskip("nbformat")
 
 
-def test_the_three_notebooks_exist():
+def test_the_example_notebooks_exist():
     names = {p.stem for p in NOTEBOOKS}
-    assert {"quickstart", "load_imbalance", "gradient_equivalence"} <= names, names
+    assert {"quickstart", "load_imbalance", "gradient_equivalence", "grpo"} <= names, names
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 SCHEMA = "odcfn.bench/1"
-SECTIONS = ("end_to_end", "balanced", "fsdp2", "primitives", "simulator", "straggler")
+SECTIONS = ("end_to_end", "balanced", "fsdp2", "primitives", "simulator", "straggler", "rl")
 E2E_POLICIES = ("collective+lb-micro", "odc+lb-mini", "odc+work-stealing")
 STRAGGLER_SLOWDOWN = 1.5
 
@@ -64,6 +64,7 @@ def machine() -> dict:
 
 
 def main(args: argparse.Namespace) -> int:
+    from odcfn.bench import rl_section as RL
     from odcfn.bench import sections as S
     from odcfn.bench.runner import pick_backend
     from odcfn.bench.workload import Workload, model_config
@@ -80,7 +81,7 @@ def main(args: argparse.Namespace) -> int:
     ctx = S.Context(workload=w, backend=backend, steps=steps, warmup=args.warmup,
                     progress=not args.json or sys.stderr.isatty(), log=_log)
     if args.cost == "calibrated" and ({"end_to_end", "balanced", "fsdp2", "straggler",
-                                       "simulator"} & set(sections)):
+                                       "simulator", "rl"} & set(sections)):
         from odcfn.bench.sim import calibrate_cost
 
         _log("== calibrating the cost model (forward+backward time of each unit vs length)")
@@ -116,6 +117,7 @@ def main(args: argparse.Namespace) -> int:
         "primitives": lambda: S.primitives(ctx, sizes),
         "straggler": lambda: S.straggler(ctx, STRAGGLER_SLOWDOWN),
         "simulator": lambda: S.simulator(ctx, report),
+        "rl": lambda: RL.section(ctx, (8,) if args.quick else (8, 64, 1024)),
     }
     # the simulator replays end_to_end's plans, so it runs after it
     for name in sorted(sections, key=lambda s: s == "simulator"):

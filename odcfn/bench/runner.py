@@ -96,7 +96,7 @@ def _rank_loop(spec: RunSpec, mesh: Mesh, transport, barrier: Callable[[], None]
         # (static balancers) or the same work-stealing lists
         config = StepConfig(
             comm=pol.comm, balance=pol.balance, cost=spec.cost,
-            max_tokens_per_microbatch=w.max_tokens_per_microbatch,
+            max_tokens_per_microbatch=w.max_tokens_per_microbatch, loss=w.loss,
         )
         state[name] = TrainState.create(
             params=shard(full, model, mesh), model=model, optimizer=adamw(w.lr), transport=transport,

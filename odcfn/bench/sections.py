@@ -166,6 +166,12 @@ def fill_ratios(report: dict) -> None:
                                                            g["local_add"][i])
     else:
         r["shm_gather_over_gloo_all_gather"] = r["shm_gather_over_memcpy"] = None
+    rl = report.get("rl")
+    rb = _sps(rl, "collective+lb-micro")
+    r["rl_odc_lb_mini_over_collective_lb_micro"] = ratio(_sps(rl, "odc+lb-mini"), rb)
+    r["rl_odc_lb_micro_over_collective_lb_micro"] = ratio(_sps(rl, "odc+lb-micro"), rb)
+    r["rl_odc_lb_mini_over_odc_lb_micro"] = ratio(_sps(rl, "odc+lb-mini"), _sps(rl, "odc+lb-micro"))
+    r["rl_log_probs_over_train_step"] = ((rl or {}).get("log_probs") or {}).get("log_probs_over_train_step")
     s = report.get("simulator") or {}
     r["simulated_over_measured_step_time"] = s.get("simulated_over_measured_step_time")
     st = report.get("straggler")
@@ -186,6 +192,7 @@ def fill_ratios(report: dict) -> None:
         "balanced_odc_over_collective": paired(bal, "odc+lb-mini"),
         "straggler_odc_lb_mini_over_collective_lb_micro": paired(st, "odc+lb-mini"),
         "straggler_odc_work_stealing_over_collective_lb_micro": paired(st, "odc+work-stealing"),
+        "rl_odc_lb_mini_over_collective_lb_micro": paired(rl, "odc+lb-mini"),
         "collective_over_torch_fsdp2": (
             paired_median_speedup(f["odcfn_collective"], f["torch_fsdp2"])
             if "torch_fsdp2" in f else None),
@@ -193,15 +200,15 @@ def fill_ratios(report: dict) -> None:
     for comm in ("odc", "collective"):
         vals = [
             pol["syncs_per_minibatch"]
-            for sec in [*e2e.values(), bal, st] if isinstance(sec, dict) and "policies" in sec
+            for sec in [*e2e.values(), bal, st, rl] if isinstance(sec, dict) and "policies" in sec
             for pol in sec["policies"].values() if pol["comm"] == comm
         ]
         report["syncs_per_minibatch"][comm] = max(vals) if vals else None
-    flags = [sec.get("losses_match") for sec in [*e2e.values(), bal, st, f]
+    flags = [sec.get("losses_match") for sec in [*e2e.values(), bal, st, f, rl]
              if isinstance(sec, dict) and "losses_match" in sec]
     report["losses_match"] = all(flags) if flags else None
     report["targets"] = _targets(r)
-    sums = [pol for sec in [*e2e.values(), bal, st] if isinstance(sec, dict) and "policies" in sec
+    sums = [pol for sec in [*e2e.values(), bal, st, rl] if isinstance(sec, dict) and "policies" in sec
             for pol in sec["policies"].values()]
     shares = [p["core_share"] for p in sums if p.get("core_share") is not None]
     report["core_share_min"] = min(shares) if shares else None
@@ -220,6 +227,8 @@ TARGETS = (
     ("shm_gather_over_gloo_all_gather", 3.0, True),
     ("shm_gather_over_memcpy", 0.5, True),
     ("straggler_odc_work_stealing_over_collective_lb_micro", 1.15, True),
+    ("rl_odc_lb_mini_over_collective_lb_micro", 1.10, True),
+    ("rl_log_probs_over_train_step", 0.45, False),
 )
 
 
@@ -256,12 +265,22 @@ def render(report: dict) -> str:
         out += ["", f"1. end to end, long-tail data, {k} samples per rank "
                     f"(losses match: {sec['losses_match']})", table(_policy_rows(sec), _HDR)]
     for title, key in (("2. balanced data (all samples equal length)", "balanced"),
-                       ("6. straggler: one rank emulates a 1.5x slower device", "straggler")):
+                       ("6. straggler: one rank emulates a 1.5x slower device", "straggler"),
+                       ("7. RL: GRPO updates on AIME-RL-like rollouts (policy_gradient)", "rl")):
         sec = report.get(key) or {}
         if "policies" in sec:
             out += ["", title, table(_policy_rows(sec), _HDR)]
             if key == "straggler":
                 out.append("   " + sec["emulation"])
+            if key == "rl":
+                lp, ln = sec["log_probs"], sec["lengths"]
+                out.append(f"   lengths: mean {ln['mean']:.0f}, max {ln['max']} tokens (AIME / "
+                           f"{ln['length_scale']}), groups of {ln['group_size']}; log_probs costs "
+                           f"{lp['log_probs_over_train_step']:.2f}x a train_step")
+                rows = [[x["devices"], x["samples_per_device"], x["odc+lb-micro"], x["odc+lb-mini"]]
+                        for x in sec["simulated"]]
+                out += ["   simulator (7B, full AIME-RL lengths), samples/s over collective+lb-micro:",
+                        table(rows, ["devices", "samples/device", "odc+lb-micro x", "odc+lb-mini x"])]
         elif sec:
             out += ["", f"{title}: {sec.get('skipped') or sec.get('error')}"]
     f = report.get("fsdp2") or {}

@@ -52,6 +52,8 @@ class Workload:
     balanced: bool = False  # all samples of equal (mean) length: no imbalance to remove
     seed: int = 0
     lr: float = 1e-3
+    dataset: str = "longalign"  # or "aime-rl": GRPO groups under policy_gradient (bench/rl.py)
+    group_size: int = 4  # aime-rl: responses per prompt
 
     def __post_init__(self) -> None:
         if not isinstance(self.world_size, int) or self.world_size < 1:
@@ -64,6 +66,8 @@ class Workload:
             raise ValueError(
                 f"Workload.length_scale must be a positive int, got {self.length_scale!r}"
             )
+        if self.dataset not in ("longalign", "aime-rl"):
+            raise ValueError(f"Workload.dataset must be 'longalign' or 'aime-rl', got {self.dataset!r}")
 
     @property
     def samples_per_step(self) -> int:
@@ -71,8 +75,21 @@ class Workload:
 
     @property
     def max_tokens_per_microbatch(self) -> int:
-        """The cap: the longest possible sample (LongAlign's 64K, scaled)."""
+        """The cap: the longest possible sample (LongAlign's 64K, or AIME's cap, scaled)."""
+        if self.dataset == "aime-rl":
+            from odcfn.bench.rl import rl_max_tokens
+
+            return rl_max_tokens(self.length_scale)
         return LONGALIGN_MAX // self.length_scale
+
+    @property
+    def loss(self):
+        """The StepConfig.loss of the workload (None: token cross-entropy)."""
+        if self.dataset == "aime-rl":
+            from odcfn.bench.rl import rl_loss
+
+            return rl_loss()
+        return None
 
     def with_(self, **kw) -> Workload:
         return replace(self, **kw)
@@ -86,6 +103,10 @@ def sample_longalign_like(n: int, *, seed: int) -> list[int]:
 def make_lengths(w: Workload, step: int) -> tuple[int, ...]:
     """Sample lengths of minibatch ``step`` (deterministic in (seed, step))."""
     n = w.samples_per_step
+    if w.dataset == "aime-rl":
+        from odcfn.bench.rl import rl_lengths
+
+        return tuple(t for _, t in rl_lengths(n, w.group_size, w.length_scale, w.seed * 100_003 + step))
     if w.balanced:
         return (LONGALIGN_MEAN // w.length_scale,) * n
     raw = sample_longalign_like(n, seed=w.seed * 100_003 + step)
@@ -94,6 +115,11 @@ def make_lengths(w: Workload, step: int) -> tuple[int, ...]:
 
 
 def make_batch(w: Workload, step: int) -> Batch:
+    if w.dataset == "aime-rl":
+        from odcfn.bench.rl import rl_batch
+
+        return rl_batch(w.samples_per_step, w.group_size, w.length_scale, w.model.vocab_size,
+                        w.seed * 100_003 + step)
     return random_batch(make_lengths(w, step), w.model.vocab_size, seed=w.seed * 100_003 + step)
 
 

@@ -22,6 +22,7 @@ from einops import rearrange
 from torch import nn
 
 from odcfn.batch import Microbatch
+from odcfn.losses import head_stats
 from odcfn.model import Model, Unit
 from odcfn.models.rope import RopeScaling, apply_rope
 from odcfn.tree import PyTree, tree_flatten_with_path, tree_leaves, tree_named_leaves, tree_unflatten
@@ -174,6 +175,8 @@ def head_fwd(p: dict, x_TxD: torch.Tensor, mb: Microbatch, *, cfg: QwenConfig) -
     is the embedding matrix (``p["embed"]``, the used unit's subtree)."""
     w_VxD = p["embed"]["embed_tokens"]["weight"] if cfg.tie_embeddings else p["lm_head"]["weight"]
     logits_TxV = F.linear(rms_norm(x_TxD, p["norm"]["weight"], cfg.rms_eps), w_VxD).float()
+    if mb.loss is not None:  # the loss seam: weighted per-token loss and its metrics (odcfn.losses)
+        return head_stats(logits_TxV, mb)
     nll_T = F.cross_entropy(logits_TxV, mb.labels_T, reduction="none")
     return (nll_T * mb.loss_mask_T).sum()
 

@@ -29,6 +29,7 @@ __all__ = [
     "ScheduleOptions",
     "Step",
     "Sync",
+    "compile_forward_plan",
     "compile_plan",
     "microbatch_steps",
 ]
@@ -263,5 +264,40 @@ def compile_plan(
     for i in range(len(mbs)):
         steps += microbatch_steps(units, i, comm, options)
     steps = _hoist_gathers(_keep_across_microbatches(steps), options.prefetch)
+    steps.append(Sync())
+    return Plan(rank, comm, tuple(units), mbs, tuple(steps))
+
+
+def compile_forward_plan(
+    units: Sequence[str],
+    assignment: Assignment,
+    rank: int,
+    comm: Comm = "odc",
+    options: ScheduleOptions | None = None,
+) -> Plan:
+    """A forward-only plan (``odcfn.log_probs``): unit by unit, each gathered once, every
+    microbatch of the rank through it, released; then the Sync. No Backward, no scatter.
+
+    Unit-major order gathers each unit once per minibatch whatever the microbatch count (only
+    the activations between units are kept, and no autograd graph), so collective mode issues
+    the same all-gathers on every rank without padding; an ODC rank with no samples gathers
+    nothing.
+    """
+    options = options or ScheduleOptions()
+    if comm not in ("odc", "collective"):
+        raise ValueError(f"comm must be 'odc' or 'collective', got {comm!r}")
+    if not 0 <= rank < len(assignment):
+        raise ValueError(f"rank {rank} is outside the assignment's {len(assignment)} ranks")
+    mbs = tuple(tuple(m) for m in assignment[rank])
+    gather = Gather if comm == "odc" else AllGather
+    uses = dict(options.uses)
+    steps: list[Step] = []
+    if mbs or comm == "collective":
+        for u in units:
+            held = (u, *uses.get(u, ()))  # tied weights: the units it reads are gathered with it
+            steps += [gather(n) for n in held]
+            steps += [Forward(u, i, uses=uses.get(u, ())) for i in range(len(mbs))]
+            steps += [Release(n) for n in held]
+    steps = _hoist_gathers(steps, options.prefetch)
     steps.append(Sync())
     return Plan(rank, comm, tuple(units), mbs, tuple(steps))

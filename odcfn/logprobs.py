@@ -1,0 +1,140 @@
+"""What an RL loop asks of the trainer besides ``train_step``: log-probs and the full weights.
+
+``log_probs(state, batch)``: a forward-only pass over the sharded model (old and reference
+log-probs of PPO/GRPO). Every rank runs its share of the samples through a forward-only plan
+(``compile_forward_plan``: each unit gathered once, every microbatch of the rank through it,
+released; no scatter, no optimizer) and the per-token results ride the one sync: each rank adds
+its samples' values into a zero vector holding every sample's slot, so the sum is every value on
+every rank (an all-gather in all-reduce's clothes, fp64 so the sum of one value and zeros is exact).
+
+``gather_params(state, dst=None)``: the full unsharded params on every rank (or on ``dst``), to
+load into an inference engine (e.g. transformers' ``generate``).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from odcfn.batch import Batch, check_token_range
+from odcfn.losses import LogProbs
+from odcfn.metrics import Event
+from odcfn.runtime import _Executor
+from odcfn.schedule.plan import Forward, compile_forward_plan
+from odcfn.schedule.policy import policy_info, resolve_policy
+from odcfn.sharding import make_layout
+from odcfn.sharding.layout import check_shards
+from odcfn.state import TrainState
+from odcfn.train import _options
+
+__all__ = ["gather_params", "log_probs"]
+
+
+class _ForwardOnly(_Executor):
+    """The runtime's executor with forwards that keep no graph; the head's per-token output
+    ``[k, T]`` is kept per microbatch."""
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.head_out: dict[int, torch.Tensor] = {}
+
+    def forward(self, s: Forward, mb: int) -> None:
+        data = self._mb(mb)
+        if data.empty:
+            return
+        prev = self.prev[s.unit]
+        x = None if prev is None else self.outs.pop((prev, mb))
+        _, params, _ = self._inputs(s)  # its own params and those it reads (tied weights)
+        with torch.no_grad():
+            y = self.units[s.unit].fwd(params, x, data)
+        if s.unit == self.last:
+            self.head_out[mb] = y
+        else:
+            self.outs[(s.unit, mb)] = y
+
+
+def _check(state: TrainState, batch: Batch) -> None:
+    if not isinstance(state, TrainState):
+        raise TypeError(f"state must be an odcfn.TrainState, got {type(state).__name__}")
+    if not isinstance(batch, Batch):
+        raise TypeError(f"batch must be an odcfn.Batch, got {type(batch).__name__}")
+
+
+def log_probs(
+    state: TrainState, batch: Batch, *, temperature: float = 1.0, entropy: bool = False
+) -> tuple[torch.Tensor, ...] | tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    """Every sample's per-token log-prob of its own next tokens (``len - 1`` values, fp32; the
+    value at ``t`` is the log-prob of token ``t + 1``), on every rank. With ``entropy=True``:
+    ``(log_probs, entropies)``, the entropy of each position's next-token distribution.
+
+    Balanced like ``state.config`` says (work stealing falls back to LB-Mini's static lists; the
+    forward-only cost is the training cost scaled, so the same partition); exactly one sync.
+    """
+    _check(state, batch)
+    head = LogProbs(temperature=temperature, entropy=entropy)  # checks temperature
+    cfg, model, transport, mesh = state.config, state.model, state.transport, state.mesh
+    layout = make_layout(model, mesh)
+    check_shards(state.params, layout, model.dtype)
+    check_token_range(batch, model.vocab_size)
+    cap = cfg.max_tokens_per_microbatch or max(batch.lengths)
+    info = policy_info(cfg.balance)
+    balance = "lb_mini" if info is not None and not info.collective else cfg.balance
+    assignment = resolve_policy(balance, cfg.comm, cfg.cost)(batch.lengths, mesh.world_size, cap)
+    options = _options(cfg.options, model)  # with the model's tied-weight uses
+    plan = compile_forward_plan(model.unit_names, assignment, mesh.rank, cfg.comm, options)
+    dtype = cfg.compute_dtype or model.dtype
+    device = next(iter(state.params.values())).device
+    k = 2 if entropy else 1
+    sizes = [n - 1 for n in batch.lengths]
+    offsets = [0]
+    for n in sizes:
+        offsets.append(offsets[-1] + n)
+
+    transport.begin_step(layout, state.params, dtype)
+    ex = _ForwardOnly(model, layout, batch, transport, dtype, torch.device(device), loss=head)
+    ex.microbatches.extend(plan.microbatches)
+    events: list[Event] = []
+    t0 = time.perf_counter()
+    ex.run_steps(plan.steps[:-1], 0, t0, events)  # all but the Sync: ours carries the values
+    out = torch.zeros(k, offsets[-1], dtype=torch.float64, device=device)
+    for mb, y in ex.head_out.items():
+        at = 0
+        for i, n in zip(plan.microbatches[mb], ex.packed[mb].seqlens):
+            out[:, offsets[i]: offsets[i + 1]] = y[:, at: at + n - 1].double()
+            at += n
+    transport.flush()
+    total = transport.sync(out.reshape(-1)).view(k, -1).float()
+    rows = [tuple(total[j, offsets[i]: offsets[i + 1]].clone() for i in range(len(batch))) for j in range(k)]
+    return (rows[0], rows[1]) if entropy else rows[0]
+
+
+def gather_params(state: TrainState, dst: int | None = None) -> dict | None:
+    """The full unsharded params (a fresh pytree, the model's dtype) on every rank, or only on
+    rank ``dst`` (the others get None). Every rank of the world must call it; one sync ends it,
+    so no rank publishes newer shards while another still reads."""
+    if not isinstance(state, TrainState):
+        raise TypeError(f"state must be an odcfn.TrainState, got {type(state).__name__}")
+    mesh, transport, model = state.mesh, state.transport, state.model
+    if dst is not None and not (isinstance(dst, int) and 0 <= dst < mesh.world_size):
+        raise ValueError(f"gather_params: dst must be a rank in [0, {mesh.world_size}) or None, got {dst!r}")
+    layout = make_layout(model, mesh)
+    check_shards(state.params, layout, model.dtype)
+    transport.begin_step(layout, state.params, model.dtype)
+    collective = state.config.comm == "collective"
+    want = dst is None or dst == mesh.rank
+    out = {}
+    for u in layout.units:
+        if not (want or collective):
+            continue
+        buf = torch.empty(u.padded_numel, dtype=model.dtype, device=state.params[u.name].device)
+        if collective:  # every rank joins every all-gather, whether it keeps the result or not
+            transport.all_gather(u.name, buf)
+        else:
+            transport.gather(u.name, buf).wait()
+        out[u.name] = u.unflatten(buf)
+    transport.flush()
+    device = next(iter(state.params.values())).device
+    transport.sync(torch.zeros(1, dtype=torch.float64, device=device))
+    return out if want else None
