@@ -128,3 +128,25 @@ def test_gather_params_on_every_rank_or_one(checkpoint, comm):
     make = lambda tr: odcfn.TrainState.create(params=full, model=model, optimizer=odcfn.sgd(0), transport=tr)
     with pytest.raises(ValueError, match="dst must be a rank"):
         odcfn.run_local(lambda r, tr: odcfn.gather_params(make(tr), dst=2), 2)
+
+
+def test_gather_params_then_to_hf_loads_in_transformers(checkpoint, tmp_path):
+    """The weight sync of an RL loop: sharded state -> gather_params(dst=0) -> to_hf -> the
+    inference engine (transformers here) computes the original checkpoint's logits."""
+    from odcfn.models import to_hf
+
+    ref, path = checkpoint
+    cfg, full = from_hf(path)
+    model = qwen_model(cfg)
+
+    def fn(rank, tr):
+        state = odcfn.TrainState.create(params=full, model=model, optimizer=odcfn.sgd(0.0), transport=tr)
+        got = odcfn.gather_params(state, dst=0)
+        if got is not None:
+            to_hf(tmp_path / "synced", got, cfg)
+
+    odcfn.run_local(fn, 3)
+    back = type(ref).from_pretrained(tmp_path / "synced").eval()
+    ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
+    with torch.no_grad():
+        torch.testing.assert_close(back(input_ids=ids).logits, ref(input_ids=ids).logits, rtol=0, atol=1e-6)
