@@ -43,6 +43,15 @@ class Sample:
                     f"Sample.loss_mask must have the tokens' shape {tuple(self.tokens.shape)}, "
                     f"got {_desc(self.loss_mask)}"
                 )
+            m = self.loss_mask
+            # pack reads the mask as bool but num_loss_tokens sums it: any other value would
+            # silently change the loss's normaliser
+            if m.dtype != torch.bool and not bool(((m == 0) | (m == 1)).all()):
+                bad = int(((m != 0) & (m != 1)).nonzero()[0, 0])
+                raise ValueError(
+                    f"Sample.loss_mask must hold only 0/1 (or bool) values, got {m[bad].item()!r} "
+                    f"at token {bad}"
+                )
         object.__setattr__(self, "extras", _check_extras(self.extras, self.tokens.numel()))
 
     @property

@@ -26,7 +26,7 @@ from odcfn.schedule.plan import Forward, compile_forward_plan
 from odcfn.schedule.policy import policy_info, resolve_policy
 from odcfn.sharding import make_layout
 from odcfn.sharding.layout import check_shards
-from odcfn.state import TrainState
+from odcfn.state import TrainState, check_fields
 from odcfn.train import _options
 
 __all__ = ["gather_params", "log_probs"]
@@ -60,6 +60,7 @@ def _check(state: TrainState, batch: Batch) -> None:
         raise TypeError(f"state must be an odcfn.TrainState, got {type(state).__name__}")
     if not isinstance(batch, Batch):
         raise TypeError(f"batch must be an odcfn.Batch, got {type(batch).__name__}")
+    check_fields(state)
 
 
 def log_probs(
@@ -116,8 +117,10 @@ def gather_params(state: TrainState, dst: int | None = None) -> dict | None:
     so no rank publishes newer shards while another still reads."""
     if not isinstance(state, TrainState):
         raise TypeError(f"state must be an odcfn.TrainState, got {type(state).__name__}")
+    check_fields(state)
     mesh, transport, model = state.mesh, state.transport, state.model
-    if dst is not None and not (isinstance(dst, int) and 0 <= dst < mesh.world_size):
+    bad_dst = isinstance(dst, bool) or not (isinstance(dst, int) and 0 <= dst < mesh.world_size)
+    if dst is not None and bad_dst:
         raise ValueError(f"gather_params: dst must be a rank in [0, {mesh.world_size}) or None, got {dst!r}")
     layout = make_layout(model, mesh)
     check_shards(state.params, layout, model.dtype)

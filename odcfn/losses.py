@@ -251,8 +251,9 @@ class LogProbs:
     entropy: bool = False
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.temperature, (int, float)) and self.temperature > 0):
-            raise ValueError(f"temperature must be > 0, got {self.temperature!r}")
+        t = self.temperature
+        if isinstance(t, bool) or not (isinstance(t, (int, float)) and 0 < t < float("inf")):
+            raise ValueError(f"temperature must be a finite number > 0, got {self.temperature!r}")
 
     def weights(self, batch: Batch) -> None:
         return None

@@ -19,6 +19,7 @@ import torch
 
 from odcfn import checkpoint
 from odcfn.kernels.base import Transport
+from odcfn.losses import check_loss
 from odcfn.model import Model, check_params
 from odcfn.optim import Optimizer
 from odcfn.schedule.cost import CostModel
@@ -26,9 +27,9 @@ from odcfn.schedule.plan import Comm, ScheduleOptions
 from odcfn.schedule.policy import Policy, policy_info, resolve_policy
 from odcfn.sharding import Mesh, make_layout, shard
 from odcfn.sharding.layout import check_shards
-from odcfn.tree import register_dataclass
+from odcfn.tree import register_dataclass, tree_flatten_with_path
 
-__all__ = ["StepConfig", "TrainState", "load", "save"]
+__all__ = ["StepConfig", "TrainState", "check_fields", "load", "save"]
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,8 @@ class StepConfig:
             raise ValueError(f"StepConfig.max_grad_norm must be a finite number > 0 or None, got {g!r}")
         if self.nonfinite not in ("raise", "skip"):
             raise ValueError(f"StepConfig.nonfinite must be 'raise' or 'skip', got {self.nonfinite!r}")
+        if self.loss is not None:
+            check_loss(self.loss)  # a TypeError naming what a non-loss lacks, at construction
         if self.cost is not None and not callable(self.cost):
             raise TypeError(
                 f"StepConfig.cost must be a cost model (length -> cost), got {type(self.cost).__name__}"
@@ -144,8 +147,11 @@ class TrainState:
             params = shard(params, model, mesh)
         params = dict(params)
         check_shards(params, make_layout(model, mesh), model.dtype)
+        fresh = optimizer.init(params)
         if opt_state is None:
-            opt_state = optimizer.init(params)
+            opt_state = fresh
+        else:  # a resumed state from another optimizer or mesh fails here, not in the update
+            _check_opt_state(opt_state, fresh)
         return cls(params, opt_state, step, model, optimizer, transport, config)
 
     @property
@@ -154,6 +160,38 @@ class TrainState:
 
     def replace(self, **changes: Any) -> TrainState:
         return dataclasses.replace(self, **changes)
+
+
+def _check_opt_state(given: Any, fresh: Any) -> None:
+    names, leaves, treedef = tree_flatten_with_path(given)
+    want_names, want_leaves, want_def = tree_flatten_with_path(fresh)
+    if treedef != want_def:
+        raise ValueError(
+            f"TrainState.create: opt_state does not match optimizer.init(params): leaves "
+            f"{sorted(set(names) ^ set(want_names))[:8] or names[:8]} differ"
+        )
+    for name, a, b in zip(names, leaves, want_leaves):
+        if isinstance(b, torch.Tensor) and (not isinstance(a, torch.Tensor) or a.shape != b.shape):
+            got = tuple(a.shape) if isinstance(a, torch.Tensor) else type(a).__name__
+            raise ValueError(
+                f"TrainState.create: opt_state leaf {name!r} is {got}, optimizer.init(params) "
+                f"gives shape {tuple(b.shape)}"
+            )
+
+
+def check_fields(state: TrainState) -> None:
+    """The static fields of a state that ``replace`` (or a pytree rebuild) may have changed: a
+    TypeError naming the field, before any communication (``create`` checks the same)."""
+    want = (("model", Model), ("optimizer", Optimizer), ("config", StepConfig))
+    for name, cls in want:
+        v = getattr(state, name)
+        if not isinstance(v, cls):
+            raise TypeError(f"TrainState.{name} must be an odcfn.{cls.__name__}, got {type(v).__name__}")
+    if not isinstance(getattr(state.transport, "mesh", None), Mesh):
+        raise TypeError(
+            "TrainState.transport must be an odcfn transport with a .mesh, "
+            f"got {type(state.transport).__name__}"
+        )
 
 
 register_dataclass(

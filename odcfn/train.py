@@ -29,7 +29,7 @@ from odcfn.schedule.plan import ScheduleOptions
 from odcfn.schedule.policy import prepare_program
 from odcfn.sharding import Layout, make_layout
 from odcfn.sharding.layout import check_shards
-from odcfn.state import TrainState
+from odcfn.state import TrainState, check_fields
 
 __all__ = ["StepMetrics", "grad_step", "train_step"]
 
@@ -39,6 +39,7 @@ def _validate(state: TrainState, batch: Batch) -> Layout:
         raise TypeError(f"state must be an odcfn.TrainState (TrainState.create), got {type(state).__name__}")
     if not isinstance(batch, Batch):
         raise TypeError(f"batch must be an odcfn.Batch, got {type(batch).__name__}")
+    check_fields(state)
     if state.config.comm == "odc" and not supports_odc(state.transport):
         raise TypeError(
             f"comm='odc' needs a point-to-point transport (ShmTransport, LocalWorld's, the GPU ones); "

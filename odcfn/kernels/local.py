@@ -256,6 +256,13 @@ def run_local(
     ``LocalWorld`` (default ``world.transport(rank)``; the world offers ``mesh``, ``store`` and
     ``LocalCollectives(world, rank)``); each is closed after ``fn`` returns. If any rank raises,
     the others are aborted and the first error re-raised."""
+    if transport is not None and not callable(transport):
+        raise TypeError(
+            "run_local: transport must be a factory (world, rank) -> transport, "
+            f"got {type(transport).__name__}"
+        )
+    if not callable(fn):
+        raise TypeError(f"run_local: fn must be callable (rank, transport), got {type(fn).__name__}")
     world = LocalWorld(world_size, ranks_per_node=ranks_per_node, sharding=sharding, timeout=timeout)
     make = transport if transport is not None else LocalWorld.transport
     results: list[Any] = [None] * world_size

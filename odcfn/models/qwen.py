@@ -54,6 +54,13 @@ class QwenConfig:
     pad_token_id: int | None = None  # as nn.Embedding's padding_idx: its row gets no embedding grad
 
     def __post_init__(self) -> None:
+        for name, least in (("vocab_size", 1), ("d_model", 1), ("n_layers", 0), ("n_heads", 1),
+                            ("n_kv_heads", 1), ("d_ff", 1), ("head_dim", 1)):
+            v = getattr(self, name)
+            if v is None and name == "head_dim":
+                continue
+            if isinstance(v, bool) or not isinstance(v, int) or v < least:
+                raise ValueError(f"QwenConfig.{name} must be an int >= {least}, got {v!r}")
         if self.head_dim is None:
             if self.d_model % self.n_heads:
                 raise ValueError(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}")

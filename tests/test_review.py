@@ -1,0 +1,167 @@
+"""An adversarial pass over the public API: hostile inputs are refused by name on every rank
+before any communication, and other model shapes (0-1 layers, odd head counts, tied, Qwen3's
+free head_dim) on W = 1-5 full and hybrid meshes give the single-process reference's gradients
+for ODC, collective and work stealing; a TrainState survives ``tree_map``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import odcfn
+from odcfn.models import QwenConfig, init_params, qwen_model
+from tests.util import make_state, ref_shards, run_grad_step, tiny
+
+CFG, MODEL, FULL = tiny()
+BATCH = odcfn.random_batch([7, 5, 9], CFG.vocab_size)
+
+
+def _every_rank_raises(fn, world=2):
+    """``fn(state)`` on every rank; each rank's error (type name, message), or None if it
+    returned. A TransportError on any rank would mean some rank communicated first."""
+
+    def body(rank, tr):
+        try:
+            fn(make_state(FULL, MODEL, tr))
+        except (TypeError, ValueError) as e:
+            return type(e).__name__, str(e)
+        return None
+
+    return odcfn.run_local(body, world, timeout=20)
+
+
+def test_step_config_refuses_a_loss_that_is_not_one():
+    for bad in ("cross_entropy", object()):
+        with pytest.raises(TypeError, match="StepConfig.loss"):
+            odcfn.StepConfig(loss=bad)
+    with pytest.raises(TypeError, match="StepConfig.loss"):
+        odcfn.StepConfig().replace(loss=lambda logp: logp)
+
+
+@pytest.mark.parametrize("field", ["config", "model", "optimizer", "transport"])
+def test_a_replaced_static_field_is_refused_by_name_on_every_rank(field):
+    calls = [
+        lambda s: odcfn.train_step(s, BATCH), lambda s: odcfn.grad_step(s, BATCH),
+        lambda s: odcfn.log_probs(s, BATCH), lambda s: odcfn.gather_params(s),
+    ]
+    for call in calls:
+        out = _every_rank_raises(lambda s, call=call: call(s.replace(**{field: "oops"})))
+        assert out == [out[0]] * 2 and out[0][0] == "TypeError", out
+        assert f"TrainState.{field}" in out[0][1]
+
+
+def test_loss_mask_values_other_than_0_1_are_refused():
+    tokens = torch.tensor([1, 2, 3, 4])
+    for mask in ([0, 2, 1, 1], [0.0, 0.5, 1.0, 1.0], [0, -1, 1, 1]):
+        with pytest.raises(ValueError, match="Sample.loss_mask must hold only 0/1"):
+            odcfn.Sample(tokens, loss_mask=torch.tensor(mask))
+
+
+def test_int_and_float_0_1_masks_train_like_the_bool_mask():
+    tokens = [torch.tensor([1, 2, 3, 4, 5]), torch.tensor([6, 7, 8])]
+    masks = [torch.tensor([0, 0, 1, 1, 1]), torch.tensor([0, 1, 1])]
+    ref_batch = odcfn.Batch(tuple(odcfn.Sample(t, loss_mask=m.bool()) for t, m in zip(tokens, masks)))
+    _, ref = odcfn.reference_value_and_grad(MODEL, FULL, ref_batch)
+    want = ref_shards(ref, MODEL, 2)
+    for dtype in (torch.int64, torch.float32):
+        batch = odcfn.Batch(tuple(odcfn.Sample(t, loss_mask=m.to(dtype)) for t, m in zip(tokens, masks)))
+        assert batch.num_loss_tokens == ref_batch.num_loss_tokens == 5
+        for (grads, _), w in zip(run_grad_step(FULL, batch, MODEL, 2), want):
+            odcfn.tree_assert_allclose(grads, w, rtol=2e-4, atol=1e-6)
+
+
+def test_gather_params_and_log_probs_refuse_bools():
+    out = _every_rank_raises(lambda s: odcfn.gather_params(s, dst=True))
+    assert all(o is not None and "dst must be a rank" in o[1] for o in out), out
+    out = _every_rank_raises(lambda s: odcfn.log_probs(s, BATCH, temperature=True))
+    assert all(o is not None and "temperature" in o[1] for o in out), out
+    with pytest.raises(ValueError, match="temperature"):
+        odcfn.losses.LogProbs(temperature=float("inf"))
+
+
+def test_create_refuses_an_opt_state_of_another_optimizer_or_mesh():
+    def body(rank, tr):
+        errors = []
+        sgd_state = make_state(FULL, MODEL, tr).opt_state
+        w3 = odcfn.shard(FULL, MODEL, odcfn.Mesh(3, 0))
+        for opt_state in (sgd_state, odcfn.adamw(1e-3).init(w3)):
+            try:
+                odcfn.TrainState.create(params=FULL, model=MODEL, optimizer=odcfn.adamw(1e-3),
+                                        transport=tr, opt_state=opt_state)
+            except ValueError as e:
+                errors.append(str(e))
+        return errors
+
+    for errors in odcfn.run_local(body, 2, timeout=20):
+        assert len(errors) == 2 and all("TrainState.create: opt_state" in e for e in errors), errors
+        assert "gives shape" in errors[1]
+
+
+@pytest.mark.parametrize(
+    ("kw", "field"),
+    [({"n_layers": -1}, "n_layers"), ({"n_layers": 1.5}, "n_layers"), ({"vocab_size": 0}, "vocab_size"),
+     ({"n_kv_heads": 0}, "n_kv_heads"), ({"n_heads": True, "n_kv_heads": 1}, "n_heads"),
+     ({"d_ff": 0}, "d_ff"), ({"head_dim": 0}, "head_dim")],
+)
+def test_qwen_config_refuses_bad_sizes_by_name(kw, field):
+    with pytest.raises(ValueError, match=f"QwenConfig.{field}"):
+        QwenConfig(**kw)
+
+
+def test_run_local_refuses_a_transport_that_is_not_a_factory():
+    with pytest.raises(TypeError, match="run_local: transport must be a factory"):
+        odcfn.run_local(lambda r, t: None, 2, transport=3)
+
+
+_SMALL = dict(vocab_size=23, d_model=12, n_heads=3, n_kv_heads=1, d_ff=10)
+_SHAPES = {
+    "0 layers": QwenConfig(n_layers=0, **_SMALL),
+    "1 layer, 3 heads, 1 kv head": QwenConfig(n_layers=1, **_SMALL),
+    "tied, 1 layer": QwenConfig(n_layers=1, tie_embeddings=True, **_SMALL),
+    "qwen3 head_dim 8 != 12/3, tied": QwenConfig(
+        n_layers=2, head_dim=8, qk_norm=True, qkv_bias=False, tie_embeddings=True, **_SMALL),
+    "llama o_bias, 6 heads, 2 kv": QwenConfig(
+        vocab_size=19, d_model=12, n_layers=1, n_heads=6, n_kv_heads=2, d_ff=8, qkv_bias=False, o_bias=True),
+}
+_MESHES = [(1, None, "full"), (2, None, "full"), (3, None, "full"), (4, 2, "hybrid"), (5, None, "full"),
+           (2, 1, "hybrid")]
+_MODES = [("odc", "lb_mini"), ("collective", "lb_micro"), ("odc", "work_stealing")]
+
+
+@pytest.mark.parametrize("shape", list(_SHAPES))
+@pytest.mark.parametrize("mesh", range(len(_MESHES)))
+def test_other_model_shapes_match_the_reference(shape, mesh):
+    cfg = _SHAPES[shape]
+    world, rpn, sharding = _MESHES[mesh]
+    comm, balance = _MODES[(mesh + len(shape)) % len(_MODES)]  # every shape meets every mode
+    model, full = qwen_model(cfg), init_params(cfg, seed=1)
+    batch = odcfn.random_batch([5, 1, 7, 2, 6], cfg.vocab_size, seed=2)  # a one-token sample too
+    loss, ref = odcfn.reference_value_and_grad(model, full, batch)
+    got = run_grad_step(full, batch, model, world, ranks_per_node=rpn, sharding=sharding,
+                        comm=comm, balance=balance, max_tokens_per_microbatch=8)
+    for (grads, metrics), want in zip(got, ref_shards(ref, model, world, rpn, sharding)):
+        assert metrics.loss == pytest.approx(loss.item(), rel=1e-5)
+        odcfn.tree_assert_allclose(grads, want, rtol=2e-4, atol=1e-6)
+
+
+def test_a_step_after_tree_map_over_the_state():
+    def body(rank, tr):
+        state = make_state(FULL, MODEL, tr, optimizer=odcfn.adamw(1e-2))
+        want, _ = odcfn.train_step(state, BATCH)
+        is_t = lambda x: isinstance(x, torch.Tensor)
+        clone = odcfn.tree_map(lambda x: x.clone() if is_t(x) else x, state)
+        assert type(clone) is odcfn.TrainState and clone.transport is state.transport
+        round_trip = odcfn.tree_map(lambda x: x.double().float() if is_t(x) else x, state)
+        for s in (clone, round_trip):  # ODC sums pushes in arrival order: not bit for bit
+            got, _ = odcfn.train_step(s, BATCH)
+            odcfn.tree_assert_allclose(got.params, want.params, rtol=1e-5, atol=1e-7)
+            odcfn.tree_assert_allclose(got.opt_state, want.opt_state, rtol=1e-4, atol=1e-9)
+            assert got.step == 1
+        bf16 = odcfn.tree_map(lambda x: x.bfloat16() if is_t(x) else x, state)
+        try:
+            odcfn.train_step(bf16, BATCH)
+        except ValueError as e:
+            return str(e)
+
+    for msg in odcfn.run_local(body, 2, timeout=30):
+        assert "has dtype torch.bfloat16, expected torch.float32" in msg
