@@ -22,6 +22,7 @@ from odcfn.batch import Batch, check_token_range
 from odcfn.losses import LogProbs
 from odcfn.metrics import Event
 from odcfn.runtime import _Executor
+from odcfn.schedule.balance import check_assignment
 from odcfn.schedule.plan import Forward, compile_forward_plan
 from odcfn.schedule.policy import policy_info, resolve_policy
 from odcfn.sharding import make_layout
@@ -83,6 +84,7 @@ def log_probs(
     info = policy_info(cfg.balance)
     balance = "lb_mini" if info is not None and not info.collective else cfg.balance
     assignment = resolve_policy(balance, cfg.comm, cfg.cost)(batch.lengths, mesh.world_size, cap)
+    check_assignment(assignment, batch.lengths, mesh.world_size)
     options = _options(cfg.options, model)  # with the model's tied-weight uses
     plan = compile_forward_plan(model.unit_names, assignment, mesh.rank, cfg.comm, options)
     dtype = cfg.compute_dtype or model.dtype

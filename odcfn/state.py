@@ -162,19 +162,19 @@ class TrainState:
         return dataclasses.replace(self, **changes)
 
 
-def _check_opt_state(given: Any, fresh: Any) -> None:
+def _check_opt_state(given: Any, fresh: Any, where: str = "TrainState.create: opt_state") -> None:
     names, leaves, treedef = tree_flatten_with_path(given)
     want_names, want_leaves, want_def = tree_flatten_with_path(fresh)
     if treedef != want_def:
         raise ValueError(
-            f"TrainState.create: opt_state does not match optimizer.init(params): leaves "
+            f"{where} does not match optimizer.init(params): leaves "
             f"{sorted(set(names) ^ set(want_names))[:8] or names[:8]} differ"
         )
     for name, a, b in zip(names, leaves, want_leaves):
         if isinstance(b, torch.Tensor) and (not isinstance(a, torch.Tensor) or a.shape != b.shape):
             got = tuple(a.shape) if isinstance(a, torch.Tensor) else type(a).__name__
             raise ValueError(
-                f"TrainState.create: opt_state leaf {name!r} is {got}, optimizer.init(params) "
+                f"{where} leaf {name!r} is {got}, optimizer.init(params) "
                 f"gives shape {tuple(b.shape)}"
             )
 
@@ -224,4 +224,6 @@ def load(path: str | os.PathLike, state: TrainState) -> TrainState:
     if not isinstance(state, TrainState):
         raise TypeError(f"odcfn.load(path, state): state must be a TrainState, got {type(state).__name__}")
     params, opt_state, step = checkpoint.load(path, model=state.model, mesh=state.mesh)
+    # a checkpoint of another optimizer (SGD's into AdamW's state) would fail only in the update
+    _check_opt_state(opt_state, state.opt_state, f"odcfn.load: the opt_state of checkpoint {os.fspath(path)}")
     return state.replace(params=params, opt_state=opt_state, step=step)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import replace
+from typing import Any
 
 import torch
 
@@ -26,7 +27,7 @@ from odcfn.model import Model
 from odcfn.optim import clip_scale
 from odcfn.runtime import execute
 from odcfn.schedule.plan import ScheduleOptions
-from odcfn.schedule.policy import prepare_program
+from odcfn.schedule.policy import policy_info, prepare_program
 from odcfn.sharding import Layout, make_layout
 from odcfn.sharding.layout import check_shards
 from odcfn.state import TrainState, check_fields
@@ -59,15 +60,34 @@ def _options(options: ScheduleOptions | None, model: Model) -> ScheduleOptions:
     return replace(options, uses=model.uses) if model.uses else options
 
 
-def _fingerprint(state: TrainState, batch: Batch, layout: Layout) -> tuple[list[int], list[str]]:
+def _recording(balance: Any, seen: list) -> Any:
+    """A user's balancer callable that keeps what it returned: unlike the built-in ones it may
+    differ by rank (unseeded randomness, rank-aware code), so its assignment joins the
+    fingerprint."""
+    if policy_info(balance) is not None:
+        return balance
+
+    def recorded(lengths, world_size, max_tokens):
+        seen.append(balance(lengths, world_size, max_tokens))
+        return seen[-1]
+
+    return recorded
+
+
+def _fingerprint(
+    state: TrainState, batch: Batch, layout: Layout, assignment: list | None = None
+) -> tuple[list[int], list[str]]:
     """This rank's minibatch fingerprint words and what each describes (for the error)."""
     m, mesh = state.model, state.mesh
     key = (f"{[(u.name, u.shard_size) for u in layout.units]} W={mesh.world_size} "
            f"{mesh.sharding}/{mesh.node_size} {m.dtype} {m.config_key}")
-    words = fingerprint.minibatch_words(batch, state.config, key)
+    config = state.config
+    if assignment is not None:
+        config = (config, [[list(map(int, mb)) for mb in r] for r in assignment])
+    words = fingerprint.minibatch_words(batch, config, key)
     lengths = repr(batch.lengths) if len(batch) <= 16 else f"{batch.lengths[:16]}... ({len(batch)} samples)"
     detail = [f"lengths {lengths}, {batch.num_loss_tokens} loss tokens", f"token hash {words[1]:05x}",
-              fingerprint.stable_repr(state.config)[:300], key[:300]]
+              fingerprint.stable_repr(config)[:300], key[:300]]
     return words, detail
 
 
@@ -79,15 +99,17 @@ def _grads(state: TrainState, batch: Batch) -> tuple[dict[str, torch.Tensor], St
     if cfg.loss is not None:  # the extras the loss needs, on every rank, before any communication
         check_loss(cfg.loss).validate(batch)
     cap = cfg.max_tokens_per_microbatch or max(batch.lengths)
+    seen: list = []
     program = prepare_program(
-        cfg.balance, batch.lengths, units=model.unit_names, world_size=mesh.world_size, rank=mesh.rank,
+        _recording(cfg.balance, seen), batch.lengths, units=model.unit_names, world_size=mesh.world_size,
+        rank=mesh.rank,
         max_tokens=cap, comm=cfg.comm, options=_options(cfg.options, model), cost=cfg.cost,
         fetch_add=getattr(transport, "fetch_add", None),
         max_counters=getattr(transport, "max_counters", None),
     )
     dtype = cfg.compute_dtype or model.dtype
     device = next(iter(state.params.values())).device  # compute follows the parameter shards
-    words, detail = _fingerprint(state, batch, layout)
+    words, detail = _fingerprint(state, batch, layout, seen[-1] if seen else None)
     before = transport.counters.copy()
     transport.begin_step(layout, state.params, dtype)
     result, plan = execute(

@@ -165,3 +165,42 @@ def test_a_step_after_tree_map_over_the_state():
 
     for msg in odcfn.run_local(body, 2, timeout=30):
         assert "has dtype torch.bfloat16, expected torch.float32" in msg
+
+
+@pytest.mark.parametrize(
+    ("assignment", "msg"),
+    [([[[0]], [[2]]], r"left samples \[1\] unassigned"), ([[[0, 1]], [[1, 2]]], "gave sample 1 twice"),
+     ([[[0, 1]], [[2, 5]]], "put 5 in rank 1's"), ([[[0, 1]], [[-1, 2]]], "put -1 in rank 1's"),
+     ([[[False, 1]], [[2]]], "put False in rank 0's"), ([[[0, 1, 2]]], "returned 1 rank lists"),
+     ([[[0]], [[1]], [[2]]], "returned 3 rank lists")],
+)
+def test_a_balancer_callable_that_drops_or_doubles_samples_is_refused(assignment, msg):
+    for comm, call in (("odc", odcfn.grad_step), ("collective", odcfn.grad_step), ("odc", odcfn.log_probs)):
+        def body(rank, tr, comm=comm, call=call):
+            state = make_state(FULL, MODEL, tr, comm=comm, balance=lambda lengths, w, cap: assignment)
+            with pytest.raises(ValueError, match=msg):
+                call(state, BATCH)
+            return True
+
+        assert odcfn.run_local(body, 2, timeout=20) == [True, True]
+
+
+def test_a_balancer_that_differs_by_rank_is_caught_by_the_fingerprint():
+    def body(rank, tr):
+        mine = [[[0, 1]], [[2]]] if rank == 0 else [[[0]], [[1, 2]]]  # sample 1 on both ranks
+        state = make_state(FULL, MODEL, tr, balance=lambda lengths, w, cap: mine)
+        with pytest.raises(ValueError, match="ranks disagree on the minibatch"):
+            odcfn.train_step(state, BATCH)
+        return True
+
+    assert odcfn.run_local(body, 2, timeout=20) == [True, True]
+
+
+def test_load_refuses_a_checkpoint_of_another_optimizer(tmp_path):
+    def body(rank, tr):
+        odcfn.save(tmp_path / "sgd", make_state(FULL, MODEL, tr))
+        with pytest.raises(ValueError, match="odcfn.load: the opt_state of checkpoint"):
+            odcfn.load(tmp_path / "sgd", make_state(FULL, MODEL, tr, optimizer=odcfn.adamw(1e-3)))
+        return True
+
+    assert odcfn.run_local(body, 2, timeout=30) == [True, True]

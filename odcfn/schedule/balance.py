@@ -22,7 +22,9 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Sequence
 from functools import partial
+from numbers import Integral
 from operator import itemgetter
+from typing import Any
 
 from odcfn.schedule.cost import DEFAULT_COST, CostModel
 from odcfn.schedule.plan import Assignment
@@ -32,6 +34,7 @@ __all__ = [
     "BALANCERS",
     "WORK_STEALING",
     "Balancer",
+    "check_assignment",
     "check_lengths",
     "collective_time",
     "get_balancer",
@@ -62,6 +65,33 @@ def check_lengths(lengths: Sequence[int], max_tokens: int) -> None:
     for i, n in enumerate(lengths):
         if n > max_tokens:
             raise ValueError(f"sample {i} has {n} tokens, more than max_tokens_per_microbatch={max_tokens}")
+
+
+def check_assignment(assignment: Any, lengths: Sequence[int], world_size: int) -> None:
+    """A balancer's output (a custom callable's too) must give every sample to exactly one
+    microbatch of one of ``world_size`` ranks: else the step would silently drop or double
+    samples. Every rank computes the same assignment, so every rank raises alike. (The token cap
+    is the balancer's business: packing over it costs memory, not correctness.)"""
+    if not isinstance(assignment, Sequence) or len(assignment) != world_size:
+        got = len(assignment) if isinstance(assignment, Sequence) else type(assignment).__name__
+        raise ValueError(f"the balancer returned {got} rank lists for world_size={world_size}")
+    seen: dict[int, tuple[int, int]] = {}
+    for r, mbs in enumerate(assignment):
+        for j, mb in enumerate(mbs):
+            for i in mb:
+                if isinstance(i, bool) or not isinstance(i, Integral) or not 0 <= i < len(lengths):
+                    raise ValueError(
+                        f"the balancer put {i!r} in rank {r}'s microbatch {j}: not a sample id in "
+                        f"[0, {len(lengths)})"
+                    )
+                if int(i) in seen:
+                    raise ValueError(
+                        f"the balancer gave sample {int(i)} twice (rank {seen[int(i)][0]} and rank {r})"
+                    )
+                seen[int(i)] = (r, j)
+    if len(seen) != len(lengths):
+        missing = sorted(set(range(len(lengths))) - set(seen))
+        raise ValueError(f"the balancer left samples {missing[:16]} unassigned")
 
 
 def _check_world(world_size: int) -> None:

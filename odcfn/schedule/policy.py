@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
-from odcfn.schedule.balance import BALANCERS, WORK_STEALING, Balancer, get_balancer
+from odcfn.schedule.balance import BALANCERS, WORK_STEALING, Balancer, check_assignment, get_balancer
 from odcfn.schedule.cost import DEFAULT_COST, CostModel
 from odcfn.schedule.plan import Comm, ScheduleOptions, compile_plan
 from odcfn.schedule.program import Piece, owner_steps, stealing_pieces
@@ -135,6 +135,7 @@ def prepare_program(
         owner_steps(units, options)  # bad options fail here, not mid-step
         return _stealing(sp, chosen, units, rank, fetch_add, options)
     assignment = chosen(lengths, world_size, max_tokens)
+    check_assignment(assignment, lengths, world_size)
     plan = compile_plan(units, assignment, rank, comm, options)
     return iter((Piece(plan.steps, plan.microbatches),))
 
