@@ -20,6 +20,7 @@ The head unit calls ``head_stats`` (fp32 whatever the compute dtype).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -105,8 +106,9 @@ class TokenLoss:
 
     def __post_init__(self) -> None:
         _check_mode(self.loss_agg_mode, self.loss_scale_factor)
-        if not self.temperature > 0:
-            raise ValueError(f"temperature must be > 0, got {self.temperature!r}")
+        t = self.temperature
+        if isinstance(t, bool) or not (isinstance(t, (int, float)) and 0 < t < math.inf):
+            raise ValueError(f"temperature must be a finite number > 0, got {t!r}")
 
     def required_extras(self) -> tuple[str, ...]:
         return ()
@@ -175,6 +177,10 @@ class PolicyGradient(TokenLoss):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        for name in ("clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "kl_loss_coef", "entropy_coeff"):
+            v = getattr(self, name)  # a NaN/inf coefficient would only surface as a NaN loss mid-step
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise ValueError(f"policy_gradient: {name} must be a finite number, got {v!r}")
         if self.kl_loss_type not in KL_TYPES:
             raise ValueError(
                 f"kl_loss_type={self.kl_loss_type!r} does not exist; expected one of {sorted(KL_TYPES)}"

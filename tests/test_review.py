@@ -204,3 +204,14 @@ def test_load_refuses_a_checkpoint_of_another_optimizer(tmp_path):
         return True
 
     assert odcfn.run_local(body, 2, timeout=30) == [True, True]
+
+
+@pytest.mark.parametrize(
+    ("kw", "field"),
+    [({"kl_loss_coef": float("nan")}, "kl_loss_coef"), ({"entropy_coeff": float("inf")}, "entropy_coeff"),
+     ({"clip_ratio_high": "0.28"}, "clip_ratio_high"), ({"clip_ratio_c": True}, "clip_ratio_c"),
+     ({"temperature": True}, "temperature"), ({"temperature": "hot"}, "temperature")],
+)
+def test_policy_gradient_refuses_non_finite_or_non_numeric_settings(kw, field):
+    with pytest.raises(ValueError, match=field):
+        odcfn.losses.policy_gradient(**kw)
