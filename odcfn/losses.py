@@ -108,7 +108,7 @@ class TokenLoss:
         _check_mode(self.loss_agg_mode, self.loss_scale_factor)
         t = self.temperature
         if isinstance(t, bool) or not (isinstance(t, (int, float)) and 0 < t < math.inf):
-            raise ValueError(f"temperature must be a finite number > 0, got {t!r}")
+            raise ValueError(f"temperature must be > 0 (a finite number), got {t!r}")
 
     def required_extras(self) -> tuple[str, ...]:
         return ()
@@ -259,7 +259,7 @@ class LogProbs:
     def __post_init__(self) -> None:
         t = self.temperature
         if isinstance(t, bool) or not (isinstance(t, (int, float)) and 0 < t < float("inf")):
-            raise ValueError(f"temperature must be a finite number > 0, got {self.temperature!r}")
+            raise ValueError(f"temperature must be > 0 (a finite number), got {self.temperature!r}")
 
     def weights(self, batch: Batch) -> None:
         return None

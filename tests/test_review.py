@@ -146,7 +146,7 @@ def test_other_model_shapes_match_the_reference(shape, mesh):
 
 def test_a_step_after_tree_map_over_the_state():
     def body(rank, tr):
-        state = make_state(FULL, MODEL, tr, optimizer=odcfn.adamw(1e-2))
+        state = make_state(FULL, MODEL, tr, optimizer=odcfn.sgd(0.1, momentum=0.9))  # opt_state: tensors
         want, _ = odcfn.train_step(state, BATCH)
         is_t = lambda x: isinstance(x, torch.Tensor)
         clone = odcfn.tree_map(lambda x: x.clone() if is_t(x) else x, state)
@@ -155,7 +155,7 @@ def test_a_step_after_tree_map_over_the_state():
         for s in (clone, round_trip):  # ODC sums pushes in arrival order: not bit for bit
             got, _ = odcfn.train_step(s, BATCH)
             odcfn.tree_assert_allclose(got.params, want.params, rtol=1e-5, atol=1e-7)
-            odcfn.tree_assert_allclose(got.opt_state, want.opt_state, rtol=1e-4, atol=1e-9)
+            odcfn.tree_assert_allclose(got.opt_state, want.opt_state, rtol=1e-4, atol=1e-7)
             assert got.step == 1
         bf16 = odcfn.tree_map(lambda x: x.bfloat16() if is_t(x) else x, state)
         try:
