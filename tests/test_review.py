@@ -10,6 +10,7 @@ import torch
 
 import odcfn
 from odcfn.models import QwenConfig, init_params, qwen_model
+from odcfn.schedule.plan import compile_forward_plan
 from tests.util import make_state, ref_shards, run_grad_step, tiny
 
 CFG, MODEL, FULL = tiny()
@@ -215,3 +216,37 @@ def test_load_refuses_a_checkpoint_of_another_optimizer(tmp_path):
 def test_policy_gradient_refuses_non_finite_or_non_numeric_settings(kw, field):
     with pytest.raises(ValueError, match=field):
         odcfn.losses.policy_gradient(**kw)
+
+
+@pytest.mark.parametrize(("world", "prefetch"), [(7, 1), (6, 2), (3, 2), (2, 3)])
+def test_collective_log_probs_when_ranks_run_different_microbatch_counts(world, prefetch):
+    """Ranks with fewer (or no) microbatches must still issue the all-gathers in the same order:
+    the prefetch moved a gather above another one on them, pairing different units' shards."""
+    batch = odcfn.random_batch([5, 1, 7, 2, 3, 4], CFG.vocab_size, seed=3)
+    options = odcfn.ScheduleOptions(prefetch=prefetch)
+
+    def body(rank, tr):
+        state = make_state(FULL, MODEL, tr, comm="collective", max_tokens_per_microbatch=7, options=options)
+        return odcfn.log_probs(state, batch)
+
+    want = odcfn.reference_loss(MODEL, FULL, batch).item() * batch.num_loss_tokens  # summed -logp
+    for got in odcfn.run_local(body, world, timeout=20):
+        assert -sum(float(x.sum()) for x in got) == pytest.approx(want, rel=1e-5)
+        for i, s in enumerate(batch.samples):  # each sample's own token mean, independently
+            one = odcfn.Batch((s,)) if s.length > 1 else None
+            if one is not None:
+                mean = odcfn.reference_loss(MODEL, FULL, one).item()
+                assert -float(got[i].mean()) == pytest.approx(mean, rel=1e-5), i
+
+
+def test_forward_plans_all_gather_in_the_same_order_on_every_rank():
+    units = MODEL.unit_names
+    assignment = (((0,), (1,), (2,)), ((3,),), ())
+    for prefetch in range(4):
+        options = odcfn.ScheduleOptions(prefetch=prefetch)
+        orders = {
+            tuple(s.unit for s in compile_forward_plan(units, assignment, r, "collective", options).steps
+                  if type(s).__name__ == "AllGather")
+            for r in range(len(assignment))
+        }
+        assert orders == {tuple(units)}, (prefetch, orders)

@@ -207,7 +207,9 @@ def _keep_across_microbatches(steps: list[Step]) -> list[Step]:
 
 def _hoist_gathers(steps: list[Step], depth: int) -> list[Step]:
     """Move each gather up to ``depth`` compute steps earlier (prefetch), never above a step
-    that still uses or frees the same unit's buffer."""
+    that still uses or frees the same unit's buffer, nor above another gather: gathers keep
+    program order, so all-gathers pair up across ranks whose compute steps differ (a forward-only
+    plan's ranks run different microbatch counts, some none)."""
     out: list[Step] = []
     for s in steps:
         out.append(s)
@@ -218,7 +220,7 @@ def _hoist_gathers(steps: list[Step], depth: int) -> list[Step]:
             prev = out[i - 1]
             if getattr(prev, "unit", None) == s.unit or s.unit in getattr(prev, "uses", ()):
                 break
-            if isinstance(prev, Sync):
+            if isinstance(prev, (Sync, Gather, AllGather)):
                 break
             out[i - 1], out[i] = out[i], out[i - 1]
             i -= 1
