@@ -81,7 +81,9 @@ def test_policy_gradient_equals_independent_reference(cfg, lengths, data):
     got, got_g = _odcfn_value_and_grad(params, batch, loss, split)
     assert torch.allclose(got[0], want.detach(), rtol=1e-5, atol=1e-6), (got[0], want)
     for g, w in zip(got_g, want_g):
-        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
+        # fp32 on both sides, different summation orders: the absolute error scales with the
+        # gradient (hypothesis found 4e-6 on a leaf whose largest entry is ~0.3)
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6 + 2e-5 * float(w.abs().max()))
     sums = dict(zip(loss.metric_names, got[1:]))
     n = batch.num_loss_tokens
     for k, v in metrics.items():
