@@ -86,7 +86,7 @@ class Staging:
     def commit(self, overwrite: bool) -> None:
         for f in self.dir.glob(".alive-*"):
             f.unlink(missing_ok=True)
-        _fsync_dir(self.dir)
+        fsync_path(self.dir)
         if self.root.is_dir() and any(self.root.iterdir()):
             if not overwrite:
                 raise FileExistsError(f"checkpoint: {self.root} appeared during the save (not replaced)")
@@ -98,7 +98,7 @@ class Staging:
             shutil.rmtree(self.dir, ignore_errors=True)  # now the previous checkpoint
         else:
             os.rename(self.dir, self.root)  # replaces an empty directory
-        _fsync_dir(self.root.parent)
+        fsync_path(self.root.parent)
 
     def abort(self, why: str) -> None:
         """Leave our reason for the peers, give them time to read it, remove the staging dir."""
@@ -111,7 +111,9 @@ class Staging:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """Data (of a file) or entries (of a directory) on disk before a rename publishes them (a
+    crash then leaves the old name or the whole new file, never a truncated one)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

@@ -31,7 +31,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from odcfn._checkpoint_commit import CheckpointError, Staging
+from odcfn._checkpoint_commit import CheckpointError, Staging, fsync_path
 from odcfn._checkpoint_verify import check_files, check_units, open_verified, rank_file, sha256
 from odcfn.model import Model
 from odcfn.sharding import Layout, Mesh, make_layout
@@ -106,22 +106,12 @@ def _tmp_name(path: Path) -> Path:
     return path.with_name(f".{path.name}.tmp-{os.getpid()}-{time.monotonic_ns()}")
 
 
-def _fsync(path: Path) -> None:
-    """Data on disk before the rename publishes it (a crash then leaves the old name or the
-    whole new file, never a truncated one)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _atomic_write_text(path: Path, text: str) -> None:
     tmp = _tmp_name(path)
     tmp.write_text(text)
-    _fsync(tmp)
+    fsync_path(tmp)
     os.replace(tmp, path)
-    _fsync(path.parent)  # the rename itself
+    fsync_path(path.parent)  # the rename itself
 
 
 def _file_step(path: Path) -> int | None:
@@ -198,7 +188,7 @@ def save(
             tmp = _tmp_name(target)
             meta = {"step": str(step), "rank": str(mesh.rank), "format": FORMAT, "attempt": attempt}
             save_file(tensors, str(tmp), metadata=meta)
-            _fsync(tmp)
+            fsync_path(tmp)
             os.replace(tmp, target)
         if mesh.rank == 0:
             stage.wait(
