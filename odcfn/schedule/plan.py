@@ -240,6 +240,16 @@ def _check_remat(units: Sequence[str], options: ScheduleOptions) -> None:
             )
 
 
+def _check_args(
+    assignment: Assignment, rank: int, comm: Comm, options: ScheduleOptions | None
+) -> ScheduleOptions:
+    if comm not in ("odc", "collective"):
+        raise ValueError(f"comm must be 'odc' or 'collective', got {comm!r}")
+    if not 0 <= rank < len(assignment):
+        raise ValueError(f"rank {rank} is outside the assignment's {len(assignment)} ranks")
+    return options or ScheduleOptions()
+
+
 def compile_plan(
     units: Sequence[str],
     assignment: Assignment,
@@ -252,11 +262,7 @@ def compile_plan(
     In collective mode every rank gets as many microbatches as the busiest rank, padding with
     empty ones, so that all ranks issue identical collectives.
     """
-    options = options or ScheduleOptions()
-    if comm not in ("odc", "collective"):
-        raise ValueError(f"comm must be 'odc' or 'collective', got {comm!r}")
-    if not 0 <= rank < len(assignment):
-        raise ValueError(f"rank {rank} is outside the assignment's {len(assignment)} ranks")
+    options = _check_args(assignment, rank, comm, options)
     _check_remat(units, options)
     mbs = tuple(tuple(m) for m in assignment[rank])
     if comm == "collective":
@@ -285,11 +291,7 @@ def compile_forward_plan(
     the same all-gathers on every rank without padding; an ODC rank with no samples gathers
     nothing.
     """
-    options = options or ScheduleOptions()
-    if comm not in ("odc", "collective"):
-        raise ValueError(f"comm must be 'odc' or 'collective', got {comm!r}")
-    if not 0 <= rank < len(assignment):
-        raise ValueError(f"rank {rank} is outside the assignment's {len(assignment)} ranks")
+    options = _check_args(assignment, rank, comm, options)
     mbs = tuple(tuple(m) for m in assignment[rank])
     gather = Gather if comm == "odc" else AllGather
     uses = dict(options.uses)
