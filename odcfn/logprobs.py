@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from odcfn.batch import Batch, check_token_range
+from odcfn.batch import Batch
 from odcfn.losses import LogProbs
 from odcfn.metrics import Event
 from odcfn.runtime import _Executor
@@ -28,7 +28,7 @@ from odcfn.schedule.policy import policy_info, resolve_policy
 from odcfn.sharding import make_layout
 from odcfn.sharding.layout import check_shards
 from odcfn.state import TrainState, check_fields
-from odcfn.train import _options
+from odcfn.train import _options, check_inputs
 
 __all__ = ["gather_params", "log_probs"]
 
@@ -42,11 +42,10 @@ class _ForwardOnly(_Executor):
         self.head_out: dict[int, torch.Tensor] = {}
 
     def forward(self, s: Forward, mb: int) -> None:
-        data = self._mb(mb)
-        if data.empty:
+        got = self._input(s, mb)
+        if got is None:
             return
-        prev = self.prev[s.unit]
-        x = None if prev is None else self.outs.pop((prev, mb))
+        data, x = got
         _, params, _ = self._inputs(s)  # its own params and those it reads (tied weights)
         with torch.no_grad():
             y = self.units[s.unit].fwd(params, x, data)
@@ -54,14 +53,6 @@ class _ForwardOnly(_Executor):
             self.head_out[mb] = y
         else:
             self.outs[(s.unit, mb)] = y
-
-
-def _check(state: TrainState, batch: Batch) -> None:
-    if not isinstance(state, TrainState):
-        raise TypeError(f"state must be an odcfn.TrainState, got {type(state).__name__}")
-    if not isinstance(batch, Batch):
-        raise TypeError(f"batch must be an odcfn.Batch, got {type(batch).__name__}")
-    check_fields(state)
 
 
 def log_probs(
@@ -74,12 +65,9 @@ def log_probs(
     Balanced like ``state.config`` says (work stealing falls back to LB-Mini's static lists; the
     forward-only cost is the training cost scaled, so the same partition); exactly one sync.
     """
-    _check(state, batch)
+    layout = check_inputs(state, batch)
     head = LogProbs(temperature=temperature, entropy=entropy)  # checks temperature
     cfg, model, transport, mesh = state.config, state.model, state.transport, state.mesh
-    layout = make_layout(model, mesh)
-    check_shards(state.params, layout, model.dtype)
-    check_token_range(batch, model.vocab_size)
     cap = cfg.max_tokens_per_microbatch or max(batch.lengths)
     info = policy_info(cfg.balance)
     balance = "lb_mini" if info is not None and not info.collective else cfg.balance

@@ -146,12 +146,20 @@ class _Executor:
         return self.packed[mb]
 
     # --- compute ----------------------------------------------------------------------------
-    def forward(self, s: Forward, mb: int) -> None:
+    def _input(self, s: Forward, mb: int) -> tuple[Microbatch, Any] | None:
+        """Microbatch ``mb`` and the previous unit's output for it (None for the first unit);
+        None for an empty microbatch (it computes nothing)."""
         data = self._mb(mb)
         if data.empty:
-            return
+            return None
         prev = self.prev[s.unit]
-        x = None if prev is None else self.outs.pop((prev, mb))
+        return data, None if prev is None else self.outs.pop((prev, mb))
+
+    def forward(self, s: Forward, mb: int) -> None:
+        got = self._input(s, mb)
+        if got is None:
+            return
+        data, x = got
         if isinstance(x, torch.Tensor) and x.is_floating_point():
             x = x.detach().requires_grad_()
         fwd = self.units[s.unit].fwd

@@ -32,10 +32,12 @@ from odcfn.sharding import Layout, make_layout
 from odcfn.sharding.layout import check_shards
 from odcfn.state import TrainState, check_fields
 
-__all__ = ["StepMetrics", "grad_step", "train_step"]
+__all__ = ["StepMetrics", "check_inputs", "grad_step", "train_step"]
 
 
-def _validate(state: TrainState, batch: Batch) -> Layout:
+def check_inputs(state: TrainState, batch: Batch) -> Layout:
+    """Every check a pass over ``batch`` needs (train, grad and log-prob passes alike), before any
+    communication and identically on every rank; returns the layout."""
     if not isinstance(state, TrainState):
         raise TypeError(f"state must be an odcfn.TrainState (TrainState.create), got {type(state).__name__}")
     if not isinstance(batch, Batch):
@@ -91,10 +93,10 @@ def _fingerprint(
     return words, detail
 
 
-def _grads(state: TrainState, batch: Batch) -> tuple[dict[str, torch.Tensor], StepMetrics]:
-    """The transport's accumulators (valid until its next step) and the step's metrics."""
+def _grads(state: TrainState, batch: Batch) -> tuple[dict[str, torch.Tensor], StepMetrics, Layout]:
+    """The transport's accumulators (valid until its next step), the step's metrics, the layout."""
     t0 = time.perf_counter()
-    layout = _validate(state, batch)
+    layout = check_inputs(state, batch)
     cfg, model, transport, mesh = state.config, state.model, state.transport, state.mesh
     if cfg.loss is not None:  # the extras the loss needs, on every rank, before any communication
         check_loss(cfg.loss).validate(batch)
@@ -140,7 +142,7 @@ def _grads(state: TrainState, batch: Batch) -> tuple[dict[str, torch.Tensor], St
     )
     if not finite:
         metrics.extra["skipped_nonfinite"] = True
-    return transport.grad_shards(), metrics
+    return transport.grad_shards(), metrics, layout
 
 
 def grad_step(state: TrainState, batch: Batch) -> tuple[dict[str, torch.Tensor], StepMetrics]:
@@ -149,16 +151,16 @@ def grad_step(state: TrainState, batch: Batch) -> tuple[dict[str, torch.Tensor],
     The gradients are copies the caller owns (the next step does not overwrite them). Every
     input check happens before any communication, identically on every rank.
     """
-    grads, metrics = _grads(state, batch)
+    grads, metrics, _ = _grads(state, batch)
     return {k: g.clone() for k, g in grads.items()}, metrics
 
 
 def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, StepMetrics]:
     """One optimizer step on one minibatch: ``(new state, metrics)``."""
-    grads, metrics = _grads(state, batch)
+    grads, metrics, layout = _grads(state, batch)
     if metrics.extra.get("skipped_nonfinite"):  # nonfinite="skip": nothing changes
         return state, metrics
     scale = clip_scale(metrics.grad_norm, state.config.max_grad_norm)
-    optimizer = state.optimizer.for_layout(make_layout(state.model, state.mesh))  # a decay mask needs it
+    optimizer = state.optimizer.for_layout(layout)  # a decay mask needs it
     params, opt_state = optimizer.update(grads, state.opt_state, state.params, grad_scale=scale)
     return state.replace(params=params, opt_state=opt_state, step=state.step + 1), metrics
