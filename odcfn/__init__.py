@@ -12,7 +12,6 @@ from odcfn.kernels import (
     run_local,
 )
 from odcfn.launch import LaunchError, launch
-from odcfn.logprobs import gather_params, log_probs
 from odcfn.measure import calibrate
 from odcfn.metrics import StepMetrics
 from odcfn.model import Model, Unit, check_params, reference_loss
@@ -20,9 +19,10 @@ from odcfn.optim import Optimizer, adamw, clip_scale, sgd
 from odcfn.reference import reference_value_and_grad
 from odcfn.schedule import POLICIES, Plan, ScheduleOptions, WorkStealing, compile_plan, get_balancer
 from odcfn.sharding import Layout, Mesh, make_layout, shard, unshard
-from odcfn.state import StepConfig, TrainState, load, save
+from odcfn.step.logprobs import gather_params, log_probs
+from odcfn.step.state import StepConfig, TrainState, load, save
+from odcfn.step.train import grad_step, train_step
 from odcfn.trace import Event, bubble_rate, chrome_trace, plot_timeline, save_chrome_trace
-from odcfn.train import grad_step, train_step
 from odcfn.tree import tree_allclose, tree_assert_allclose, tree_map
 
 __version__ = "0.1.0"

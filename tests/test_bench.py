@@ -281,17 +281,17 @@ def test_bench_fails_when_a_section_crashes(capsys, monkeypatch):
 
 
 def test_run_hands_train_step_the_policy_balancer_and_the_cost_model(monkeypatch):
-    import odcfn.train
+    import odcfn.step.train
     from odcfn.schedule.cost import QuadraticCost
 
-    real, seen = odcfn.train.train_step, []
+    real, seen = odcfn.step.train.train_step, []
 
     def spy(state, batch):
         cfg = state.config
         seen.append((cfg.comm, cfg.balance, cfg.cost))
         return real(state, batch)
 
-    monkeypatch.setattr(odcfn.train, "train_step", spy)
+    monkeypatch.setattr(odcfn.step.train, "train_step", spy)
     cost = QuadraticCost(1e-6, 1e-3)
     w = Workload(model=model_config(16, 1), length_scale=1024, samples_per_rank=2)
     pols = ("collective+lb-micro", "odc+lb-mini", "odc+work-stealing")

@@ -76,8 +76,8 @@ def fsdp2_worker(spec: Fsdp2Spec) -> list[dict]:
     from odcfn.optim import adamw
     from odcfn.schedule.balance import get_balancer
     from odcfn.sharding import Mesh
-    from odcfn.state import StepConfig, TrainState
-    from odcfn.train import train_step
+    from odcfn.step.state import StepConfig, TrainState
+    from odcfn.step.train import train_step
 
     torch.set_num_threads(1)
     w = spec.workload

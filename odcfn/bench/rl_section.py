@@ -16,11 +16,11 @@ def _logprob_loop(w, steps: int, warmup: int, cost, mesh, transport, barrier) ->
     import time
 
     from odcfn.bench.workload import make_batch
-    from odcfn.logprobs import log_probs
     from odcfn.models import init_params, qwen_model
     from odcfn.optim import adamw
-    from odcfn.state import StepConfig, TrainState
-    from odcfn.train import train_step
+    from odcfn.step.logprobs import log_probs
+    from odcfn.step.state import StepConfig, TrainState
+    from odcfn.step.train import train_step
 
     config = StepConfig(comm="odc", balance="lb_mini", cost=cost, loss=w.loss,
                         max_tokens_per_microbatch=w.max_tokens_per_microbatch)

@@ -82,9 +82,9 @@ class _Progress:
 
 def _rank_loop(spec: RunSpec, mesh: Mesh, transport, barrier: Callable[[], None]) -> list[dict]:
     """One rank's side of a run: returns one record per (minibatch, policy)."""
-    from odcfn import train
     from odcfn.bench.slow import slow_model
-    from odcfn.state import StepConfig, TrainState
+    from odcfn.step import train
+    from odcfn.step.state import StepConfig, TrainState
 
     w = spec.workload
     model = slow_model(qwen_model(w.model), spec.slowdown_of(mesh.rank))

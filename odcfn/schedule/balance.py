@@ -13,7 +13,7 @@ rank, never by hash order or randomness.
 - ``lb_mini``: free partition (unequal counts allowed) minimising the max rank load, never worse
   than Karmarkar-Karp + swaps nor than LPT; then each rank packs its own microbatches. Needs ODC.
 - work stealing is dynamic (``odcfn.schedule.steal``): LB-Mini's lists, then idle or fast ranks
-  take samples from slow ones at run time, in ``odcfn.train.grad_step(balance="work_stealing")``
+  take samples from slow ones at run time, in ``odcfn.step.train.grad_step(balance="work_stealing")``
   and in ``odcfn.schedule.simulate.simulate_work_stealing``.
 """
 

@@ -1,6 +1,6 @@
 """The plan IR: one rank's program for one minibatch, as a tuple of frozen steps.
 
-The same Plan is executed by ``odcfn.runtime`` on a transport and timed by the simulator, so a
+The same Plan is executed by ``odcfn.step.execute`` on a transport and timed by the simulator, so a
 measured trace and a simulated one line up step by step.
 
 ODC mode: each rank runs its own microbatches (counts may differ) with point-to-point

@@ -18,19 +18,19 @@ from typing import Any
 
 import torch
 
-from odcfn import fingerprint
 from odcfn.batch import Batch, check_token_range
 from odcfn.kernels.base import supports_odc
 from odcfn.losses import check_loss, loss_metrics
 from odcfn.metrics import StepMetrics
 from odcfn.model import Model
 from odcfn.optim import clip_scale
-from odcfn.runtime import execute
 from odcfn.schedule.plan import ScheduleOptions
 from odcfn.schedule.policy import policy_info, prepare_program
 from odcfn.sharding import Layout, make_layout
 from odcfn.sharding.layout import check_shards
-from odcfn.state import TrainState, check_fields
+from odcfn.step import fingerprint
+from odcfn.step.execute import execute
+from odcfn.step.state import TrainState, check_fields
 
 __all__ = ["StepMetrics", "check_inputs", "grad_step", "train_step"]
 
