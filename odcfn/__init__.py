@@ -2,6 +2,7 @@
 
 from odcfn import losses
 from odcfn.batch import Batch, Microbatch, Sample, pack, random_batch
+from odcfn.checkpoint.state_io import load, save
 from odcfn.kernels import (
     CollectiveTransport,
     Counters,
@@ -20,7 +21,7 @@ from odcfn.reference import reference_value_and_grad
 from odcfn.schedule import POLICIES, Plan, ScheduleOptions, WorkStealing, compile_plan, get_balancer
 from odcfn.sharding import Layout, Mesh, make_layout, shard, unshard
 from odcfn.step.logprobs import gather_params, log_probs
-from odcfn.step.state import StepConfig, TrainState, load, save
+from odcfn.step.state import StepConfig, TrainState
 from odcfn.step.train import grad_step, train_step
 from odcfn.trace import Event, bubble_rate, chrome_trace, plot_timeline, save_chrome_trace
 from odcfn.tree import tree_allclose, tree_assert_allclose, tree_map

@@ -166,7 +166,7 @@ def _prune(root: Path, keep: int | None, current: int) -> None:
     a peer may still be polling for the manifest of ``current``."""
     if not keep:
         return
-    from odcfn.checkpoint import MANIFEST, read_manifest
+    from odcfn.checkpoint.sharded import MANIFEST, read_manifest
 
     done = []
     for d in root.glob("step-*"):
@@ -183,8 +183,8 @@ def train_rank(cfg: SFTConfig, rank: int, transport) -> dict[str, Any]:
     import torch
 
     import odcfn
-    from odcfn._checkpoint_verify import sha256
-    from odcfn.checkpoint import latest, load, read_manifest, save
+    from odcfn.checkpoint.sharded import latest, load, read_manifest, save
+    from odcfn.checkpoint.verify import sha256
     from odcfn.data import batch_at, read_dataset, steps_per_epoch
 
     t = cfg.train

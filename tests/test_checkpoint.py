@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import odcfn
-from odcfn.checkpoint import latest, load, read_manifest, save
+from odcfn.checkpoint.sharded import latest, load, read_manifest, save
 from odcfn.models import QwenConfig, init_params, qwen_model
 
 # 2 layers, odd sizes so shards need padding for W = 2, 3, 4

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import save_file
 
 import odcfn
-from odcfn.checkpoint import CheckpointError, load, read_manifest, save
+from odcfn.checkpoint.sharded import CheckpointError, load, read_manifest, save
 from odcfn.models import QwenConfig, init_params, qwen_model
 from tests.mp_pool import mp_pool  # noqa: F401 - the session fixture
 
@@ -108,7 +108,7 @@ def test_a_swapped_rank_file_from_another_save_is_refused(tmp_path):
 def dying_save_worker(path: str, victim: int, how: str):
     """Both ranks save step 1, then step 2 over it with overwrite=True; ``victim`` dies (or
     fails) in the middle of the second save. The survivor reports what it saw and how long."""
-    import odcfn.checkpoint as ck
+    import odcfn.checkpoint.sharded as ck
 
     torch.set_num_threads(1)
     mesh = odcfn.Mesh.from_env()

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import odcfn
-from odcfn.checkpoint import CheckpointError, load, save
+from odcfn.checkpoint.sharded import CheckpointError, load, save
 from odcfn.kernels.shm import ShmTransport
 from odcfn.models import QwenConfig, qwen_model
 from tests.mp_pool import mp_pool  # noqa: F401 - the session fixture

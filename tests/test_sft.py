@@ -13,7 +13,7 @@ import torch
 
 import odcfn
 from odcfn import cli
-from odcfn.checkpoint import load, read_manifest
+from odcfn.checkpoint.sharded import load, read_manifest
 from odcfn.data import synthetic_records, write_jsonl
 from odcfn.models import QwenConfig, qwen_model
 from odcfn.sft import config_from_dict, load_config

@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from odcfn import checkpoint
 from odcfn.kernels.base import Transport
 from odcfn.losses import check_loss
 from odcfn.model import Model, check_params
@@ -29,7 +27,7 @@ from odcfn.sharding import Mesh, make_layout, shard
 from odcfn.sharding.layout import check_shards
 from odcfn.tree import register_dataclass, tree_flatten_with_path
 
-__all__ = ["StepConfig", "TrainState", "check_fields", "load", "save"]
+__all__ = ["StepConfig", "TrainState", "check_fields", "check_opt_state"]
 
 
 @dataclass(frozen=True)
@@ -151,7 +149,7 @@ class TrainState:
         if opt_state is None:
             opt_state = fresh
         else:  # a resumed state from another optimizer or mesh fails here, not in the update
-            _check_opt_state(opt_state, fresh)
+            check_opt_state(opt_state, fresh)
         return cls(params, opt_state, step, model, optimizer, transport, config)
 
     @property
@@ -162,7 +160,7 @@ class TrainState:
         return dataclasses.replace(self, **changes)
 
 
-def _check_opt_state(given: Any, fresh: Any, where: str = "TrainState.create: opt_state") -> None:
+def check_opt_state(given: Any, fresh: Any, where: str = "TrainState.create: opt_state") -> None:
     names, leaves, treedef = tree_flatten_with_path(given)
     want_names, want_leaves, want_def = tree_flatten_with_path(fresh)
     if treedef != want_def:
@@ -197,33 +195,3 @@ def check_fields(state: TrainState) -> None:
 register_dataclass(
     TrainState, children=("params", "opt_state", "step"), static=("model", "optimizer", "transport", "config")
 )
-
-
-def save(
-    path: str | os.PathLike,
-    state: TrainState,
-    *,
-    extra: Mapping[str, Any] | None = None,
-    overwrite: bool = False,
-    timeout: float = 60.0,
-) -> os.PathLike:
-    """Write ``state``'s params, optimizer state and step as a sharded checkpoint (every rank
-    calls it; returns once it is committed). ``extra``: JSON metadata kept in the manifest.
-    A committed checkpoint at ``path`` is replaced only with ``overwrite=True``, atomically."""
-    if not isinstance(state, TrainState):
-        raise TypeError(f"odcfn.save(path, state): state must be a TrainState, got {type(state).__name__}")
-    return checkpoint.save(
-        path, state.params, state.opt_state, state.step, model=state.model, mesh=state.mesh,
-        extra=extra, overwrite=overwrite, timeout=timeout,
-    )
-
-
-def load(path: str | os.PathLike, state: TrainState) -> TrainState:
-    """``state`` with the params, optimizer state and step of checkpoint ``path``, resharded for
-    this state's mesh (the checkpoint may come from another world size or sharding)."""
-    if not isinstance(state, TrainState):
-        raise TypeError(f"odcfn.load(path, state): state must be a TrainState, got {type(state).__name__}")
-    params, opt_state, step = checkpoint.load(path, model=state.model, mesh=state.mesh)
-    # a checkpoint of another optimizer (SGD's into AdamW's state) would fail only in the update
-    _check_opt_state(opt_state, state.opt_state, f"odcfn.load: the opt_state of checkpoint {os.fspath(path)}")
-    return state.replace(params=params, opt_state=opt_state, step=step)

@@ -31,8 +31,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from odcfn._checkpoint_commit import CheckpointError, Staging, fsync_path
-from odcfn._checkpoint_verify import check_files, check_units, open_verified, rank_file, sha256
+from odcfn.checkpoint.commit import CheckpointError, Staging, fsync_path
+from odcfn.checkpoint.verify import check_files, check_units, open_verified, rank_file, sha256
 from odcfn.model import Model
 from odcfn.sharding import Layout, Mesh, make_layout
 from odcfn.sharding.layout import check_shards
