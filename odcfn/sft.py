@@ -1,7 +1,7 @@
 """``odcfn train --config run.toml``: a supervised fine-tuning loop on W local ranks.
 
 Each rank reads the same token file, computes the same minibatch for every step
-(``odcfn.data.batch_at``), runs ``train_step`` (ODC or collective), and rank 0 writes one JSON
+(``odcfn.data.records.batch_at``), runs ``train_step`` (ODC or collective), and rank 0 writes one JSON
 line of metrics per step (``<out_dir>/metrics.jsonl``; TensorBoard too when installed and
 asked for). Checkpoints go to ``<out_dir>/checkpoints/step-XXXXXXXX`` every ``every`` steps;
 a rerun resumes from the newest committed one, and because minibatches are a pure function of
@@ -185,7 +185,7 @@ def train_rank(cfg: SFTConfig, rank: int, transport) -> dict[str, Any]:
     import odcfn
     from odcfn.checkpoint.sharded import latest, load, read_manifest, save
     from odcfn.checkpoint.verify import sha256
-    from odcfn.data import batch_at, read_dataset, steps_per_epoch
+    from odcfn.data.records import batch_at, read_dataset, steps_per_epoch
 
     t = cfg.train
     mesh = transport.mesh  # the transport's view of the job (ranks_per_node, sharding) wins
@@ -195,7 +195,7 @@ def train_rank(cfg: SFTConfig, rank: int, transport) -> dict[str, Any]:
     qcfg, model, initial = _build_model(cfg, None if ck is not None else mesh)
     d = cfg.data
     if d.tokenizer:  # chat transcripts, tokenized once and cached
-        from odcfn.chat_data import read_chat_jsonl
+        from odcfn.data.chat import read_chat_jsonl
 
         data = read_chat_jsonl(
             d.path, d.tokenizer, vocab_size=qcfg.vocab_size, max_length=d.max_length, cache_dir=d.cache_dir

@@ -313,7 +313,7 @@ def write_example(directory: str | os.PathLike, *, num_samples: int = 48, seed: 
     """A runnable example: ``run.toml`` and a generated SFT-shaped ``train.jsonl``."""
     import random
 
-    from odcfn.data import synthetic_records, write_jsonl
+    from odcfn.data.records import synthetic_records, write_jsonl
 
     root = Path(directory)
     root.mkdir(parents=True, exist_ok=True)

@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 
-from odcfn import chat_data
-from odcfn.chat_data import read_chat_jsonl
+from odcfn.data import chat as chat_data
+from odcfn.data.chat import read_chat_jsonl
 
 pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")

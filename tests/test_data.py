@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 import odcfn
 from odcfn.batch import pack
-from odcfn.data import (
+from odcfn.data.records import (
     TokenDataset,
     batch_at,
     iterate_batches,

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from odcfn import cli
-from odcfn.data import read_jsonl, synthetic_records, write_jsonl
+from odcfn.data.records import read_jsonl, synthetic_records, write_jsonl
 from odcfn.sft_config import load_config
 
 BASE = """out_dir = "out"

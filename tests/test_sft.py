@@ -14,7 +14,7 @@ import torch
 import odcfn
 from odcfn import cli
 from odcfn.checkpoint.sharded import load, read_manifest
-from odcfn.data import synthetic_records, write_jsonl
+from odcfn.data.records import synthetic_records, write_jsonl
 from odcfn.models import QwenConfig, qwen_model
 from odcfn.sft import config_from_dict, load_config
 
@@ -247,7 +247,7 @@ QWEN3_TIED = replace(QCFG, head_dim=6, qk_norm=True, qkv_bias=False, tie_embeddi
 def test_finetune_from_a_local_hf_checkpoint(tmp_path, qcfg):
     """model.hf_path: each rank reads its shards of the HF weights; step 1's loss is the
     single-process loss of those weights on step 0's minibatch; the export is the same family."""
-    from odcfn.data import batch_at, read_jsonl
+    from odcfn.data.records import batch_at, read_jsonl
     from odcfn.models import from_hf, init_params, to_hf
 
     params = odcfn.tree_map(lambda t: t + 0.01 * torch.randn(t.shape), init_params(qcfg, seed=5))

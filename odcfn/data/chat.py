@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from odcfn.batch import Sample
-from odcfn.dataset import TokenDataset
+from odcfn.data.dataset import TokenDataset
 
 __all__ = ["CACHE_VERSION", "chat_cache_key", "load_tokenizer", "read_chat_jsonl", "tokenize_chat"]
 

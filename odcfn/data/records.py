@@ -13,7 +13,7 @@ Minibatches are a pure function of ``(dataset, step)``: epoch ``step // steps_pe
 permutation seeded by ``(seed, epoch)``. Resuming at step ``k`` therefore needs nothing but
 ``k``, and every rank computes the same minibatch (and so the same balance) without talking.
 
-Chat transcripts (``{"messages": [...]}``) with a tokenizer: ``odcfn.chat_data``.
+Chat transcripts (``{"messages": [...]}``) with a tokenizer: ``odcfn.data.chat``.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from odcfn.batch import Batch, Sample
-from odcfn.dataset import TokenDataset
+from odcfn.data.dataset import TokenDataset
 
 __all__ = [
     "TokenDataset",

@@ -1,4 +1,4 @@
-"""A dataset of token-id samples, in memory: what ``odcfn.data`` and ``odcfn.chat_data`` read
+"""A dataset of token-id samples, in memory: what ``odcfn.data.records`` and ``odcfn.data.chat`` read
 files into."""
 
 from __future__ import annotations
