@@ -13,7 +13,7 @@ COMMANDS = {
     "bench": ("odcfn.bench", "benchmarks: ODC vs collective vs torch FSDP2, primitives, stragglers"),
     "simulate": ("odcfn.schedule.sweep", "simulate balancers x devices x datasets, print bubble rates"),
     "plan": ("odcfn.schedule.show", "print the per-rank plans for a minibatch"),
-    "train": ("odcfn.sft", "run an SFT loop from a config file"),
+    "train": ("odcfn.sft.loop", "run an SFT loop from a config file"),
 }
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from odcfn import cli
 from odcfn.data.records import read_jsonl, synthetic_records, write_jsonl
-from odcfn.sft_config import load_config
+from odcfn.sft.config import load_config
 
 BASE = """out_dir = "out"
 [model]

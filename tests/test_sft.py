@@ -16,7 +16,7 @@ from odcfn import cli
 from odcfn.checkpoint.sharded import load, read_manifest
 from odcfn.data.records import synthetic_records, write_jsonl
 from odcfn.models import QwenConfig, qwen_model
-from odcfn.sft import config_from_dict, load_config
+from odcfn.sft.config import config_from_dict, load_config
 
 MODEL_TOML = """
 [model]

@@ -1,5 +1,5 @@
 """The ``odcfn train`` run config: frozen dataclasses read from TOML or JSON, and a runnable
-example (``odcfn train --init DIR``). The loop itself is in ``odcfn.sft``; the config keys are
+example (``odcfn train --init DIR``). The loop itself is in ``odcfn.sft.loop``; the config keys are
 listed there."""
 
 from __future__ import annotations

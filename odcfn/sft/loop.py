@@ -33,7 +33,7 @@ Config (TOML or JSON), every key optional except ``data.path`` and ``train.steps
     every = 1, tensorboard = false        # progress line every N steps (JSONL gets every step)
 
 ``odcfn train --init DIR`` writes a runnable example (``DIR/run.toml`` + a generated
-``DIR/train.jsonl``) to start from. The config dataclasses live in ``odcfn.sft_config``.
+``DIR/train.jsonl``) to start from. The config dataclasses live in ``odcfn.sft.config``.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ from dataclasses import asdict, fields, replace
 from pathlib import Path
 from typing import Any
 
-from odcfn.sft_config import (
+from odcfn.sft.config import (
     SFTConfig,
     TrainSection,
     check_resume,
