@@ -14,14 +14,13 @@ from odcfn.kernels import (
 )
 from odcfn.launch import LaunchError, launch
 from odcfn.measure import calibrate
-from odcfn.metrics import StepMetrics
 from odcfn.model import Model, Unit, check_params, reference_loss
 from odcfn.optim import Optimizer, adamw, clip_scale, sgd
 from odcfn.reference import reference_value_and_grad
 from odcfn.schedule import POLICIES, Plan, ScheduleOptions, WorkStealing, compile_plan, get_balancer
 from odcfn.sharding import Layout, Mesh, make_layout, shard, unshard
 from odcfn.step.logprobs import gather_params, log_probs
-from odcfn.step.state import StepConfig, TrainState
+from odcfn.step.state import StepConfig, StepMetrics, TrainState
 from odcfn.step.train import grad_step, train_step
 from odcfn.trace import Event, bubble_rate, chrome_trace, plot_timeline, save_chrome_trace
 from odcfn.tree import tree_allclose, tree_assert_allclose, tree_map

@@ -1,5 +1,6 @@
-"""Exports of per-rank event traces (``odcfn.metrics.Event``, recorded by the runtime and by
-the simulator in the same format): a Chrome trace (``chrome://tracing`` /
+"""Per-rank event traces, recorded by the runtime and by the simulator in the same format: the
+``Event``, the one definition of makespan, bubble rate and throughput that the runtime, the
+simulator, the benchmarks and the SFT loop all use, and exports: a Chrome trace (``chrome://tracing`` /
 https://ui.perfetto.dev: one process per rank, a compute and a communication lane each) and a
 matplotlib timeline like the ODC paper's figure 1.
 """
@@ -9,9 +10,8 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
-
-from odcfn.metrics import COMM_KINDS, COMPUTE_KINDS, Event, bubble_rate, makespan, samples_per_s, tokens_per_s
 
 __all__ = [
     "COMM_KINDS",
@@ -25,6 +25,64 @@ __all__ = [
     "save_chrome_trace",
     "tokens_per_s",
 ]
+
+COMPUTE_KINDS = ("forward", "backward")
+COMM_KINDS = ("gather", "scatter", "collective", "sync")
+
+
+@dataclass(frozen=True)
+class Event:
+    rank: int
+    kind: str  # forward | backward | gather | scatter | collective | release | sync
+    name: str  # the unit (or "" for sync)
+    start: float  # seconds, from the start of the step on this rank's clock
+    end: float
+    mb: int = -1
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+
+def makespan(events: Sequence[Event]) -> float:
+    return max((e.end for e in events), default=0.0) - min((e.start for e in events), default=0.0)
+
+
+def bubble_rate(events_per_rank: Sequence[Sequence[Event]], step_time: float | None = None) -> float:
+    """1 - (sum over ranks of busy compute time) / (ranks x step time): THE bubble rate, for
+    measured and simulated traces alike. A slow device's longer compute is busy time."""
+    if not events_per_rank:
+        raise ValueError("bubble_rate needs at least one rank's events")
+    if step_time is None:
+        step_time = max(makespan(evs) for evs in events_per_rank)
+    if step_time <= 0:
+        return 0.0
+    busy = sum(e.duration for evs in events_per_rank for e in evs if e.kind in COMPUTE_KINDS)
+    return 1.0 - busy / (len(events_per_rank) * step_time)
+
+
+def _step_time(events_per_rank: Sequence[Sequence[Event]], step_time: float | None) -> float:
+    if step_time is not None:
+        return step_time
+    if not events_per_rank:
+        raise ValueError("need at least one rank's events (or an explicit step_time)")
+    return max(makespan(evs) for evs in events_per_rank)
+
+
+def samples_per_s(
+    num_samples: int, events_per_rank: Sequence[Sequence[Event]] = (), step_time: float | None = None
+) -> float:
+    """Minibatch samples over the step time (the slowest rank's makespan unless given)."""
+    t = _step_time(events_per_rank, step_time)
+    return num_samples / t if t > 0 else float("inf")
+
+
+def tokens_per_s(
+    num_tokens: int, events_per_rank: Sequence[Sequence[Event]] = (), step_time: float | None = None
+) -> float:
+    t = _step_time(events_per_rank, step_time)
+    return num_tokens / t if t > 0 else float("inf")
+
 
 # --- Chrome / Perfetto ----------------------------------------------------------------------
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from odcfn.bench.runner import step_records
 from odcfn.bench.workload import POLICIES
-from odcfn.metrics import Event, bubble_rate
+from odcfn.trace import Event, bubble_rate
 
 __all__ = [
     "shared_cores_warning",
@@ -27,7 +27,7 @@ def _events(rec: dict) -> list[Event]:
 
 
 def step_bubble_rate(recs: Sequence[dict]) -> float:
-    """``odcfn.metrics.bubble_rate`` of one minibatch from the runtime's per-rank traces, over
+    """``odcfn.trace.bubble_rate`` of one minibatch from the runtime's per-rank traces, over
     the step's span (every rank's clock starts at its step's start)."""
     per_rank = [_events(r) for r in recs]
     span = max((max(e.end for e in evs) for evs in per_rank if evs), default=0.0)

@@ -23,7 +23,6 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from odcfn.metrics import Event
 from odcfn.schedule.plan import (
     AllGather,
     Backward,
@@ -37,6 +36,7 @@ from odcfn.schedule.plan import (
 )
 from odcfn.schedule.simmodel import CommModel, SimResult, Workload
 from odcfn.sharding import Mesh
+from odcfn.trace import Event
 
 _GATHER, _FWD, _BWD, _SCATTER, _RELEASE, _AG, _RS, SYNC = range(8)
 __all__ = ["SYNC", "Engine", "RankClock", "mesh_for", "sim_result"]

@@ -8,9 +8,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from odcfn.metrics import Event
 from odcfn.schedule.cost import DEFAULT_COST, CostModel
 from odcfn.schedule.plan import Plan
+from odcfn.trace import Event
 
 __all__ = [
     "A100_COMM",

@@ -19,7 +19,6 @@ import torch
 
 from odcfn.batch import Batch, Microbatch, pack
 from odcfn.kernels.base import Handle, Transport
-from odcfn.metrics import Event
 from odcfn.model import Model, unit_inputs
 from odcfn.schedule.plan import (
     AllGather,
@@ -35,6 +34,7 @@ from odcfn.schedule.plan import (
 )
 from odcfn.schedule.program import Piece, assemble_plan
 from odcfn.sharding import Layout
+from odcfn.trace import Event
 
 __all__ = ["ExecResult", "execute"]
 

@@ -20,7 +20,6 @@ import torch
 
 from odcfn.batch import Batch
 from odcfn.losses import LogProbs
-from odcfn.metrics import Event
 from odcfn.schedule.balance import check_assignment
 from odcfn.schedule.plan import Forward, compile_forward_plan
 from odcfn.schedule.policy import policy_info, resolve_policy
@@ -29,6 +28,7 @@ from odcfn.sharding.layout import check_shards
 from odcfn.step.execute import _Executor
 from odcfn.step.state import TrainState, check_fields
 from odcfn.step.train import _options, check_inputs
+from odcfn.trace import Event
 
 __all__ = ["gather_params", "log_probs"]
 

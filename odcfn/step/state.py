@@ -16,18 +16,19 @@ from typing import Any
 
 import torch
 
-from odcfn.kernels.base import Transport
+from odcfn.kernels.base import Counters, Transport
 from odcfn.losses import check_loss
 from odcfn.model import Model, check_params
 from odcfn.optim import Optimizer
 from odcfn.schedule.cost import CostModel
-from odcfn.schedule.plan import Comm, ScheduleOptions
+from odcfn.schedule.plan import Comm, Plan, ScheduleOptions
 from odcfn.schedule.policy import Policy, policy_info, resolve_policy
 from odcfn.sharding import Mesh, make_layout, shard
 from odcfn.sharding.layout import check_shards
+from odcfn.trace import Event
 from odcfn.tree import register_dataclass, tree_flatten_with_path
 
-__all__ = ["StepConfig", "TrainState", "check_fields", "check_opt_state"]
+__all__ = ["StepConfig", "StepMetrics", "TrainState", "check_fields", "check_opt_state"]
 
 
 @dataclass(frozen=True)
@@ -195,3 +196,27 @@ def check_fields(state: TrainState) -> None:
 register_dataclass(
     TrainState, children=("params", "opt_state", "step"), static=("model", "optimizer", "transport", "config")
 )
+
+
+@dataclass
+class StepMetrics:
+    """What ``train_step`` / ``grad_step`` report for one minibatch on one rank."""
+
+    loss: float
+    grad_norm: float
+    num_samples: int
+    num_tokens: int
+    num_loss_tokens: int
+    step_time: float  # this rank's wall time for the step, sync included
+    plan: Plan  # the plan this rank ran (under work stealing: as it was decided)
+    counters: Counters  # what the transport did during this step
+    events: list[Event] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)  # e.g. the loss's own figures
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.num_samples / self.step_time
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.num_tokens / self.step_time

@@ -21,7 +21,6 @@ import torch
 from odcfn.batch import Batch, check_token_range
 from odcfn.kernels.base import supports_odc
 from odcfn.losses import check_loss, loss_metrics
-from odcfn.metrics import StepMetrics
 from odcfn.model import Model
 from odcfn.optim import clip_scale
 from odcfn.schedule.plan import ScheduleOptions
@@ -30,7 +29,7 @@ from odcfn.sharding import Layout, make_layout
 from odcfn.sharding.layout import check_shards
 from odcfn.step import fingerprint
 from odcfn.step.execute import execute
-from odcfn.step.state import TrainState, check_fields
+from odcfn.step.state import StepMetrics, TrainState, check_fields
 
 __all__ = ["StepMetrics", "check_inputs", "grad_step", "train_step"]
 
