@@ -6,12 +6,12 @@ Layout of a checkpoint directory::
     rank-00000.safetensors   rank 0's parameter shards, optimizer-state shards, replicated tensors
     rank-00001.safetensors   ...
 
-Every rank of one shard group calls ``save`` (under hybrid sharding the replicas on other nodes
+Every rank of one shard group calls ``write_shards`` (under hybrid sharding the replicas on other nodes
 hold identical shards, so only node 0 writes). Each rank writes its own file atomically; rank 0
 waits until every file of this step is on disk and then commits the manifest. There is no
-communication: the file system is the barrier, so ``save`` works the same on any transport.
+communication: the file system is the barrier, so ``write_shards`` works the same on any transport.
 
-``load`` reads the manifest and cuts the saved flat units into the shards of *any* mesh: each
+``read_shards`` reads the manifest and cuts the saved flat units into the shards of *any* mesh: each
 rank reads only the byte ranges of the old shards that overlap its new one. Optimizer states
 are pytrees of dicts/lists/tuples whose tensors are either per-unit shards (a dict keyed by
 exactly the model's unit names, like the params) or replicated; scalars go into the manifest.
@@ -37,7 +37,7 @@ from odcfn.model import Model
 from odcfn.sharding import Layout, Mesh, make_layout
 from odcfn.sharding.layout import check_shards
 
-__all__ = ["CheckpointError", "latest", "load", "read_manifest", "save"]
+__all__ = ["CheckpointError", "latest", "read_manifest", "read_shards", "write_shards"]
 
 FORMAT = "odcfn-checkpoint"
 VERSION = 2  # 2: per-file sha256/rank/bytes, the save's attempt id
@@ -143,7 +143,7 @@ def _attempt(root: Path, rank: int, step: int) -> str:
 _JOB_VARS = ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "ODCFN_JOB_SECRET", "ODCFN_SHM_PREFIX")
 
 
-def save(
+def write_shards(
     path: str | os.PathLike,
     params: Mapping[str, torch.Tensor],
     opt_state: Any,
@@ -290,7 +290,9 @@ def latest(root: str | os.PathLike) -> Path | None:
     return None if best is None else best[1]
 
 
-def load(path: str | os.PathLike, *, model: Model, mesh: Mesh) -> tuple[dict[str, torch.Tensor], Any, int]:
+def read_shards(
+    path: str | os.PathLike, *, model: Model, mesh: Mesh
+) -> tuple[dict[str, torch.Tensor], Any, int]:
     """This rank's ``(params, opt_state, step)`` from checkpoint ``path``, resharded for ``mesh``
     (which may have a different world size or sharding than the one that saved it). Every file
     this rank reads is checked against the manifest (sha256, rank, step, shapes); any problem is
