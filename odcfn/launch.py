@@ -38,7 +38,7 @@ from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from odcfn.kernels._shm_sync import shm_dir
+from odcfn.kernels.shm_sync import shm_dir
 
 __all__ = ["LaunchError", "check_job_store", "free_port", "host_store", "launch", "rank_env", "sweep_shm"]
 

@@ -67,7 +67,7 @@ class _Saved:
     used: tuple[torch.Tensor, ...] = ()  # flat buffers of used units (tied weights) in the graph
 
 
-class _Executor:
+class Executor:
     def __init__(
         self,
         model: Model,
@@ -284,7 +284,7 @@ def execute(
     transport then holds this rank's gradient shards. Returns the result and the plan that ran.
     ``riders``: float64 values summed over the ranks in the same sync (``ExecResult.riders``)."""
     t0 = time.perf_counter()
-    ex = _Executor(model, layout, batch, transport, compute_dtype, torch.device(device), loss)
+    ex = Executor(model, layout, batch, transport, compute_dtype, torch.device(device), loss)
     ex.riders = riders
     events: list[Event] = []
     ran: list[Piece] = []

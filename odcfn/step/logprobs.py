@@ -25,15 +25,15 @@ from odcfn.schedule.plan import Forward, compile_forward_plan
 from odcfn.schedule.policy import policy_info, resolve_policy
 from odcfn.sharding import make_layout
 from odcfn.sharding.layout import check_shards
-from odcfn.step.execute import _Executor
+from odcfn.step.execute import Executor
 from odcfn.step.state import TrainState, check_fields
-from odcfn.step.train import _options, check_inputs
+from odcfn.step.train import check_inputs, schedule_options
 from odcfn.trace import Event
 
 __all__ = ["gather_params", "log_probs"]
 
 
-class _ForwardOnly(_Executor):
+class _ForwardOnly(Executor):
     """The runtime's executor with forwards that keep no graph; the head's per-token output
     ``[k, T]`` is kept per microbatch."""
 
@@ -73,7 +73,7 @@ def log_probs(
     balance = "lb_mini" if info is not None and not info.collective else cfg.balance
     assignment = resolve_policy(balance, cfg.comm, cfg.cost)(batch.lengths, mesh.world_size, cap)
     check_assignment(assignment, batch.lengths, mesh.world_size)
-    options = _options(cfg.options, model)  # with the model's tied-weight uses
+    options = schedule_options(cfg.options, model)  # with the model's tied-weight uses
     plan = compile_forward_plan(model.unit_names, assignment, mesh.rank, cfg.comm, options)
     dtype = cfg.compute_dtype or model.dtype
     device = next(iter(state.params.values())).device
