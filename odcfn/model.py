@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from odcfn._check import check_int
 from odcfn.batch import Batch, Microbatch, pack
 from odcfn.tree import PyTree, tree_flatten_with_path, tree_map
 
@@ -54,8 +55,7 @@ class Model:
 
     def __post_init__(self) -> None:
         v = self.vocab_size
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-            raise ValueError(f"Model.vocab_size must be a positive int or None, got {v!r}")
+        check_int(v, "Model.vocab_size", at_least=1, none_ok=True, want="a positive int or None")
         names = [u.name for u in self.units]
         if len(set(names)) != len(names):
             raise ValueError(f"Model unit names must be unique, got {names}")

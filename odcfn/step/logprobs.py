@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from odcfn._check import check_int
 from odcfn.batch import Batch
 from odcfn.losses import LogProbs
 from odcfn.schedule.balance import check_assignment
@@ -109,9 +110,9 @@ def gather_params(state: TrainState, dst: int | None = None) -> dict | None:
         raise TypeError(f"state must be an odcfn.TrainState, got {type(state).__name__}")
     check_fields(state)
     mesh, transport, model = state.mesh, state.transport, state.model
-    bad_dst = isinstance(dst, bool) or not (isinstance(dst, int) and 0 <= dst < mesh.world_size)
-    if dst is not None and bad_dst:
-        raise ValueError(f"gather_params: dst must be a rank in [0, {mesh.world_size}) or None, got {dst!r}")
+    W = mesh.world_size
+    rank = f"a rank in [0, {W}) or None"
+    check_int(dst, "gather_params: dst", at_least=0, at_most=W - 1, none_ok=True, want=rank)
     layout = make_layout(model, mesh)
     check_shards(state.params, layout, model.dtype)
     transport.begin_step(layout, state.params, model.dtype)
