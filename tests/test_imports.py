@@ -80,7 +80,8 @@ def test_the_checker_finds_a_circle():
 
 def _private_reaches(mods: dict[str, Path]) -> list[str]:
     """Imports of a private name (``_x``) from another module, or of a private module from
-    outside its package: what a second file needs should be public, or live in one package."""
+    outside the package that holds it: what a second file needs should be public, or both users
+    should live in one package."""
 
     def private(seg: str) -> bool:
         return seg.startswith("_") and not seg.startswith("__")
@@ -92,7 +93,8 @@ def _private_reaches(mods: dict[str, Path]) -> list[str]:
             if not isinstance(node, ast.ImportFrom) or not (node.module or "").startswith("odcfn"):
                 continue
             segs = node.module.split(".")
-            if any(private(s) and ".".join(segs[:i]) != pkg for i, s in enumerate(segs)):
+            # a private module is private to the package that holds it (and its subpackages)
+            if any(private(s) and not mod.startswith(".".join(segs[:i]) + ".") for i, s in enumerate(segs)):
                 bad.append(f"{mod} imports {node.module}")
                 continue
             for a in node.names:
@@ -113,6 +115,8 @@ def test_the_private_checker_finds_a_reach(tmp_path):
     (pkg / "a" / "_p.py").write_text("")
     (pkg / "a" / "n.py").write_text("from odcfn.a import _p\n")  # same package: fine
     (pkg / "b.py").write_text("from odcfn.a.m import _x\nfrom odcfn.a._p import y\n")
+    (pkg / "a" / "s").mkdir()
+    (pkg / "a" / "s" / "k.py").write_text("from odcfn.a._p import y\n")  # a subpackage: fine
     mods = {"odcfn.a.m": pkg / "a" / "m.py", "odcfn.a._p": pkg / "a" / "_p.py",
-            "odcfn.a.n": pkg / "a" / "n.py", "odcfn.b": pkg / "b.py"}
+            "odcfn.a.n": pkg / "a" / "n.py", "odcfn.b": pkg / "b.py", "odcfn.a.s.k": pkg / "a" / "s" / "k.py"}
     assert _private_reaches(mods) == ["odcfn.b imports odcfn.a._p", "odcfn.b imports odcfn.a.m._x"]

@@ -13,11 +13,8 @@ from dataclasses import dataclass, field, replace
 from odcfn.batch import Batch, random_batch
 from odcfn.models import QwenConfig
 from odcfn.schedule.lengths import LONGALIGN_MAX, longalign
-from odcfn.schedule.policy import SCHEDULES, Schedule
 
 __all__ = [
-    "POLICIES",
-    "Policy",
     "Workload",
     "make_batch",
     "make_lengths",
@@ -28,11 +25,6 @@ __all__ = [
 # LongAlign's SFT lengths span 8K-64K tokens with a mean of ~16.5K (the ODC paper's Table/Fig.);
 # divided by ``Workload.length_scale`` so a sample costs ~0.1-3 s of CPU per step.
 LONGALIGN_MEAN = 16500
-
-
-# The registry of (comm, balance) pairs lives in the schedule layer; the bench reads it.
-Policy = Schedule
-POLICIES = SCHEDULES
 
 
 def model_config(d_model: int = 128, n_layers: int = 4, vocab_size: int = 512) -> QwenConfig:
