@@ -16,7 +16,7 @@ import torch
 
 from odcfn._check import check_int
 from odcfn.batch import Batch, Microbatch, pack
-from odcfn.tree import PyTree, tree_flatten_with_path, tree_map
+from odcfn.tree import PyTree, tree_flatten_with_path
 
 __all__ = ["Model", "Unit", "check_params", "reference_loss", "unit_inputs"]
 
@@ -136,7 +136,3 @@ def reference_loss(model: Model, params: Mapping[str, PyTree], batch: Batch) -> 
         s = model.apply(params, pack(batch, [i]))
         total = s if total is None else total + s
     return total / batch.num_loss_tokens
-
-
-def zeros_like_shapes(shapes: PyTree, dtype: torch.dtype = torch.float32) -> PyTree:
-    return tree_map(lambda s: torch.zeros(tuple(s), dtype=dtype), shapes)

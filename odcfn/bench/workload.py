@@ -7,7 +7,6 @@ Every rank builds the same minibatches from (seed, step) alone, so no data moves
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from odcfn.batch import Batch, random_batch
@@ -113,12 +112,3 @@ def make_batch(w: Workload, step: int) -> Batch:
         return rl_batch(w.samples_per_step, w.group_size, w.length_scale, w.model.vocab_size,
                         w.seed * 100_003 + step)
     return random_batch(make_lengths(w, step), w.model.vocab_size, seed=w.seed * 100_003 + step)
-
-
-def summarize_lengths(lengths: Sequence[int]) -> dict[str, float]:
-    return {
-        "min": min(lengths),
-        "max": max(lengths),
-        "mean": sum(lengths) / len(lengths),
-        "total": sum(lengths),
-    }
