@@ -1,6 +1,6 @@
 """Hostile launches: a stopped rank, a job past its deadline, env= overriding the torchrun
 variables, two jobs forced onto one MASTER_PORT, meshes that disagree with the launcher, and the
-simulated nodes of ``launch(nodes=N)`` (issue 13: hangs and unclear errors; issue 11: nodes)."""
+simulated nodes of ``launch(nodes=N)``."""
 
 from __future__ import annotations
 
