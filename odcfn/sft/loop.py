@@ -1,6 +1,8 @@
 """``odcfn train --config run.toml``: a supervised fine-tuning loop on W local ranks.
 
-Each rank reads the same token file, computes the same minibatch for every step
+The launcher locks ``out_dir`` (``odcfn.sft.lock``: one run per directory) and reads and checks
+the whole dataset once before any rank starts (``odcfn.sft.prepare``: problems are named by
+``file:line`` up front). Each rank holds the same samples, computes the same minibatch for every step
 (``odcfn.data.records.batch_at``), runs ``train_step`` (ODC or collective), and rank 0 writes one JSON
 line of metrics per step (``<out_dir>/metrics.jsonl``; TensorBoard too when installed and
 asked for). Checkpoints go to ``<out_dir>/checkpoints/step-XXXXXXXX`` every ``every`` steps;
@@ -19,14 +21,17 @@ Config (TOML or JSON), every key optional except ``data.path`` and ``train.steps
     path = "train.jsonl", batch_size = 8, seed = 0, shuffle = true, max_length = 4096
     tokenizer = "path/to/tokenizer"       # optional: path holds {"messages": [...]} chat lines
     cache_dir = "path"                    # tokenized chat shards (default: <path>.odcfn-cache)
+    long_samples = "error" | "truncate" | "drop"   # samples over max_length / the microbatch cap
+    skip_empty_minibatches = false        # true: a minibatch without loss tokens is no update
     [train]
     steps = 100, lr = 1e-3, warmup_steps = 0, schedule = "constant" | "cosine",
     optimizer = "adamw" | "sgd", weight_decay = 0.0, max_grad_norm = 1.0,
     weight_decay_mask = "no_norms_biases" | "no_norms_biases_embeddings" | "all",
-    comm = "odc" | "collective", balance = "round_robin", max_tokens_per_microbatch = 4096,
-    compute_dtype = "float32" | "bfloat16", world_size = 2, backend = "threads" | "processes"
+    comm = "odc" | "collective", balance = "lb_mini" (ODC) / "lb_micro" (collective),
+    max_tokens_per_microbatch = 4096, compute_dtype = "float32" | "bfloat16",
+    world_size = one per CPU core up to 4, backend = "threads" | "processes"
     [checkpoint]
-    every = 50, keep = 3, export_hf = "path"   # HF copy of the final weights
+    every = 100, keep = 3, export_hf = "path"  # (and after the last step); HF copy of the final weights
     resume = true          # false (or --no-resume): start over, deleting out_dir's checkpoints
     resume_anyway = false  # resuming with another config/dataset is refused unless true
     [log]
