@@ -122,3 +122,23 @@ def test_torchrun_job_exports_from_its_last_checkpoint(tmp_path, source):
     _, _, want = _checkpoint_params(tmp_path)  # the last step's checkpoint, saved for the export
     odcfn.tree_assert_allclose(from_hf(tmp_path / "hf-export")[1], want, rtol=0, atol=0)
     assert (tmp_path / "hf-export" / "tokenizer.json").is_file()
+
+
+def test_a_fresh_model_exports_with_its_tokenizers_special_ids(tmp_path):
+    from odcfn.models import init_params
+    from odcfn.sft.config import config_from_dict, model_config
+    from odcfn.sft.export import export_params
+    from tests.test_chat_data import _tokenizer
+
+    tok_dir = _tokenizer(tmp_path / "tok")
+    cfg = config_from_dict({"data": {"path": "chat.jsonl", "tokenizer": str(tok_dir)}, "train": {"steps": 1},
+                            "model": {"vocab_size": VOCAB, "d_model": 16, "n_layers": 1, "d_ff": 16}},
+                           base_dir=tmp_path)
+    qcfg = model_config(cfg)
+    out = export_params(tmp_path / "hf", init_params(qcfg), qcfg, cfg)
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    conf = transformers.AutoConfig.from_pretrained(out)
+    assert conf.eos_token_id == tok.eos_token_id == tok.convert_tokens_to_ids("<|im_end|>")
+    assert conf.max_position_embeddings == 32768  # Qwen2's own default, stated
+    assert conf.pad_token_id is None  # a pad id would change the embedding's gradient
+    assert transformers.GenerationConfig.from_pretrained(out).eos_token_id == tok.eos_token_id
