@@ -20,7 +20,8 @@ BASELINE = "collective+lb-micro"
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--world-size", type=int, default=2, help="local ranks (default 2)")
     p.add_argument("--samples-per-rank", type=int, default=4, help="minibatch = W x this")
-    p.add_argument("--steps", type=int, default=10, help="timed minibatches per policy")
+    p.add_argument("--steps", type=int, default=10,
+                   help="optimizer steps (minibatches) timed per policy (default 10)")
     p.add_argument("--warmup", type=int, default=1, help="untimed minibatches per policy first")
     p.add_argument("--length-scale", type=int, default=32,
                    help="divide LongAlign lengths (8K-64K) by this (default 32: 256-2048 tokens)")

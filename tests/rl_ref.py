@@ -3,6 +3,7 @@ function of the independent reference (``odcfn.reference.reference_rl_loss``).""
 
 from __future__ import annotations
 
+import math
 from functools import lru_cache
 
 import torch
@@ -46,4 +47,46 @@ def rollout_batch(lengths, prompt_lens, vocab, *, seed=0, kl=True, spread=0.3):
         if kl:
             extras["ref_logprobs"] = base + spread * torch.randn(n, generator=g)
         out.append(odcfn.Sample(tokens, loss_mask=mask, extras=extras))
+    return odcfn.Batch(tuple(out))
+
+
+def _k3_clamp_root() -> float:
+    """x > 0 with exp(x) - x - 1 = 10: where the k3 ("low_var_kl") estimate hits its clamp."""
+    lo, hi = 0.0, 5.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if math.exp(mid) - mid - 1 < 10 else (lo, mid)
+    return lo
+
+
+def away_from_kinks(batch, cfg, params, loss_cfg, *, margin=1e-3):
+    """``batch`` with old/ref log-probs moved so that no token's log-ratio sits within ``margin``
+    of a point where the loss changes branch (the clip range's ends, the dual clip, ``abs``
+    KL's zero, k3's clamp). float32 and a float64 reference agree to ~1e-6 in a log-prob; a
+    token nearer a branch point than that may take the other branch in one of them, and the
+    gradients then differ by a whole term, not by rounding. Log-probs from float64 logits."""
+    t = loss_cfg.get("temperature", 1.0)
+    ratio_kinks = [math.log(1 + loss_cfg["clip_ratio_high"]), math.log(loss_cfg["clip_ratio_c"])]
+    if loss_cfg["clip_ratio_low"] < 1:
+        ratio_kinks.append(math.log(1 - loss_cfg["clip_ratio_low"]))
+    ref_kinks = [0.0, -_k3_clamp_root()]  # d = logp - ref: |d| at 0, k3 clamps at -d = root
+    fn = hf_logits_fn(cfg, odcfn.tree_map(lambda x: x.detach().double(), params), torch.float64)
+    out = []
+    with torch.no_grad():
+        for s in batch.samples:
+            tokens = s.tokens.long()
+            logp = torch.zeros(s.length, dtype=torch.float64)  # token t predicted from t - 1
+            logp[1:] = torch.log_softmax(fn(tokens)[:-1] / t, -1).gather(1, tokens[1:, None])[:, 0]
+            extras = dict(s.extras)
+            for key, kinks in (("old_logprobs", ratio_kinks), ("ref_logprobs", ref_kinks)):
+                if key not in extras:
+                    continue
+                v = extras[key].double().clone()
+                for _ in range(len(kinks) + 1):  # kinks lie far more than 3 margins apart
+                    near = torch.zeros_like(v, dtype=torch.bool)
+                    for k in kinks:
+                        near |= ((logp - v) - k).abs() < margin
+                    v[near] -= 3 * margin
+                extras[key] = v.float()
+            out.append(odcfn.Sample(s.tokens, loss_mask=s.loss_mask, extras=extras))
     return odcfn.Batch(tuple(out))

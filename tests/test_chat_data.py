@@ -168,3 +168,25 @@ def test_odcfn_train_on_chat_data(tmp_path, tok_dir):
     assert [r["step"] for r in recs] == [1, 2]
     assert all(0 < r["loss_tokens"] < r["tokens"] / 2 for r in recs)  # prompts are not trained on
     assert (tmp_path / "chat.jsonl.odcfn-cache").is_dir()
+
+
+def test_chat_training_on_two_thread_ranks_in_a_fresh_interpreter(tmp_path, tok_dir):
+    """Ranks that are threads of one process used to import transformers at the same moment
+    (a half-initialised module read as "not installed"): the data is tokenized once, before
+    the ranks start. A fresh interpreter, as a user runs it: nothing imported beforehand."""
+    import os
+    import subprocess
+    import sys
+
+    _write(tmp_path / "chat.jsonl", [CHATS[i % 2] for i in range(4)])
+    (tmp_path / "run.toml").write_text(
+        'out_dir = "out"\n[model]\nvocab_size = 300\nd_model = 16\nn_layers = 1\nn_heads = 2\n'
+        f'n_kv_heads = 1\nd_ff = 16\n[data]\npath = "chat.jsonl"\ntokenizer = "{tok_dir}"\n'
+        'batch_size = 2\n[train]\nsteps = 1\nworld_size = 2\nbackend = "threads"\n[checkpoint]\nevery = 0\n'
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "odcfn.cli", "train", "--config", str(tmp_path / "run.toml"), "--quiet"],
+        capture_output=True, text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "steps 0..1 on 2 rank(s)" in proc.stdout

@@ -18,7 +18,7 @@ import odcfn
 from odcfn import losses
 from odcfn.models import QwenConfig, init_params, qwen_model
 from odcfn.reference import reference_rl_loss
-from tests.rl_ref import hf_logits_fn, rollout_batch
+from tests.rl_ref import away_from_kinks, hf_logits_fn, rollout_batch
 from tests.test_losses import loss_configs
 from tests.util import ref_shards, run_grad_step
 
@@ -33,18 +33,25 @@ def _params(seed):
     return odcfn.tree_map(lambda t: t + torch.randn(t.shape, generator=g) * 0.3, init_params(CFG))
 
 
-def reference(full, batch, **cfg):
+def reference(full, batch, dtype=torch.float64, **cfg):
     """In float64: the reference carries none of float32's error, the tolerance is odcfn's."""
-    params = odcfn.tree_map(lambda t: t.double().requires_grad_(), full)
-    loss, metrics = reference_rl_loss(hf_logits_fn(CFG, params, torch.float64), batch, **cfg)
+    params = odcfn.tree_map(lambda t: t.to(dtype).requires_grad_(), full)
+    loss, metrics = reference_rl_loss(hf_logits_fn(CFG, params, dtype), batch, **cfg)
     leaves, treedef = odcfn.tree.tree_flatten(params)
     grads = [g.float() for g in torch.autograd.grad(loss, leaves)]
     return float(loss.detach()), metrics, odcfn.tree.tree_unflatten(treedef, grads)
 
 
-def _atol(grads) -> float:
-    """float32's absolute error grows with the gradient's scale (KL and entropy terms)."""
-    return ATOL * max(1.0, max(float(g.abs().max()) for g in odcfn.tree.tree_leaves(grads)))
+def _atol(grads, grads_fp32=None) -> float:
+    """float32's absolute error grows with the gradient's scale (KL and entropy terms) and with
+    how much a gradient entry cancels (a sum of large terms of both signs): the second is
+    measured on the draw itself, as the error of transformers' own float32 gradient against the
+    float64 one; odcfn's float32 (other summation order) may err a few times as much."""
+    scale = max(1.0, max(float(g.abs().max()) for g in odcfn.tree.tree_leaves(grads)))
+    if grads_fp32 is None:
+        return ATOL * scale
+    pairs = zip(odcfn.tree.tree_leaves(grads_fp32), odcfn.tree.tree_leaves(grads))
+    return max(ATOL * scale, 8 * max(float((a - b).abs().max()) for a, b in pairs))
 
 
 POLICIES = [("odc", "round_robin"), ("odc", "lb_mini"), ("odc", "lb_micro"), ("odc", "work_stealing"),
@@ -59,15 +66,17 @@ def test_sharded_policy_gradient_equals_reference(cfg, world, policy, data):
     prompts = data.draw(st.lists(st.integers(0, 4), min_size=n, max_size=n))
     seed = data.draw(st.integers(0, 2**16))
     cap = data.draw(st.integers(max(lengths), 3 * max(lengths)))
-    batch = rollout_batch(lengths, prompts, CFG.vocab_size, seed=seed)
     full, model = _params(seed), qwen_model(CFG)
+    # no token within float32's reach of a clip/KL branch point: both sides take the same branch
+    batch = away_from_kinks(rollout_batch(lengths, prompts, CFG.vocab_size, seed=seed), CFG, full, cfg)
     want_loss, want_metrics, want_grads = reference(full, batch, **cfg)
+    atol = _atol(want_grads, reference(full, batch, dtype=torch.float32, **cfg)[2])
     want = ref_shards(want_grads, model, world)
     comm, balance = policy
     out = run_grad_step(full, batch, model, world, comm=comm, balance=balance,
                         max_tokens_per_microbatch=cap, loss=losses.policy_gradient(**cfg))
     for rank, (grads, m) in enumerate(out):
-        odcfn.tree_assert_allclose(grads, want[rank], rtol=RTOL, atol=_atol(want_grads),
+        odcfn.tree_assert_allclose(grads, want[rank], rtol=RTOL, atol=atol,
                                    what=f"{policy} rank {rank}")
         assert m.loss == pytest.approx(want_loss, rel=1e-5, abs=1e-6)
         for k, v in want_metrics.items():

@@ -52,7 +52,7 @@ def test_train_runs_logs_and_checkpoints(tmp_path, capsys):
     cfg = _setup(tmp_path, steps=6, every=2)
     assert cli.main(["train", "--config", str(cfg)]) == 0
     out = capsys.readouterr().out
-    assert "step      6/6" in out and "odcfn train: steps 0..6 on 2 rank(s) (odc)" in out
+    assert "step      6/6" in out and "odcfn train: steps 0..6 on 2 rank(s) (odc+lb_mini)" in out
     recs = _metrics(tmp_path)
     assert [r["step"] for r in recs] == [1, 2, 3, 4, 5, 6]
     assert all(math.isfinite(r["loss"]) and r["syncs"] == 1 for r in recs)
@@ -301,5 +301,5 @@ def test_unexportable_model_is_refused_before_training(tmp_path):
     cfg = _setup(tmp_path, steps=2, every=0, extra='export_hf = "hf-out"\n')
     cfg.write_text(cfg.read_text().replace("[model]\n", "[model]\nqk_norm = true\n"))  # + q/k/v bias
     with pytest.raises(ValueError, match="qkv_bias == o_bias"):
-        cli.main(["train", "--config", str(cfg), "--quiet"])
+        cli.main(["--debug", "train", "--config", str(cfg), "--quiet"])
     assert not (tmp_path / "out" / "metrics.jsonl").exists()

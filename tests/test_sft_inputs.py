@@ -104,7 +104,7 @@ def test_resuming_another_run_is_refused_unless_asked(tmp_path, change):
         write_jsonl(tmp_path / "train.jsonl", synthetic_records([5, 9, 7, 12, 6, 8, 10, 4], 40, seed=1))
         match = r"the contents of data\.path .*train\.jsonl \(sha256 differs\)"
     with pytest.raises(ValueError, match=rf"belongs to a run with another config: {match}.*--resume-anyway"):
-        cli.main(["train", "--config", str(cfg), "--quiet"])
+        cli.main(["--debug", "train", "--config", str(cfg), "--quiet"])
     # refused before any step: the checkpoint and the log are as they were
     assert {f.name: f.read_bytes() for f in ck.iterdir()} == before and _metrics(tmp_path) == log
     if change != "model":  # a model of another shape could not load anyway

@@ -353,7 +353,7 @@ def test_plan_cli_prints_every_rank(capsys):
 
     p = argparse.ArgumentParser()
     show.add_arguments(p)
-    assert show.main(p.parse_args(["--devices", "3", "--samples-per-device", "2", "--steps"])) == 0
+    assert show.main(p.parse_args(["--devices", "3", "--samples-per-device", "2", "--show-steps"])) == 0
     out = capsys.readouterr().out
     assert all(f"rank   {r}:" in out for r in range(3)) and "Plan(rank=2" in out
     assert show.main(p.parse_args(["--balance", "work_stealing", "--comm", "collective"])) == 2

@@ -28,7 +28,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--samples-per-rank", type=int, nargs="+", default=None,
                    help="minibatch sizes for end_to_end (default 2 4 8; --quick: 4)")
     p.add_argument("--steps", type=int, default=None,
-                   help="timed minibatches per policy (default 6; --quick: 2)")
+                   help="optimizer steps (minibatches) timed per policy (default 6; --quick: 2)")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--length-scale", type=int, default=None,
                    help="divide LongAlign lengths by this (default 32; --quick: 64)")

@@ -24,6 +24,7 @@ import hashlib
 import json
 import os
 import shutil
+import threading
 import uuid
 from collections.abc import Mapping
 from pathlib import Path
@@ -34,11 +35,18 @@ import torch
 from odcfn.batch import Sample
 from odcfn.data.dataset import TokenDataset
 
-__all__ = ["CACHE_VERSION", "chat_cache_key", "load_tokenizer", "read_chat_jsonl", "tokenize_chat"]
+__all__ = [
+    "CACHE_VERSION", "TOKENIZER_FILES", "chat_cache_key", "load_tokenizer", "read_chat_jsonl",
+    "tokenize_chat",
+]
 
 CACHE_VERSION = 1
+# One reader at a time per process: ranks that are threads of one process must not import
+# transformers concurrently (a half-initialised module reads as "not installed") nor tokenize
+# the same file twice (the second one finds the first one's cache).
+_LOCK = threading.RLock()
 _SHARD_SAMPLES = 4096
-_TOKENIZER_FILES = (
+TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
     "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt", "tokenizer.model",
 )  # fmt: skip
@@ -49,11 +57,16 @@ def load_tokenizer(directory: str | os.PathLike) -> Any:
     root = Path(directory)
     if not root.is_dir():
         raise FileNotFoundError(f"tokenizer directory {root} does not exist")
-    try:
-        from transformers import AutoTokenizer
-    except ImportError:
-        raise ImportError("chat data needs transformers: pip install transformers") from None
-    tok = AutoTokenizer.from_pretrained(str(root), local_files_only=True)
+    with _LOCK:
+        try:
+            from transformers import AutoTokenizer
+        except ImportError as e:
+            import importlib.util
+
+            if importlib.util.find_spec("transformers") is None:
+                raise ImportError("chat data needs transformers: pip install transformers") from None
+            raise ImportError(f"importing transformers for chat data failed: {e}") from e
+        tok = AutoTokenizer.from_pretrained(str(root), local_files_only=True)
     if not getattr(tok, "chat_template", None):
         raise ValueError(
             f"tokenizer {root} has no chat template (chat_template.jinja or tokenizer_config.json's "
@@ -115,7 +128,7 @@ def chat_cache_key(path: str | os.PathLike, tokenizer_dir: str | os.PathLike, to
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
-    for name in _TOKENIZER_FILES:
+    for name in TOKENIZER_FILES:
         p = Path(tokenizer_dir) / name
         if p.is_file():
             h.update(name.encode() + b"\0" + p.read_bytes())
@@ -179,7 +192,13 @@ def read_chat_jsonl(
     cache_dir: str | os.PathLike | None = None,
 ) -> TokenDataset:
     """Chat transcripts as a ``TokenDataset``; errors name ``file:line`` and the field. The token
-    ids are cached under ``cache_dir`` (default: ``<path>.odcfn-cache`` beside the data)."""
+    ids are cached under ``cache_dir`` (default: ``<path>.odcfn-cache`` beside the data).
+    Thread-safe: concurrent callers in one process tokenize once."""
+    with _LOCK:
+        return _read_chat_jsonl(path, tokenizer_dir, vocab_size, max_length, cache_dir)
+
+
+def _read_chat_jsonl(path, tokenizer_dir, vocab_size, max_length, cache_dir) -> TokenDataset:
     suffix = Path(path).suffix.lower()
     if suffix not in (".jsonl", ".json"):
         raise ValueError(f"{path}: chat data (a tokenizer is given) must be .jsonl, got {suffix!r}")
@@ -214,4 +233,4 @@ def read_chat_jsonl(
             )
         if max_length is not None and s.length > max_length:
             raise ValueError(f"{where}: sample has {s.length} tokens, more than max_length={max_length}")
-    return TokenDataset(tuple(samples), str(path))
+    return TokenDataset(tuple(samples), str(path), tuple(lines))

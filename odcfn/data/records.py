@@ -33,6 +33,8 @@ from odcfn.data.dataset import TokenDataset
 __all__ = [
     "TokenDataset",
     "batch_at",
+    "batch_indices",
+    "epoch_order",
     "iterate_batches",
     "read_dataset",
     "read_jsonl",
@@ -82,7 +84,7 @@ def read_jsonl(
     path: str | os.PathLike, *, vocab_size: int | None = None, max_length: int | None = None
 ) -> TokenDataset:
     """Samples from a JSONL file; errors name the file and line."""
-    samples = []
+    samples, lines = [], []
     with open(path, "rb") as f:  # bytes: a bad byte is reported with its line, not the file's offset
         for lineno, raw in enumerate(f, 1):
             where = f"{path}:{lineno}"
@@ -98,7 +100,8 @@ def read_jsonl(
             except json.JSONDecodeError as e:
                 raise ValueError(f"{where}: not valid JSON ({e.msg})") from None
             samples.append(_record_to_sample(rec, where, vocab_size, max_length))
-    return TokenDataset(tuple(samples), str(path))
+            lines.append(lineno)
+    return TokenDataset(tuple(samples), str(path), tuple(lines))
 
 
 def read_parquet(
@@ -116,7 +119,7 @@ def read_parquet(
         )
         for i, r in enumerate(rows)
     ]
-    return TokenDataset(tuple(samples), str(path))
+    return TokenDataset(tuple(samples), str(path), tuple(range(len(samples))))
 
 
 def read_dataset(
@@ -166,7 +169,8 @@ def steps_per_epoch(dataset: TokenDataset, batch_size: int, *, drop_last: bool =
     return n
 
 
-def _order(n: int, epoch: int, seed: int, shuffle: bool) -> list[int]:
+def epoch_order(n: int, epoch: int, seed: int, shuffle: bool) -> list[int]:
+    """The order in which epoch ``epoch`` visits ``n`` samples."""
     if not shuffle:
         return list(range(n))
     g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
@@ -183,13 +187,26 @@ def batch_at(
     drop_last: bool = True,
 ) -> Batch:
     """The minibatch of global step ``step`` (0-based): a pure function of its arguments."""
-    if not isinstance(step, int) or step < 0:
+    ids = batch_indices(dataset, step, batch_size, seed=seed, shuffle=shuffle, drop_last=drop_last)
+    return Batch(tuple(dataset.samples[j] for j in ids))
+
+
+def batch_indices(
+    dataset: TokenDataset,
+    step: int,
+    batch_size: int,
+    *,
+    seed: int = 0,
+    shuffle: bool = True,
+    drop_last: bool = True,
+) -> list[int]:
+    """The dataset indices of ``batch_at``'s minibatch (without building it)."""
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"step must be an int >= 0, got {step!r}")
     per_epoch = steps_per_epoch(dataset, batch_size, drop_last=drop_last)
     epoch, i = divmod(step, per_epoch)
-    order = _order(len(dataset), epoch, seed, shuffle)
-    ids = order[i * batch_size : (i + 1) * batch_size]
-    return Batch(tuple(dataset.samples[j] for j in ids))
+    order = epoch_order(len(dataset), epoch, seed, shuffle)
+    return order[i * batch_size : (i + 1) * batch_size]
 
 
 def iterate_batches(

@@ -178,6 +178,7 @@ def to_hf(
     (root / "config.json").write_text(json.dumps(config_to_hf(cfg, dtype=out_dtype), indent=2))
     if max_shard_bytes is None:
         save_file(tensors, str(root / "model.safetensors"), metadata={"format": "pt"})
+        _ordinary_permissions(root)
         return root
     groups: list[dict[str, torch.Tensor]] = [{}]
     size = 0
@@ -196,4 +197,15 @@ def to_hf(
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (root / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    _ordinary_permissions(root)
     return root
+
+
+def _ordinary_permissions(root: Path) -> None:
+    """safetensors creates its files owner-only (0600); an exported model is meant to be read by
+    whoever serves it: the permissions any new file gets here (0666 less the umask)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for f in root.iterdir():
+        if f.is_file() and f.suffix == ".safetensors":
+            os.chmod(f, 0o666 & ~umask)

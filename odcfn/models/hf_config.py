@@ -18,10 +18,10 @@ import torch
 from odcfn.models.qwen import QwenConfig
 from odcfn.models.rope import ROPE_KINDS, RopeScaling
 
-__all__ = ["ARCHITECTURES", "config_from_hf", "config_to_hf"]
+__all__ = ["ARCHITECTURES", "MAX_POSITIONS", "config_from_hf", "config_to_hf"]
 
 ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
-_MAX_POS = {"qwen2": 32768, "qwen3": 32768, "llama": 2048}  # transformers' class defaults
+MAX_POSITIONS = {"qwen2": 32768, "qwen3": 32768, "llama": 2048}  # transformers' class defaults
 _MOE = {
     "qwen2_moe": "Qwen2-MoE",
     "qwen3_moe": "Qwen3-MoE",
@@ -72,10 +72,10 @@ def _rope(hf: dict[str, Any], kind: str) -> tuple[float, RopeScaling | None]:
         )
     orig = rp.get("original_max_position_embeddings")
     if orig is None and rope_type in ("llama3", "yarn"):
-        orig = hf.get("max_position_embeddings", _MAX_POS[kind])
+        orig = hf.get("max_position_embeddings", MAX_POSITIONS[kind])
     factor = rp.get("factor")
     if factor is None and rope_type == "yarn":  # transformers: the context extension ratio
-        factor = hf.get("max_position_embeddings", _MAX_POS[kind]) / orig
+        factor = hf.get("max_position_embeddings", MAX_POSITIONS[kind]) / orig
     if factor is None:
         raise ValueError(f"config.json {key} with rope_type={rope_type!r} lacks 'factor'")
     try:
@@ -189,6 +189,8 @@ def config_to_hf(cfg: QwenConfig, *, dtype: torch.dtype = torch.float32) -> dict
         "attention_bias": cfg.qkv_bias,
         "tie_word_embeddings": cfg.tie_embeddings,
         "pad_token_id": cfg.pad_token_id,
+        # the family's default context, stated: inference engines read it rather than assume it
+        "max_position_embeddings": MAX_POSITIONS[kind],
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
     if cfg.rope_scaling is not None:

@@ -1,8 +1,8 @@
 """``odcfn plan``: sample a minibatch, balance it, and print every rank's plan.
 
 Per rank: its microbatches (sample ids, tokens, cost), its load relative to the mean, and with
-``--steps`` the full step list; then the simulated step time and bubble rate (zero-cost
-communication unless ``--comm a100``). Work stealing has no static plan: what is printed is the
+``--show-steps`` the full step list; then the simulated step time and bubble rate (zero-cost
+communication unless ``--network a100``). Work stealing has no static plan: what is printed is the
 plan each rank ends up running in the simulation.
 """
 
@@ -44,7 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=None, help="microbatch cap (default: dataset max)")
     p.add_argument("--straggler", type=float, default=1.0, help="slow the last device by this factor")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--steps", action="store_true", help="print every plan's full step list")
+    p.add_argument("--show-steps", action="store_true", help="print every plan's full step list")
 
 
 def render(args: argparse.Namespace) -> str:
@@ -86,7 +86,7 @@ def render(args: argparse.Namespace) -> str:
             f"rank {plan.rank:>3}: {len(plan.microbatches)} microbatches, load "
             f"{load / (total / world):5.2f}x mean, {n_samples} samples: {mbs}"
         )
-        if args.steps:
+        if args.show_steps:
             lines.append(str(plan))
     bound = lower_bound_makespan(lengths, world, cost, slow)
     lines.append(

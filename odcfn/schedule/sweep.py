@@ -4,7 +4,7 @@ For each cell it samples minibatches of ``devices x samples_per_device`` lengths
 three schedules -- Collective + LB-Micro (the FSDP baseline), ODC + LB-Mini, ODC + work stealing
 -- simulates them and reports bubble rates, the bubble lower bound ``max(max cost, total / D)``
 and samples/s. Compute costs are the FLOPs of a 7B-class model at a fixed MFU on A100s; comm is
-an A100 cluster (NVLink inside a node of 8, 200 Gb/s InfiniBand across nodes) unless ``--comm
+an A100 cluster (NVLink inside a node of 8, 200 Gb/s InfiniBand across nodes) unless ``--network
 zero``.
 """
 
@@ -253,7 +253,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--straggler", type=float, default=1.0, help="slow one device by this factor")
     p.add_argument("--minibatches", type=int, default=4, help="sampled minibatches per cell")
     p.add_argument("--units", type=int, default=8, help="FSDP units the 7B model is cut into")
-    p.add_argument("--comm", choices=sorted(COMMS), default="a100", help="communication model")
+    p.add_argument("--network", choices=sorted(COMMS), default="a100",
+                   help="simulated communication costs (as in odcfn plan)")
     p.add_argument("--max-tokens", type=int, default=None, help="microbatch cap (default: dataset max)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON list of rows instead")
@@ -289,7 +290,7 @@ def main(args: argparse.Namespace) -> int:
             straggler=args.straggler,
             minibatches=args.minibatches,
             units=args.units,
-            comm=COMMS[args.comm],
+            comm=COMMS[args.network],
             max_tokens=args.max_tokens,
             seed=args.seed,
         )
@@ -302,7 +303,7 @@ def main(args: argparse.Namespace) -> int:
         print(format_table(rows))
         print(
             f"({len(rows) // len(HEADLINE)} cells in {time.perf_counter() - t0:.1f} s; "
-            f"straggler x{args.straggler:g}, comm={args.comm}, {args.units} units, "
+            f"straggler x{args.straggler:g}, network={args.network}, {args.units} units, "
             f"{args.minibatches} minibatches per cell)"
         )
     return 0

@@ -24,7 +24,9 @@ __all__ = [
     "TrainSection",
     "config_from_dict",
     "load_config",
+    "model_config",
     "check_resume",
+    "default_world_size",
     "resume_conflicts",
     "write_example",
 ]
@@ -85,6 +87,12 @@ class DataSection:
     max_length: int | None = None
     tokenizer: str | None = None  # a local tokenizer dir: path holds chat transcripts
     cache_dir: str | None = None  # tokenized chat shards (default: beside the data file)
+    # a sample longer than max_length or the microbatch cap: "error" (name it before the first
+    # step), "truncate" (keep its first tokens) or "drop" (leave it out); reported in the summary
+    long_samples: str = "error"
+    # a minibatch without loss tokens (every sample fully masked) has no loss: an error naming
+    # its step and data lines before the first step, or (true) a step without an update
+    skip_empty_minibatches: bool = False
 
     def __post_init__(self) -> None:
         _check_types(self, 'data')
@@ -101,21 +109,32 @@ class TrainSection:
     weight_decay_mask: str = "no_norms_biases"  # a name in odcfn.optim.DECAY_MASKS
     max_grad_norm: float | None = None
     comm: str = "odc"
-    balance: str = "round_robin"
+    balance: str | None = None  # None: "lb_mini" for ODC, "lb_micro" for collective
     max_tokens_per_microbatch: int | None = None
     compute_dtype: str = "float32"
-    world_size: int = 1
+    world_size: int | None = None  # None: default_world_size(), the local ranks that fit
     backend: str = "threads"
     timeout: float = 120.0
 
     def __post_init__(self) -> None:
+        # resolved here, so a checkpoint's stored config names what the run actually used
+        if self.balance is None:
+            object.__setattr__(self, "balance", "lb_micro" if self.comm == "collective" else "lb_mini")
+        if self.world_size is None:
+            object.__setattr__(self, "world_size", default_world_size())
         _check_types(self, 'train')
+
+
+def default_world_size() -> int:
+    """Local ranks when the config names none: one per CPU core, at most 4 (more ranks than
+    cores only time-slice; the example minibatches hold 8 samples)."""
+    return max(1, min(4, os.cpu_count() or 1))
 
 
 @dataclass(frozen=True)
 class CheckpointSection:
-    every: int = 0
-    keep: int | None = None
+    every: int = 100  # and always after the last step; 0: never
+    keep: int | None = 3
     resume: bool = True
     resume_anyway: bool = False  # resume although the stored run's config differs
     export_hf: str | None = None
@@ -156,6 +175,7 @@ class SFTConfig:
             ("train.comm", t.comm, ("odc", "collective")),
             ("train.compute_dtype", t.compute_dtype, ("float32", "bfloat16")),
             ("train.backend", t.backend, ("threads", "processes")),
+            ("data.long_samples", self.data.long_samples, ("error", "truncate", "drop")),
         ]:
             if value not in allowed:
                 raise ValueError(f"config: {key} must be one of {list(allowed)}, got {value!r}")
@@ -236,6 +256,22 @@ def load_config(path: str | os.PathLike) -> SFTConfig:
         return config_from_dict(doc, base_dir=path.parent)
     except (ValueError, TypeError) as e:
         raise ValueError(f"{path}: {e}") from None
+
+
+def model_config(cfg: SFTConfig) -> Any:
+    """The run's ``QwenConfig``: read from ``model.hf_path``'s config.json, or built from
+    ``[model]`` (which names QwenConfig's fields, plus ``hf_path`` and ``seed``)."""
+    from odcfn.models import QwenConfig
+
+    m = cfg.model
+    if m.hf_path:
+        from odcfn.models.hf_config import config_from_hf
+
+        path = Path(m.hf_path) / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"model.hf_path: {path} does not exist (a Hugging Face model directory)")
+        return config_from_hf(json.loads(path.read_text()))
+    return QwenConfig(**{f.name: getattr(m, f.name) for f in fields(QwenConfig) if hasattr(m, f.name)})
 
 
 # what may change when a run resumes: how long, on how many ranks, how it logs and checkpoints

@@ -1,6 +1,8 @@
 """``odcfn train --config run.toml``: a supervised fine-tuning loop on W local ranks.
 
-Each rank reads the same token file, computes the same minibatch for every step
+The launcher locks ``out_dir`` (``odcfn.sft.lock``: one run per directory) and reads and checks
+the whole dataset once before any rank starts (``odcfn.sft.prepare``: problems are named by
+``file:line`` up front). Each rank holds the same samples, computes the same minibatch for every step
 (``odcfn.data.records.batch_at``), runs ``train_step`` (ODC or collective), and rank 0 writes one JSON
 line of metrics per step (``<out_dir>/metrics.jsonl``; TensorBoard too when installed and
 asked for). Checkpoints go to ``<out_dir>/checkpoints/step-XXXXXXXX`` every ``every`` steps;
@@ -19,14 +21,17 @@ Config (TOML or JSON), every key optional except ``data.path`` and ``train.steps
     path = "train.jsonl", batch_size = 8, seed = 0, shuffle = true, max_length = 4096
     tokenizer = "path/to/tokenizer"       # optional: path holds {"messages": [...]} chat lines
     cache_dir = "path"                    # tokenized chat shards (default: <path>.odcfn-cache)
+    long_samples = "error" | "truncate" | "drop"   # samples over max_length / the microbatch cap
+    skip_empty_minibatches = false        # true: a minibatch without loss tokens is no update
     [train]
     steps = 100, lr = 1e-3, warmup_steps = 0, schedule = "constant" | "cosine",
     optimizer = "adamw" | "sgd", weight_decay = 0.0, max_grad_norm = 1.0,
     weight_decay_mask = "no_norms_biases" | "no_norms_biases_embeddings" | "all",
-    comm = "odc" | "collective", balance = "round_robin", max_tokens_per_microbatch = 4096,
-    compute_dtype = "float32" | "bfloat16", world_size = 2, backend = "threads" | "processes"
+    comm = "odc" | "collective", balance = "lb_mini" (ODC) / "lb_micro" (collective),
+    max_tokens_per_microbatch = 4096, compute_dtype = "float32" | "bfloat16",
+    world_size = one per CPU core up to 4, backend = "threads" | "processes"
     [checkpoint]
-    every = 50, keep = 3, export_hf = "path"   # HF copy of the final weights
+    every = 100, keep = 3, export_hf = "path"  # (and after the last step); HF copy of the final weights
     resume = true          # false (or --no-resume): start over, deleting out_dir's checkpoints
     resume_anyway = false  # resuming with another config/dataset is refused unless true
     [log]
@@ -39,13 +44,12 @@ Config (TOML or JSON), every key optional except ``data.path`` and ``train.steps
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import shutil
 import sys
 import time
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -55,8 +59,10 @@ from odcfn.sft.config import (
     check_resume,
     config_from_dict,
     load_config,
+    model_config,
     write_example,
 )
+from odcfn.sft.prepare import PreparedData, prepare_data
 from odcfn.sft.record import Logger, prune, step_record
 
 __all__ = ["SFTConfig", "add_arguments", "config_from_dict", "load_config", "main", "run", "train_rank"]
@@ -80,26 +86,21 @@ def _lr_fn(t: TrainSection):
 def _build_model(cfg: SFTConfig, mesh=None):
     """``(QwenConfig, Model, this rank's initial shards or None)``: shards only when ``mesh`` is
     given. An HF checkpoint is read shard-wise: no rank ever holds the full weights."""
-    from odcfn.models import QwenConfig, init_params, qwen_model
+    from odcfn.models import init_params, qwen_model
     from odcfn.sharding import shard
 
-    m = cfg.model
-    if m.hf_path:
-        from odcfn.models.hf import config_from_hf, shard_from_hf
+    if cfg.model.hf_path and mesh is not None:
+        from odcfn.models.hf import shard_from_hf
 
-        if mesh is None:
-            qcfg = config_from_hf(json.loads((Path(m.hf_path) / "config.json").read_text()))
-            return qcfg, qwen_model(qcfg), None
-        qcfg, shards = shard_from_hf(m.hf_path, mesh)
+        qcfg, shards = shard_from_hf(cfg.model.hf_path, mesh)
         return qcfg, qwen_model(qcfg), shards
-    # [model] names QwenConfig's fields (plus hf_path and seed): pass over the ones it has
-    qcfg = QwenConfig(**{f.name: getattr(m, f.name) for f in fields(QwenConfig) if hasattr(m, f.name)})
+    qcfg = model_config(cfg)
     if cfg.checkpoint.export_hf:  # refuse an unexportable model before training, not after
         from odcfn.models.hf_config import model_type
 
         model_type(qcfg)
     model = qwen_model(qcfg)
-    return qcfg, model, None if mesh is None else shard(init_params(qcfg, seed=m.seed), model, mesh)
+    return qcfg, model, None if mesh is None else shard(init_params(qcfg, seed=cfg.model.seed), model, mesh)
 
 
 @dataclass
@@ -107,15 +108,14 @@ class _Run:
     """What one rank's loop runs with, built once by ``_setup``."""
 
     state: Any  # odcfn.TrainState
-    data: Any  # odcfn.data.dataset.TokenDataset
-    per_epoch: int
+    data: PreparedData
     lr: Any  # step -> learning rate
     data_sha: str
     start: int
     resumed: str | None
 
 
-def _setup(cfg: SFTConfig, rank: int, transport) -> _Run:
+def _setup(cfg: SFTConfig, rank: int, transport, data: PreparedData | None = None) -> _Run:
     """The rank's state (fresh, or resumed from the newest verified checkpoint), its data and
     schedule; refuses a resume whose config or data differ from the checkpoint's."""
     import torch
@@ -123,7 +123,6 @@ def _setup(cfg: SFTConfig, rank: int, transport) -> _Run:
     import odcfn
     from odcfn.checkpoint.sharded import latest, read_manifest, read_shards
     from odcfn.checkpoint.verify import sha256
-    from odcfn.data.records import read_dataset, steps_per_epoch
 
     t = cfg.train
     mesh = transport.mesh  # the transport's view of the job (ranks_per_node, sharding) wins
@@ -131,15 +130,8 @@ def _setup(cfg: SFTConfig, rank: int, transport) -> _Run:
         raise ValueError(f"transport serves {mesh}, but the config asks for rank {rank} of {t.world_size}")
     ck = latest(cfg.checkpoint_dir) if cfg.checkpoint.resume else None
     qcfg, model, initial = _build_model(cfg, None if ck is not None else mesh)
-    d = cfg.data
-    if d.tokenizer:  # chat transcripts, tokenized once and cached
-        from odcfn.data.chat import read_chat_jsonl
-
-        data = read_chat_jsonl(
-            d.path, d.tokenizer, vocab_size=qcfg.vocab_size, max_length=d.max_length, cache_dir=d.cache_dir
-        )
-    else:
-        data = read_dataset(d.path, vocab_size=qcfg.vocab_size, max_length=d.max_length)
+    if data is None:  # a rank of torchrun or of the processes backend: its own (cached) read
+        data = prepare_data(cfg, qcfg.vocab_size)
     lr = _lr_fn(t)
     make_opt = odcfn.adamw if t.optimizer == "adamw" else odcfn.sgd
     optimizer = make_opt(lr, weight_decay=t.weight_decay, weight_decay_mask=t.weight_decay_mask)
@@ -151,11 +143,14 @@ def _setup(cfg: SFTConfig, rank: int, transport) -> _Run:
     start, resumed = 0, None
     data_sha = sha256(Path(cfg.data.path))
     if ck is not None:
-        check_resume(cfg, read_manifest(ck).get("extra", {}), data_sha, str(ck))
+        extra = read_manifest(ck).get("extra", {})
+        check_resume(cfg, extra, data_sha, str(ck))
         # the state is built from the checkpoint's shards: a resumed rank never initialises
         # (or holds) fresh weights
         params, opt_state, start = read_shards(ck, model=model, mesh=mesh)
         resumed = str(ck)
+        if rank == 0:
+            _say_schedule_change(extra.get("config", {}), cfg, start)
     else:
         params, opt_state = initial, None
     state = odcfn.TrainState.create(
@@ -170,15 +165,40 @@ def _setup(cfg: SFTConfig, rank: int, transport) -> _Run:
             num = d.name.removeprefix("step-")
             if num.isdigit() and (not cfg.checkpoint.resume or int(num) > start):
                 shutil.rmtree(d)
-    return _Run(state, data, steps_per_epoch(data, cfg.data.batch_size), lr, data_sha, start, resumed)
+    return _Run(state, data, lr, data_sha, start, resumed)
+
+
+def _say_schedule_change(stored: dict[str, Any], cfg: SFTConfig, start: int) -> None:
+    """A resume with another ``train.steps`` stretches (or shrinks) a decaying schedule: say so."""
+    was = stored.get("train", {}).get("steps")
+    t = cfg.train
+    if not isinstance(was, int) or was == t.steps:
+        return
+    if t.schedule == "constant":
+        what = "the learning rate stays constant, so only the run's length changes"
+    else:
+        old = _lr_fn(replace(t, steps=was))(start + 1)
+        what = (
+            f"the {t.schedule} schedule now decays over {t.steps} steps instead of {was}: the "
+            f"learning rate at step {start + 1} is {_lr_fn(t)(start + 1):.3g} (it would have been {old:.3g})"
+        )
+    print(f"odcfn train: train.steps {was} -> {t.steps} on resume from step {start}; {what}", flush=True)
+
+
+def _lr_now(run: _Run, step: int) -> float:
+    """The rate of the update just made: the optimizer counts updates, skipped steps are none."""
+    count = run.state.opt_state.get("count") if isinstance(run.state.opt_state, dict) else None
+    return run.lr(count if isinstance(count, int) else step + 1)
 
 
 def _checkpoint(cfg: SFTConfig, run: _Run, done: int) -> None:
     """Save after step ``done`` when the schedule says so (every rank calls it)."""
     import odcfn
 
-    every = cfg.checkpoint.every
-    if not every or (done % every and done != cfg.train.steps):
+    every, last = cfg.checkpoint.every, done == cfg.train.steps
+    # under torchrun the HF export is written from the last step's checkpoint
+    export_from_it = last and bool(cfg.checkpoint.export_hf) and _under_torchrun()
+    if not ((every and (done % every == 0 or last)) or export_from_it):
         return
     odcfn.save(
         cfg.checkpoint_dir / f"step-{done:08d}", run.state,
@@ -188,22 +208,27 @@ def _checkpoint(cfg: SFTConfig, run: _Run, done: int) -> None:
         prune(cfg.checkpoint_dir, cfg.checkpoint.keep, done)
 
 
-def train_rank(cfg: SFTConfig, rank: int, transport) -> dict[str, Any]:
-    """The SFT loop for one rank; returns a summary (and rank's final shards for export)."""
+def train_rank(cfg: SFTConfig, rank: int, transport, data: PreparedData | None = None) -> dict[str, Any]:
+    """The SFT loop for one rank; returns a summary (and rank's final shards for export).
+    ``data``: the launcher's checked dataset (else this rank reads and checks it)."""
     import odcfn
     from odcfn.data.records import batch_at
 
-    run = _setup(cfg, rank, transport)
+    run = _setup(cfg, rank, transport, data)
     logger = Logger(cfg, run.start) if rank == 0 else None
     last = None
     try:
         for step in range(run.start, cfg.train.steps):
+            if step in run.data.skip_steps:  # no loss tokens: a step without an update
+                run.state = run.state.replace(step=step + 1)
+                _checkpoint(cfg, run, step + 1)
+                continue
             d = cfg.data
-            batch = batch_at(run.data, step, d.batch_size, seed=d.seed, shuffle=d.shuffle)
+            batch = batch_at(run.data.dataset, step, d.batch_size, seed=d.seed, shuffle=d.shuffle)
             run.state, m = odcfn.train_step(run.state, batch)
             last = m.loss
             if logger is not None:
-                logger.log(step_record(m, step + 1, step // run.per_epoch, run.lr(step + 1)))
+                logger.log(step_record(m, step + 1, step // run.data.per_epoch, _lr_now(run, step)))
             _checkpoint(cfg, run, step + 1)
     finally:
         if logger is not None:
@@ -214,6 +239,7 @@ def train_rank(cfg: SFTConfig, rank: int, transport) -> dict[str, Any]:
         "steps": cfg.train.steps,
         "final_loss": last,
         "resumed_from": run.resumed,
+        "data": run.data.report(),
     }
     if cfg.checkpoint.export_hf:
         # numpy: torch would send tensors to the launcher as shared-memory handles that die
@@ -237,35 +263,47 @@ def _process_worker(cfg: SFTConfig) -> dict[str, Any]:
         return train_rank(cfg, mesh.rank, tr)
 
 
+def _under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
 def run(cfg: SFTConfig) -> list[dict[str, Any]]:
-    """Run the whole job on ``cfg.train.world_size`` local ranks; per-rank summaries."""
+    """Run the whole job on ``cfg.train.world_size`` local ranks; per-rank summaries. The
+    output directory is locked for the run (``odcfn.sft.lock``); the data is read and checked
+    once, before any rank starts (``odcfn.sft.prepare``)."""
+    from odcfn.sft.lock import RunLock
+
+    if _under_torchrun() and os.environ["RANK"] != "0":  # rank 0 holds the lock for the job
+        return [_process_worker(cfg)]
+    with RunLock(cfg.out_dir):
+        return _run_locked(cfg)
+
+
+def _run_locked(cfg: SFTConfig) -> list[dict[str, Any]]:
     import odcfn
+    from odcfn.sft.export import export_checkpoint, export_params
 
     W = cfg.train.world_size
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # already one rank of torchrun
+    if _under_torchrun():  # one rank of torchrun: no launcher to collect the weights
         results = [_process_worker(cfg)]
-    elif cfg.train.backend == "processes":
+        if cfg.checkpoint.export_hf:  # this rank saved the last step's checkpoint with the others
+            export_checkpoint(cfg.checkpoint_dir / f"step-{cfg.train.steps:08d}", cfg.checkpoint.export_hf)
+        return results
+    qcfg, model, _ = _build_model(cfg)
+    data = prepare_data(cfg, qcfg.vocab_size)  # every problem named before a rank starts
+    if cfg.train.backend == "processes":
         from odcfn.launch import launch
 
         results = launch(_process_worker, W, args=(cfg,), timeout=cfg.train.timeout)
     else:
-        results = odcfn.run_local(lambda rank, tr: train_rank(cfg, rank, tr), W, timeout=cfg.train.timeout)
-    if cfg.checkpoint.export_hf and len(results) != W:  # one rank of torchrun: no launcher
-        if results[0]["rank"] == 0:
-            print(
-                "odcfn train: export_hf is written by the launcher (backend threads/processes); "
-                "under torchrun, export from the last checkpoint",
-                file=sys.stderr,
-            )
-    elif cfg.checkpoint.export_hf:
+        results = odcfn.run_local(
+            lambda rank, tr: train_rank(cfg, rank, tr, data), W, timeout=cfg.train.timeout
+        )
+    if cfg.checkpoint.export_hf:
         import torch
 
-        from odcfn.models.hf import to_hf
-
-        qcfg, model, _ = _build_model(cfg)
         shards = [{k: torch.from_numpy(v) for k, v in r.pop("shards").items()} for r in results]
-        full = odcfn.unshard(shards, model, odcfn.Mesh(W))
-        to_hf(cfg.checkpoint.export_hf, full, qcfg)
+        export_params(cfg.checkpoint.export_hf, odcfn.unshard(shards, model, odcfn.Mesh(W)), qcfg, cfg)
     return results
 
 
@@ -277,8 +315,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--init", metavar="DIR", help="write an example run.toml + train.jsonl into DIR and exit"
     )
-    parser.add_argument("--steps", type=int, help="override train.steps")
-    parser.add_argument("--world-size", type=int, help="override train.world_size")
+    parser.add_argument("--steps", type=int, help="optimizer steps (minibatches) of the whole run; overrides "
+                        "train.steps (on resume: a decaying schedule is stretched to the new length)")
+    parser.add_argument("--world-size", type=int, help="local ranks; overrides train.world_size")
     parser.add_argument("--out-dir", help="override out_dir")
     parser.add_argument(
         "--no-resume",
@@ -321,8 +360,30 @@ def main(args: argparse.Namespace) -> int:
     where = f", resumed from {head['resumed_from']}" if head["resumed_from"] else ""
     print(
         f"odcfn train: steps {head['start_step']}..{head['steps']} on {cfg.train.world_size} rank(s) "
-        f"({cfg.train.comm}){where}; final loss {head['final_loss']}; "
+        f"({cfg.train.comm}+{cfg.train.balance}){where}; final loss {head['final_loss']}; "
         f"metrics {cfg.metrics_path}; {time.perf_counter() - t0:.1f}s",
         flush=True,
     )
+    for line in _data_summary(head.get("data", {}), cfg):
+        print(f"odcfn train: {line}", flush=True)
+    if cfg.checkpoint.export_hf:
+        print(f"odcfn train: Hugging Face model written to {cfg.checkpoint.export_hf}", flush=True)
     return 0
+
+
+def _data_summary(rep: dict[str, Any], cfg: SFTConfig) -> list[str]:
+    """What the run did to its data (``PreparedData.report``), one line per kind."""
+    from odcfn.sft.prepare import length_limit
+
+    out = []
+    limit, key = length_limit(cfg)
+    for kind in ("truncated", "dropped"):
+        lines = rep.get(kind) or []
+        if lines:
+            more = f" and {len(lines) - 3} more" if len(lines) > 3 else ""
+            shown = ", ".join(lines[:3])
+            out.append(f"{kind} {len(lines)} sample(s) longer than {key}={limit}: {shown}{more}")
+    skipped = rep.get("skipped_steps") or []
+    if skipped:
+        out.append(f"skipped {len(skipped)} step(s) whose minibatch has no loss tokens: {skipped[:10]}")
+    return out
