@@ -16,7 +16,7 @@ against replicating them). Exports: ``save_peft`` / ``load_peft`` (PEFT's files)
 """
 
 from odcfn.lora.core import LoraSpec, adapter_units, apply, base_model, merge, spec
-from odcfn.lora.peft_io import load_peft, peft_state_dict, save_peft
+from odcfn.lora.peft_io import load_peft, load_peft_tensors, peft_state_dict, save_peft
 from odcfn.lora.sync import gather_adapters, gather_merged
 
 __all__ = [
@@ -27,6 +27,7 @@ __all__ = [
     "gather_adapters",
     "gather_merged",
     "load_peft",
+    "load_peft_tensors",
     "merge",
     "peft_state_dict",
     "save_peft",

@@ -25,7 +25,7 @@ from odcfn.model import Model
 from odcfn.step.state import TrainState
 from odcfn.tree import PyTree, tree_flatten_with_path, tree_unflatten
 
-__all__ = ["load_peft", "peft_state_dict", "save_peft"]
+__all__ = ["load_peft", "load_peft_tensors", "peft_state_dict", "save_peft"]
 
 WEIGHTS, CONFIG = "adapter_model.safetensors", "adapter_config.json"
 
@@ -136,18 +136,26 @@ def load_peft(path: str | os.PathLike, model: Model, params: Mapping[str, PyTree
     except ValueError as e:
         raise ValueError(f"{cfg_file}: not JSON ({e})") from None
     _check_config(cfg, cfg_file, model)
-    want = {key: (unit, leaf) for unit, leaf, key in peft_names(model)}
-    out = dict(params)
     with safe_open(str(weights), framework="pt") as f:
-        keys = set(f.keys())
-        # PEFT may keep the adapter name in the key ("...lora_A.default.weight"): accept that
-        names = {k.replace(".default.weight", ".weight"): k for k in keys}
-        missing, extra = sorted(set(want) - set(names)), sorted(set(names) - set(want))
-        if missing or extra:
-            raise ValueError(f"{weights}: missing keys {missing[:4]}, unexpected keys {extra[:4]}")
-        loaded: dict[str, dict[str, torch.Tensor]] = {}
-        for key, (unit, leaf) in want.items():
-            loaded.setdefault(unit, {})[leaf] = f.get_tensor(names[key])
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    return load_peft_tensors(model, params, tensors, where=weights)
+
+
+def load_peft_tensors(
+    model: Model, params: Mapping[str, PyTree], tensors: Mapping[str, torch.Tensor], *,
+    where: Any = "adapters",
+) -> dict[str, PyTree]:
+    """``params`` with the adapters given as PEFT-keyed tensors (``...lora_A.weight``; PEFT's
+    in-memory ``...lora_A.default.weight`` too)."""
+    want = {key: (unit, leaf) for unit, leaf, key in peft_names(model)}
+    names = {k.replace(".default.weight", ".weight"): k for k in tensors}
+    missing, extra = sorted(set(want) - set(names)), sorted(set(names) - set(want))
+    if missing or extra:
+        raise ValueError(f"{where}: missing keys {missing[:4]}, unexpected keys {extra[:4]}")
+    loaded: dict[str, dict[str, torch.Tensor]] = {}
+    for key, (unit, leaf) in want.items():
+        loaded.setdefault(unit, {})[leaf] = tensors[names[key]]
+    out = dict(params)
     for unit, leaves in loaded.items():
         paths, shapes, treedef = tree_flatten_with_path(model.unit(unit).shapes)
         vals = []
@@ -156,8 +164,8 @@ def load_peft(path: str | os.PathLike, model: Model, params: Mapping[str, PyTree
             if tuple(t.shape) != tuple(shape):
                 key = next(k for k, v in want.items() if v == (unit, p))
                 raise ValueError(
-                    f"{weights}: {key} has shape {tuple(t.shape)}, the model expects {tuple(shape)}"
+                    f"{where}: {key} has shape {tuple(t.shape)}, the model expects {tuple(shape)}"
                 )
-            vals.append(t.to(model.dtype).clone())
+            vals.append(t.detach().to(model.dtype).clone())
         out[unit] = tree_unflatten(treedef, vals)
     return out
