@@ -29,8 +29,9 @@ def _peft_model(name: str, path, *, r: int, alpha: float, targets, rslora=False,
     ref = hf_model(name, qk_noise=0.25, tied=tied)
     ref.save_pretrained(path)
     cfg, base = from_hf(path)
-    conf = peft.LoraConfig(r=r, lora_alpha=alpha, target_modules=list(targets), lora_dropout=0.0,
-                           use_rslora=rslora)
+    conf = peft.LoraConfig(
+        r=r, lora_alpha=alpha, target_modules=list(targets), lora_dropout=0.0, use_rslora=rslora
+    )
     pm = peft.get_peft_model(ref, conf)
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
@@ -61,12 +62,15 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.parametrize("name", list(TARGETS))
 def test_loss_and_adapter_grads_equal_peft(tmp_path, name):
     rslora = name == "qwen3"
-    pm, model, params, _ = _peft_model(name, tmp_path / "hf", r=4, alpha=8, targets=TARGETS[name],
-                                       rslora=rslora)
+    pm, model, params, _ = _peft_model(
+        name, tmp_path / "hf", r=4, alpha=8, targets=TARGETS[name], rslora=rslora
+    )
     batch = odcfn.random_batch([9, 17, 5], model.vocab_size, seed=2)
     want = _peft_loss(pm, batch)
     want.backward()
-    want_g = {k.replace(".default.weight", ".weight"): p.grad for k, p in pm.named_parameters() if "lora_" in k}
+    want_g = {
+        k.replace(".default.weight", ".weight"): p.grad for k, p in pm.named_parameters() if "lora_" in k
+    }
     loss, grads = odcfn.reference_value_and_grad(model, params, batch)
     assert abs(float(loss) - float(want)) <= 1e-5 * abs(float(want))
     got_g = lora.peft_state_dict(model, grads)
@@ -74,7 +78,9 @@ def test_loss_and_adapter_grads_equal_peft(tmp_path, name):
         assert float(g.norm()) > 0, k
         assert _rel(got_g[k], g) <= 1e-5, (k, _rel(got_g[k], g))
     # the sharded step at W=3 gives the same adapter gradients; the base gets none
-    outs = odcfn.run_local(lambda r, t: odcfn.grad_step(_state(model, params, t, "odc"), batch), 3, timeout=60)
+    outs = odcfn.run_local(
+        lambda r, t: odcfn.grad_step(_state(model, params, t, "odc"), batch), 3, timeout=60
+    )
     full = odcfn.unshard([o[0] for o in outs], trained_model(model), odcfn.Mesh(3, 0))
     for k, g in lora.peft_state_dict(model, full).items():
         assert _rel(g, want_g[k]) <= 1e-5, k
@@ -83,19 +89,27 @@ def test_loss_and_adapter_grads_equal_peft(tmp_path, name):
 
 def _state(model, params, transport, comm, lr=1e-2):
     cfg = odcfn.StepConfig(comm=comm, balance="lb_mini", max_tokens_per_microbatch=24)
-    return odcfn.TrainState.create(params=params, model=model, optimizer=odcfn.adamw(lr, weight_decay=0.1),
-                                   transport=transport, config=cfg)
+    return odcfn.TrainState.create(
+        params=params,
+        model=model,
+        optimizer=odcfn.adamw(lr, weight_decay=0.1),
+        transport=transport,
+        config=cfg,
+    )
 
 
 def _batches(vocab: int) -> list[odcfn.Batch]:
-    return [odcfn.random_batch(ls, vocab, seed=10 + i) for i, ls in enumerate([[9, 17, 5, 12, 3], [20, 4, 8, 8],
-                                                                              [3, 3, 15, 11, 6, 2]])]
+    return [
+        odcfn.random_batch(ls, vocab, seed=10 + i)
+        for i, ls in enumerate([[9, 17, 5, 12, 3], [20, 4, 8, 8], [3, 3, 15, 11, 6, 2]])
+    ]
 
 
 @pytest.mark.parametrize("comm", ["odc", "collective"])
 def test_three_adamw_steps_at_w3_equal_peft(tmp_path, comm):
-    pm, model, params, cfg = _peft_model("qwen2", tmp_path / "hf", r=3, alpha=6, targets=("q_proj", "v_proj",
-                                                                                           "down_proj"), tied=True)
+    pm, model, params, cfg = _peft_model(
+        "qwen2", tmp_path / "hf", r=3, alpha=6, targets=("q_proj", "v_proj", "down_proj"), tied=True
+    )
     batches = _batches(model.vocab_size)
     trained = [p for n, p in pm.named_parameters() if p.requires_grad]
     assert trained and all("lora_" in n for n, p in pm.named_parameters() if p.requires_grad)
@@ -121,7 +135,7 @@ def test_three_adamw_steps_at_w3_equal_peft(tmp_path, comm):
 
     outs = odcfn.run_local(run, 3, timeout=120)
     assert [o[2] for o in outs][0] == pytest.approx(want_losses, rel=1e-5)
-    st = outs[0][0]
+
     adapters = set(lora.adapter_units(model))
     for st_r, frozen0, _, plans, counters in outs:
         for k in model.frozen:  # bit for bit
@@ -135,7 +149,9 @@ def test_three_adamw_steps_at_w3_equal_peft(tmp_path, comm):
                 assert c.scatters == len(pushed)
     full = odcfn.unshard([o[0].params for o in outs], model, odcfn.Mesh(3, 0))
     got = lora.peft_state_dict(model, full)
-    want = {k.replace(".default.weight", ".weight"): p.detach() for k, p in pm.named_parameters() if "lora_" in k}
+    want = {
+        k.replace(".default.weight", ".weight"): p.detach() for k, p in pm.named_parameters() if "lora_" in k
+    }
     start = lora.peft_state_dict(model, params)
     for k, w in want.items():
         assert _rel(got[k], w) <= 1e-4, (k, _rel(got[k], w))
@@ -143,8 +159,9 @@ def test_three_adamw_steps_at_w3_equal_peft(tmp_path, comm):
     # the PEFT round trip: odcfn's trained adapters load with PeftModel.from_pretrained
     paths = odcfn.run_local(lambda r, t: lora.save_peft(tmp_path / "peft", outs[r][0]), 3, timeout=60)
     assert paths[0] is not None and paths[1] is None and paths[2] is None  # one writer
-    back = peft.PeftModel.from_pretrained(type(pm.base_model.model).from_pretrained(tmp_path / "hf"),
-                                          tmp_path / "peft").eval()
+    back = peft.PeftModel.from_pretrained(
+        type(pm.base_model.model).from_pretrained(tmp_path / "hf"), tmp_path / "peft"
+    ).eval()
     ids = batches[0].samples[1].tokens.long()[None]
     with torch.no_grad():
         got_logits, want_logits = back(input_ids=ids).logits, pm.eval()(input_ids=ids).logits
@@ -161,8 +178,14 @@ def test_three_adamw_steps_at_w3_equal_peft(tmp_path, comm):
 def test_a_peft_saved_adapter_loads_into_odcfn(tmp_path):
     pm, model, params, _ = _peft_model("llama3", tmp_path / "hf", r=2, alpha=5, targets=TARGETS["llama3"])
     pm.save_pretrained(tmp_path / "peft")
-    fresh_model, fresh = lora.apply(qwen_model(from_hf(tmp_path / "hf")[0]), from_hf(tmp_path / "hf")[1], rank=2,
-                                    alpha=5, targets=TARGETS["llama3"], seed=7)
+    fresh_model, fresh = lora.apply(
+        qwen_model(from_hf(tmp_path / "hf")[0]),
+        from_hf(tmp_path / "hf")[1],
+        rank=2,
+        alpha=5,
+        targets=TARGETS["llama3"],
+        seed=7,
+    )
     loaded = lora.load_peft(tmp_path / "peft", fresh_model, fresh)
     batch = odcfn.random_batch([11, 6], model.vocab_size, seed=4)
     with torch.no_grad():
