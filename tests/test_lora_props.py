@@ -225,3 +225,53 @@ def test_unsupported_or_mismatched_peft_config_is_named(tmp_path, field, value, 
     with pytest.raises(ValueError, match="adapter_config.json") as e:
         lora.load_peft(state_dir, model, params)
     assert e.match(match)
+
+
+def test_odcfn_train_with_a_lora_section(tmp_path):
+    """``[lora]`` in run.toml: an HF base, adapter-only checkpoints that reference it, a resume
+    that continues exactly, and a merged export."""
+    from odcfn import cli
+    from odcfn.checkpoint.sharded import read_manifest
+    from odcfn.data.records import synthetic_records, write_jsonl
+    from odcfn.models import from_hf, to_hf
+
+    to_hf(tmp_path / "base", init_params(CFG, seed=3), CFG)
+    write_jsonl(
+        tmp_path / "train.jsonl", synthetic_records([5, 9, 7, 12, 6, 8, 10, 4], CFG.vocab_size, seed=0)
+    )
+
+    def setup(d):
+        d.mkdir()
+        (d / "run.toml").write_text(
+            f'out_dir = "out"\n[model]\nhf_path = "{tmp_path / "base"}"\n'
+            f'[data]\npath = "{tmp_path / "train.jsonl"}"\nbatch_size = 4\n'
+            "[train]\nsteps = 4\nlr = 3e-2\nworld_size = 2\nmax_tokens_per_microbatch = 24\n"
+            '[checkpoint]\nevery = 2\nexport_hf = "merged"\n'
+            '[lora]\nrank = 2\nalpha = 4.0\ntargets = ["q_proj", "v_proj", "down_proj"]\n'
+        )
+        return str(d / "run.toml")
+
+    a, b = setup(tmp_path / "a"), setup(tmp_path / "b")
+    assert cli.main(["train", "--config", a, "--quiet"]) == 0
+    assert cli.main(["train", "--config", b, "--quiet", "--steps", "2"]) == 0
+    assert cli.main(["train", "--config", b, "--quiet"]) == 0  # resumes at step 2 on the same base
+    doc = read_manifest(tmp_path / "a" / "out" / "checkpoints" / "step-00000004")
+    assert set(doc["units"]) == {"lora.layers.0", "lora.layers.1"}
+    assert doc["extra"]["frozen_base"]["path"] == str((tmp_path / "base").resolve())
+    la = [json.loads(x)["loss"] for x in (tmp_path / "a" / "out" / "metrics.jsonl").read_text().splitlines()]
+    lb = [json.loads(x)["loss"] for x in (tmp_path / "b" / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert la == lb and la[-1] < la[0]
+    merged_a, merged_b = (
+        from_hf(tmp_path / "a" / "merged")[1],
+        from_hf(tmp_path / "b" / "merged")[1],
+    )
+    assert odcfn.tree_allclose(merged_a, merged_b, rtol=0, atol=0)
+    base = from_hf(tmp_path / "base")[1]
+    assert not torch.equal(
+        merged_a["layers.0"]["self_attn"]["q_proj"]["weight"],
+        base["layers.0"]["self_attn"]["q_proj"]["weight"],
+    )
+    assert torch.equal(
+        merged_a["layers.0"]["self_attn"]["k_proj"]["weight"],
+        base["layers.0"]["self_attn"]["k_proj"]["weight"],
+    )

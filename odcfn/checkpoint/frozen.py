@@ -14,9 +14,10 @@ import os
 from pathlib import Path
 from typing import Any
 
+from odcfn.checkpoint import sharded
 from odcfn.model import Model, Unit
 
-__all__ = ["KEY", "base_reference", "trained_model", "verify_base"]
+__all__ = ["KEY", "base_reference", "load_parts", "trained_model", "verify_base"]
 
 KEY = "frozen_base"  # the manifest's extra entry
 
@@ -83,3 +84,18 @@ def verify_base(ref: Any, model: Model, where: Path, base: str | os.PathLike | N
                 f"checkpoint {where}: base file {root / name} differs from the one the adapters were trained "
                 "on (sha256 mismatch): a LoRA checkpoint only makes sense on its own base"
             )
+
+
+def load_parts(
+    path: str | os.PathLike, model: Model, mesh: Any, frozen_shards: Any,
+    base: str | os.PathLike | None = None,
+) -> tuple[dict[str, Any], Any, int]:
+    """``(params, opt_state, step)`` of checkpoint ``path`` for ``model``: with frozen units,
+    the checkpoint's trained units next to ``frozen_shards`` (this rank's base shards), after
+    ``verify_base``; without, the checkpoint's params as they are."""
+    if not model.frozen:
+        return sharded.load(path, model=model, mesh=mesh)
+    ref = sharded.read_manifest(path).get("extra", {}).get(KEY)
+    verify_base(ref, model, Path(path), base)
+    params, opt_state, step = sharded.load(path, model=trained_model(model), mesh=mesh)
+    return {**{k: frozen_shards[k] for k in model.frozen}, **params}, opt_state, step

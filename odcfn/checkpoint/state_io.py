@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 from odcfn.checkpoint import frozen, sharded
@@ -46,13 +45,7 @@ def load(path: str | os.PathLike, state: TrainState, *, base: str | os.PathLike 
     base files the checkpoint records (at ``base`` if they moved) still hash the same."""
     if not isinstance(state, TrainState):
         raise TypeError(f"odcfn.load(path, state): state must be a TrainState, got {type(state).__name__}")
-    model = state.model
-    if model.frozen:
-        ref = sharded.read_manifest(path).get("extra", {}).get(frozen.KEY)
-        frozen.verify_base(ref, model, Path(path), base)
-        model = frozen.trained_model(model)
-    params, opt_state, step = sharded.load(path, model=model, mesh=state.mesh)
-    params = {**state.params, **params}
+    params, opt_state, step = frozen.load_parts(path, state.model, state.mesh, state.params, base)
     # a checkpoint of another optimizer (SGD's into AdamW's state) would fail only in the update
     check_opt_state(opt_state, state.opt_state, f"odcfn.load: the opt_state of checkpoint {os.fspath(path)}")
     return state.replace(params=params, opt_state=opt_state, step=step)

@@ -15,7 +15,7 @@ against replicating them). Exports: ``save_peft`` / ``load_peft`` (PEFT's files)
 ``gather_adapters`` / ``gather_merged`` (RL weight sync).
 """
 
-from odcfn.lora.core import LoraSpec, adapter_units, apply, base_model, merge, spec
+from odcfn.lora.core import LoraSpec, adapter_units, apply, apply_to_shards, base_model, merge, spec
 from odcfn.lora.peft_io import load_peft, load_peft_tensors, peft_state_dict, save_peft
 from odcfn.lora.sync import gather_adapters, gather_merged
 
@@ -23,6 +23,7 @@ __all__ = [
     "LoraSpec",
     "adapter_units",
     "apply",
+    "apply_to_shards",
     "base_model",
     "gather_adapters",
     "gather_merged",

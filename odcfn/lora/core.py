@@ -12,7 +12,7 @@ import torch
 from odcfn.model import Model, Unit
 from odcfn.tree import PyTree, tree_flatten_with_path
 
-__all__ = ["LoraSpec", "adapter_units", "apply", "base_model", "merge", "spec"]
+__all__ = ["LoraSpec", "adapter_units", "apply", "apply_to_shards", "base_model", "merge", "spec"]
 
 PREFIX = "lora."  # adapter unit of unit u: "lora.u"
 
@@ -186,6 +186,24 @@ def apply(
     key = (f"{model.config_key} lora(r={rank}, alpha={float(alpha)}, targets={list(targets)}, "
            f"rslora={use_rslora})")
     lm = Model(tuple(units), dtype=model.dtype, vocab_size=model.vocab_size, config_key=key, frozen=frozen)
+    return lm, out
+
+
+def apply_to_shards(
+    model: Model, shards: Mapping[str, torch.Tensor], mesh: Any, **kwargs: Any
+) -> tuple[Model, dict[str, torch.Tensor]]:
+    """``apply`` for a rank that holds only its base shards (``shard_from_hf``): the LoRA model
+    and this rank's shards of it (the adapters drawn whole, as ``apply`` draws them, then cut)."""
+    from odcfn.sharding import make_layout
+
+    lm, adapters = apply(model, {}, **kwargs)
+    out = {}
+    for u in make_layout(lm, mesh).units:
+        if u.name in adapters:
+            lo, hi = u.shard_range(mesh.shard_index)
+            out[u.name] = u.flatten(adapters[u.name])[lo:hi].clone()
+        else:
+            out[u.name] = shards[u.name]
     return lm, out
 
 

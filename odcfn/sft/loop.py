@@ -101,6 +101,19 @@ def _build_model(cfg: SFTConfig, mesh=None):
     return qcfg, model, None if mesh is None else shard(init_params(qcfg, seed=m.seed), model, mesh)
 
 
+def _with_lora(cfg: SFTConfig, model, shards, mesh):
+    """``[lora]``: the LoRA model over the base and this rank's shards of it (None stays None)."""
+    if not cfg.lora.rank:
+        return model, shards
+    from odcfn import lora
+
+    c = cfg.lora
+    kw = dict(rank=c.rank, alpha=c.alpha, targets=tuple(c.targets), use_rslora=c.use_rslora, seed=c.seed)
+    if shards is None:
+        return lora.apply(model, {}, **kw)[0], None
+    return lora.apply_to_shards(model, shards, mesh, **kw)
+
+
 def _busy(events) -> float:
     from odcfn.trace import COMPUTE_KINDS
 
@@ -183,7 +196,8 @@ def train_rank(cfg: SFTConfig, rank: int, transport) -> dict[str, Any]:
     import torch
 
     import odcfn
-    from odcfn.checkpoint.sharded import latest, load, read_manifest, save
+    from odcfn.checkpoint.frozen import load_parts
+    from odcfn.checkpoint.sharded import latest, read_manifest
     from odcfn.checkpoint.verify import sha256
     from odcfn.data.records import batch_at, read_dataset, steps_per_epoch
 
@@ -192,7 +206,9 @@ def train_rank(cfg: SFTConfig, rank: int, transport) -> dict[str, Any]:
     if mesh.world_size != t.world_size or mesh.rank != rank:
         raise ValueError(f"transport serves {mesh}, but the config asks for rank {rank} of {t.world_size}")
     ck = latest(cfg.checkpoint_dir) if cfg.checkpoint.resume else None
-    qcfg, model, initial = _build_model(cfg, None if ck is not None else mesh)
+    # LoRA: the frozen base comes from [model] whether or not a checkpoint holds the adapters
+    qcfg, model, initial = _build_model(cfg, None if ck is not None and not cfg.lora.rank else mesh)
+    model, initial = _with_lora(cfg, model, initial, mesh)
     d = cfg.data
     if d.tokenizer:  # chat transcripts, tokenized once and cached
         from odcfn.data.chat import read_chat_jsonl
@@ -215,7 +231,7 @@ def train_rank(cfg: SFTConfig, rank: int, transport) -> dict[str, Any]:
     data_sha = sha256(Path(cfg.data.path))
     if ck is not None:
         check_resume(cfg, read_manifest(ck).get("extra", {}), data_sha, str(ck))
-        params, opt_state, start = load(ck, model=model, mesh=mesh)
+        params, opt_state, start = load_parts(ck, model, mesh, initial, cfg.model.hf_path)
         resumed = str(ck)
     else:
         params, opt_state = initial, None
@@ -264,15 +280,12 @@ def train_rank(cfg: SFTConfig, rank: int, transport) -> dict[str, Any]:
                 )
             every = cfg.checkpoint.every
             if every and (done % every == 0 or done == t.steps):
-                save(
+                odcfn.save(  # with LoRA: the adapters and a reference to the base only
                     cfg.checkpoint_dir / f"step-{done:08d}",
-                    state.params,
-                    state.opt_state,
-                    done,
-                    model=model,
-                    mesh=mesh,
+                    state,
                     extra={"config": asdict(cfg), "data_sha256": data_sha},
                     timeout=t.timeout,
+                    base=cfg.model.hf_path,
                 )
                 if rank == 0:
                     _prune(cfg.checkpoint_dir, cfg.checkpoint.keep, done)
@@ -334,9 +347,10 @@ def run(cfg: SFTConfig) -> list[dict[str, Any]]:
         from odcfn.models.hf import to_hf
 
         qcfg, model, _ = _build_model(cfg)
+        model = _with_lora(cfg, model, None, None)[0]
         shards = [{k: torch.from_numpy(v) for k, v in r.pop("shards").items()} for r in results]
         full = odcfn.unshard(shards, model, odcfn.Mesh(W))
-        to_hf(cfg.checkpoint.export_hf, full, qcfg)
+        to_hf(cfg.checkpoint.export_hf, odcfn.lora.merge(model, full) if cfg.lora.rank else full, qcfg)
     return results
 
 
