@@ -1,6 +1,6 @@
 """odcfn: FSDP training with On-Demand Communication, JAX-style over PyTorch."""
 
-from odcfn import losses
+from odcfn import lora, losses, trainable
 from odcfn.batch import Batch, Microbatch, Sample, pack, random_batch
 from odcfn.checkpoint.state_io import load, save
 from odcfn.kernels import (
@@ -63,6 +63,7 @@ __all__ = [
     "grad_step",
     "launch",
     "log_probs",
+    "lora",
     "losses",
     "load",
     "make_layout",
@@ -77,6 +78,7 @@ __all__ = [
     "sgd",
     "shard",
     "train_step",
+    "trainable",
     "tree_allclose",
     "tree_assert_allclose",
     "tree_map",

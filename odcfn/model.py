@@ -46,12 +46,15 @@ class Model:
     in ``[0, vocab_size)`` (checked on every rank before any communication; None: unchecked).
     ``config_key``: a description of the config that built the model (head counts, RoPE base,
     ...), which shapes alone do not capture: checkpoints record it and refuse another model's,
-    and ranks whose models differ disagree in the sync's fingerprint."""
+    and ranks whose models differ disagree in the sync's fingerprint.
+    ``frozen``: names of units that are not trained (gather-only: no gradient, no accumulator,
+    no scatter, no optimizer state); ``odcfn.trainable.freeze`` sets it from a predicate."""
 
     units: tuple[Unit, ...]
     dtype: torch.dtype = torch.float32
     vocab_size: int | None = None
     config_key: str = ""
+    frozen: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         v = self.vocab_size
@@ -61,6 +64,14 @@ class Model:
             raise ValueError(f"Model unit names must be unique, got {names}")
         if not names:
             raise ValueError("Model needs at least one unit")
+        if isinstance(self.frozen, str) or not all(isinstance(n, str) for n in self.frozen):
+            raise TypeError(f"Model.frozen must be a tuple of unit names, got {self.frozen!r}")
+        unknown = sorted(set(self.frozen) - set(names))
+        if unknown:
+            raise ValueError(f"Model.frozen names units the model does not have: {unknown}")
+        object.__setattr__(self, "frozen", tuple(n for n in names if n in set(self.frozen)))  # model order
+        if len(self.frozen) == len(names):
+            raise ValueError("Model.frozen freezes every unit: nothing would be trained")
         for i, u in enumerate(self.units):
             for n in u.uses:
                 if n not in names[:i]:

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 SCHEMA = "odcfn.bench/1"
-SECTIONS = ("end_to_end", "balanced", "fsdp2", "primitives", "simulator", "straggler", "rl")
+SECTIONS = ("end_to_end", "balanced", "fsdp2", "primitives", "simulator", "straggler", "rl", "lora")
 STRAGGLER_SLOWDOWN = 1.5
 
 
@@ -63,6 +63,7 @@ def machine() -> dict:
 
 
 def main(args: argparse.Namespace) -> int:
+    from odcfn.bench import lora_section as LS
     from odcfn.bench import rl_section as RL
     from odcfn.bench import sections as S
     from odcfn.bench.runner import pick_backend
@@ -117,6 +118,7 @@ def main(args: argparse.Namespace) -> int:
         "straggler": lambda: S.straggler(ctx, STRAGGLER_SLOWDOWN),
         "simulator": lambda: S.simulator(ctx, report),
         "rl": lambda: RL.section(ctx, (8,) if args.quick else (8, 64, 1024)),
+        "lora": lambda: LS.section(ctx, args.quick),
     }
     # the simulator replays end_to_end's plans, so it runs after it
     for name in sorted(sections, key=lambda s: s == "simulator"):
@@ -135,7 +137,7 @@ def main(args: argparse.Namespace) -> int:
     if args.json:
         print(text)
     else:
-        print(S.render(report))
+        print(S.render(report) + LS.render(report.get("lora")))
     # a section that crashed (not one skipped for want of processes) fails the command
     return 1 if any(isinstance(report.get(n), dict) and "error" in report[n] for n in sections) else 0
 

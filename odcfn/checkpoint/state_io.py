@@ -7,8 +7,9 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from odcfn.checkpoint import sharded
+from odcfn.checkpoint import frozen, sharded
 from odcfn.step.state import TrainState, check_opt_state
+from odcfn.trainable import split
 
 
 def save(
@@ -18,24 +19,33 @@ def save(
     extra: Mapping[str, Any] | None = None,
     overwrite: bool = False,
     timeout: float = 60.0,
+    base: str | os.PathLike | None = None,
 ) -> os.PathLike:
     """Write ``state``'s params, optimizer state and step as a sharded checkpoint (every rank
     calls it; returns once it is committed). ``extra``: JSON metadata kept in the manifest.
-    A committed checkpoint at ``path`` is replaced only with ``overwrite=True``, atomically."""
+    A committed checkpoint at ``path`` is replaced only with ``overwrite=True``, atomically.
+    A state with frozen units (LoRA) writes its trained units only, with a reference to the
+    frozen base: ``base`` (the base checkpoint's path) is recorded with the sha256 of its files."""
     if not isinstance(state, TrainState):
         raise TypeError(f"odcfn.save(path, state): state must be a TrainState, got {type(state).__name__}")
+    model, params = state.model, state.params
+    if model.frozen:  # the base never changes: keep only what does, and where the base came from
+        extra = {**(extra or {}), frozen.KEY: frozen.base_reference(model, base)}
+        params, model = split(model, params), frozen.trained_model(model)
     return sharded.write_shards(
-        path, state.params, state.opt_state, state.step, model=state.model, mesh=state.mesh,
+        path, params, state.opt_state, state.step, model=model, mesh=state.mesh,
         extra=extra, overwrite=overwrite, timeout=timeout,
     )
 
 
-def load(path: str | os.PathLike, state: TrainState) -> TrainState:
+def load(path: str | os.PathLike, state: TrainState, *, base: str | os.PathLike | None = None) -> TrainState:
     """``state`` with the params, optimizer state and step of checkpoint ``path``, resharded for
-    this state's mesh (the checkpoint may come from another world size or sharding)."""
+    this state's mesh (the checkpoint may come from another world size or sharding). A state
+    with frozen units loads its trained units and keeps its frozen ones, after checking the
+    base files the checkpoint records (at ``base`` if they moved) still hash the same."""
     if not isinstance(state, TrainState):
         raise TypeError(f"odcfn.load(path, state): state must be a TrainState, got {type(state).__name__}")
-    params, opt_state, step = sharded.read_shards(path, model=state.model, mesh=state.mesh)
+    params, opt_state, step = frozen.load_parts(path, state.model, state.mesh, state.params, base)
     # a checkpoint of another optimizer (SGD's into AdamW's state) would fail only in the update
     check_opt_state(opt_state, state.opt_state, f"odcfn.load: the opt_state of checkpoint {os.fspath(path)}")
     return state.replace(params=params, opt_state=opt_state, step=step)

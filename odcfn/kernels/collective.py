@@ -214,6 +214,9 @@ class CollectiveTransport(StepCollectives):
             if pub is None or pub.dtype != compute_dtype or pub.numel() != u.shard_size:
                 self._pub[u.name] = torch.empty(u.shard_size, dtype=compute_dtype)
             self._pub[u.name].copy_(shards[u.name])
+            if u.frozen:  # never reduce-scattered: no accumulator
+                self._acc.pop(u.name, None)
+                continue
             acc = self._acc.get(u.name)
             if acc is None or acc.numel() != u.shard_size:
                 self._acc[u.name] = torch.zeros(u.shard_size, dtype=torch.float32)

@@ -165,7 +165,9 @@ class LocalTransport(StepCollectives):
         # gathered that unit from us at this step's version.
         for u in layout.units:
             acc = w.acc[r].get(u.name)
-            if acc is None or acc.numel() != u.shard_size:
+            if u.frozen:  # never scattered into: no accumulator
+                w.acc[r].pop(u.name, None)
+            elif acc is None or acc.numel() != u.shard_size:
                 w.acc[r][u.name] = torch.zeros(u.shard_size, dtype=torch.float32)
             else:
                 acc.zero_()

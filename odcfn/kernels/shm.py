@@ -80,7 +80,7 @@ class _SegLayout:
 
     @classmethod
     def build(cls, layout: Layout, dtype: torch.dtype, world: int) -> _SegLayout:
-        key = (tuple((u.name, u.shard_size) for u in layout.units), dtype, world)
+        key = (tuple((u.name, u.shard_size, u.frozen) for u in layout.units), dtype, world)
         esize = torch.empty((), dtype=dtype).element_size()
         counters = _align((DONE + world) * 8)
         off = _align(counters + MAX_COUNTERS * 2 * 8)
@@ -89,7 +89,8 @@ class _SegLayout:
             pub[u.name], off = off, _align(off + u.shard_size * esize)
             sizes[u.name] = u.shard_size
         for u in layout.units:
-            acc[u.name], off = off, _align(off + u.shard_size * 4)
+            if not u.frozen:  # a frozen unit is never scattered into: no accumulator
+                acc[u.name], off = off, _align(off + u.shard_size * 4)
         return cls(key, off, counters, pub, acc, sizes)
 
 
@@ -205,7 +206,8 @@ class ShmTransport(StepCollectives):
         self.step += 1
         r = self.mesh.rank
         for u in layout.units:
-            self._acc[r][u.name].zero_()  # before publishing: see the module docstring
+            if not u.frozen:
+                self._acc[r][u.name].zero_()  # before publishing: see the module docstring
             self._pub[r][u.name].copy_(shards[u.name])
         self._ctrl[r][VERSION] = self.step  # data, then flag
 

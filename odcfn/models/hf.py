@@ -164,6 +164,12 @@ def to_hf(
     root = Path(path)
     root.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, torch.Tensor] = {}
+    extra = [u for u in params if u not in unit_shapes(cfg)]
+    if extra:  # LoRA adapters would be silently dropped: fold them in first
+        raise ValueError(
+            f"to_hf: params have units {extra[:4]} the config does not (LoRA adapters? export "
+            "odcfn.lora.merge(model, params), or save them with odcfn.lora.save_peft)"
+        )
     for unit, shapes in unit_shapes(cfg).items():
         if unit not in params:
             raise ValueError(f"params lack unit {unit!r} required by the config")

@@ -137,7 +137,10 @@ def rms_norm(x_TxD: torch.Tensor, w_D: torch.Tensor, eps: float) -> torch.Tensor
 
 
 def linear(x: torch.Tensor, p: dict) -> torch.Tensor:
-    return F.linear(x, p["weight"], p.get("bias"))
+    y = F.linear(x, p["weight"], p.get("bias"))
+    if "lora_A" in p:  # a LoRA-adapted projection (odcfn.lora): PEFT's W x + b + scale * B (A x)
+        y = y + F.linear(F.linear(x, p["lora_A"]), p["lora_B"]) * p["lora_scale"]
+    return y
 
 
 def attention(p: dict, x_TxD: torch.Tensor, mb: Microbatch, cfg: QwenConfig) -> torch.Tensor:

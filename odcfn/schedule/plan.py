@@ -106,11 +106,15 @@ class ScheduleOptions:
     # (unit, earlier units whose parameters it also reads): tied weights. train_step fills it
     # from the model (``Model.uses``); each use costs a gather of the used unit
     uses: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    # units not trained (``Model.frozen``, filled by train_step): no push ever; no Backward
+    # before the first trained unit (nothing upstream needs the activation gradient)
+    frozen: frozenset[str] = field(default_factory=frozenset)
 
     def __post_init__(self) -> None:
         if not isinstance(self.prefetch, int) or self.prefetch < 0:
             raise ValueError(f"ScheduleOptions.prefetch must be an int >= 0, got {self.prefetch!r}")
         object.__setattr__(self, "remat", frozenset(self.remat))
+        object.__setattr__(self, "frozen", frozenset(self.frozen))
         object.__setattr__(self, "uses", tuple((str(u), tuple(vs)) for u, vs in self.uses))
 
 
@@ -171,21 +175,29 @@ def microbatch_steps(units: Sequence[str], mb: int, comm: Comm, options: Schedul
         steps.extend(Release(n) for n in names)
         held.difference_update(names)
 
+    first = first_trained(units, options.frozen)
     for i, u in enumerate(units):
         get([u])
         extra = get(uses.get(u, ()))
         steps.append(Forward(u, mb, remat=u in options.remat, uses=uses.get(u, ())))
-        if reshard and i < last:  # the last unit's backward follows at once: keep it
+        if (reshard and i < last) or i < first:  # the last unit's backward follows at once: keep it
             drop([u, *extra])
         else:
             borrowed[u] = extra
-    for i in range(last, -1, -1):
+    for i in range(last, first - 1, -1):
         u = units[i]
         get([u])
         extra = borrowed.pop(u, []) + get(uses.get(u, ()))
-        steps += [Backward(u, mb, uses=uses.get(u, ())), push(u)]
+        steps.append(Backward(u, mb, uses=uses.get(u, ())))
+        if u not in options.frozen:
+            steps.append(push(u))
         drop([u, *extra])
     return steps
+
+
+def first_trained(units: Sequence[str], frozen: frozenset[str]) -> int:
+    """Index of the first trained unit: the units before it run forward only (no Backward)."""
+    return next((i for i, u in enumerate(units) if u not in frozen), 0)
 
 
 def _keep_across_microbatches(steps: list[Step]) -> list[Step]:

@@ -19,6 +19,7 @@ __all__ = [
     "CheckpointSection",
     "DataSection",
     "LogSection",
+    "LoraSection",
     "ModelSection",
     "SFTConfig",
     "TrainSection",
@@ -154,6 +155,30 @@ class LogSection:
 
 
 @dataclass(frozen=True)
+class LoraSection:
+    """``[lora]``: train LoRA adapters on a frozen base (``odcfn.lora.apply``); rank 0: off."""
+
+    rank: int = 0
+    alpha: float = 16.0
+    dropout: float = 0.0
+    targets: list = field(default_factory=lambda: ["q_proj", "v_proj"])
+    use_rslora: bool = False
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _check_types(self, "lora")
+        t = self.targets
+        if not isinstance(t, list) or not t or not all(isinstance(x, str) for x in t):
+            raise ValueError(f"config: lora.targets must be a non-empty list of projection names, got {t!r}")
+        if self.rank < 0:
+            raise ValueError(f"config: lora.rank must be >= 1 (0: no LoRA), got {self.rank!r}")
+        if self.rank and not self.alpha > 0:
+            raise ValueError(f"config: lora.alpha must be > 0, got {self.alpha!r}")
+        if self.dropout:
+            raise ValueError(f"config: lora.dropout={self.dropout!r} is not implemented (only 0.0)")
+
+
+@dataclass(frozen=True)
 class SFTConfig:
     out_dir: str = "runs/sft"
     model: ModelSection = field(default_factory=ModelSection)
@@ -161,6 +186,7 @@ class SFTConfig:
     train: TrainSection = field(default_factory=TrainSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     log: LogSection = field(default_factory=LogSection)
+    lora: LoraSection = field(default_factory=LoraSection)
 
     def __post_init__(self) -> None:
         t = self.train
@@ -199,6 +225,7 @@ _SECTIONS = {
     "train": TrainSection,
     "checkpoint": CheckpointSection,
     "log": LogSection,
+    "lora": LoraSection,
 }
 _PATH_KEYS = {
     ("model", "hf_path"),

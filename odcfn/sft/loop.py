@@ -103,6 +103,19 @@ def _build_model(cfg: SFTConfig, mesh=None):
     return qcfg, model, None if mesh is None else shard(init_params(qcfg, seed=cfg.model.seed), model, mesh)
 
 
+def _with_lora(cfg: SFTConfig, model, shards, mesh):
+    """``[lora]``: the LoRA model over the base and this rank's shards of it (None stays None)."""
+    if not cfg.lora.rank:
+        return model, shards
+    from odcfn import lora
+
+    c = cfg.lora
+    kw = dict(rank=c.rank, alpha=c.alpha, targets=tuple(c.targets), use_rslora=c.use_rslora, seed=c.seed)
+    if shards is None:
+        return lora.apply(model, {}, **kw)[0], None
+    return lora.apply_to_shards(model, shards, mesh, **kw)
+
+
 @dataclass
 class _Run:
     """What one rank's loop runs with, built once by ``_setup``."""
@@ -121,7 +134,8 @@ def _setup(cfg: SFTConfig, rank: int, transport, data: PreparedData | None = Non
     import torch
 
     import odcfn
-    from odcfn.checkpoint.sharded import latest, read_manifest, read_shards
+    from odcfn.checkpoint.frozen import load_parts
+    from odcfn.checkpoint.sharded import latest, read_manifest
     from odcfn.checkpoint.verify import sha256
 
     t = cfg.train
@@ -129,7 +143,9 @@ def _setup(cfg: SFTConfig, rank: int, transport, data: PreparedData | None = Non
     if mesh.world_size != t.world_size or mesh.rank != rank:
         raise ValueError(f"transport serves {mesh}, but the config asks for rank {rank} of {t.world_size}")
     ck = latest(cfg.checkpoint_dir) if cfg.checkpoint.resume else None
-    qcfg, model, initial = _build_model(cfg, None if ck is not None else mesh)
+    # LoRA: the frozen base comes from [model] whether or not a checkpoint holds the adapters
+    qcfg, model, initial = _build_model(cfg, None if ck is not None and not cfg.lora.rank else mesh)
+    model, initial = _with_lora(cfg, model, initial, mesh)
     if data is None:  # a rank of torchrun or of the processes backend: its own (cached) read
         data = prepare_data(cfg, qcfg.vocab_size)
     lr = _lr_fn(t)
@@ -147,7 +163,7 @@ def _setup(cfg: SFTConfig, rank: int, transport, data: PreparedData | None = Non
         check_resume(cfg, extra, data_sha, str(ck))
         # the state is built from the checkpoint's shards: a resumed rank never initialises
         # (or holds) fresh weights
-        params, opt_state, start = read_shards(ck, model=model, mesh=mesh)
+        params, opt_state, start = load_parts(ck, model, mesh, initial, cfg.model.hf_path)
         resumed = str(ck)
         if rank == 0:
             _say_schedule_change(extra.get("config", {}), cfg, start)
@@ -203,6 +219,7 @@ def _checkpoint(cfg: SFTConfig, run: _Run, done: int) -> None:
     odcfn.save(
         cfg.checkpoint_dir / f"step-{done:08d}", run.state,
         extra={"config": asdict(cfg), "data_sha256": run.data_sha}, timeout=cfg.train.timeout,
+        base=cfg.model.hf_path,  # with LoRA: the adapters and a reference to the base only
     )
     if run.state.mesh.rank == 0:
         prune(cfg.checkpoint_dir, cfg.checkpoint.keep, done)
@@ -290,6 +307,7 @@ def _run_locked(cfg: SFTConfig) -> list[dict[str, Any]]:
             export_checkpoint(cfg.checkpoint_dir / f"step-{cfg.train.steps:08d}", cfg.checkpoint.export_hf)
         return results
     qcfg, model, _ = _build_model(cfg)
+    model = _with_lora(cfg, model, None, None)[0]
     data = prepare_data(cfg, qcfg.vocab_size)  # every problem named before a rank starts
     if cfg.train.backend == "processes":
         from odcfn.launch import launch
@@ -303,7 +321,9 @@ def _run_locked(cfg: SFTConfig) -> list[dict[str, Any]]:
         import torch
 
         shards = [{k: torch.from_numpy(v) for k, v in r.pop("shards").items()} for r in results]
-        export_params(cfg.checkpoint.export_hf, odcfn.unshard(shards, model, odcfn.Mesh(W)), qcfg, cfg)
+        full = odcfn.unshard(shards, model, odcfn.Mesh(W))
+        full = odcfn.lora.merge(model, full) if cfg.lora.rank else full
+        export_params(cfg.checkpoint.export_hf, full, qcfg, cfg)
     return results
 
 

@@ -28,6 +28,7 @@ class UnitLayout:
     shapes: tuple[tuple[int, ...], ...]
     treedef: Any
     shard_count: int
+    frozen: bool = False  # not trained: gather-only, no accumulator (``Model.frozen``)
 
     @property
     def numels(self) -> tuple[int, ...]:
@@ -73,6 +74,7 @@ class Layout:
         users = dict(self.uses)
         for u in self.units:
             tie = f"  + reads {', '.join(users[u.name])} (tied: one copy)" if u.name in users else ""
+            tie += "  frozen" if u.frozen else ""
             lines.append(
                 f"  {u.name:<12} {u.numel:>12,} params  {len(u.paths):>3} leaves  "
                 f"shard {u.shard_size:,} (+{u.padded_numel - u.numel} pad){tie}"
@@ -94,9 +96,8 @@ def make_layout(model: Model, mesh: Mesh) -> Layout:
     units = []
     for u in model.units:
         paths, shapes, treedef = tree_flatten_with_path(u.shapes)
-        units.append(
-            UnitLayout(u.name, tuple(paths), tuple(tuple(s) for s in shapes), treedef, mesh.shard_count)
-        )
+        units.append(UnitLayout(u.name, tuple(paths), tuple(tuple(s) for s in shapes), treedef,
+                                mesh.shard_count, u.name in model.frozen))
     return Layout(tuple(units), mesh, model.uses)
 
 

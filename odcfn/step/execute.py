@@ -31,6 +31,7 @@ from odcfn.schedule.plan import (
     ScatterAccumulate,
     Step,
     Sync,
+    first_trained,
 )
 from odcfn.schedule.program import Piece, assemble_plan
 from odcfn.sharding import Layout
@@ -73,6 +74,12 @@ class Executor:
         self.rank, self.last = transport.mesh.rank, model.unit_names[-1]
         self.riders: torch.Tensor | None = None
         self.units = {u.name: u for u in model.units}
+        # frozen units (Model.frozen): weights never differentiated, never pushed; the units
+        # before the first trained one run forward only (nothing upstream needs their gradient)
+        self.frozen = frozenset(model.frozen)
+        first = first_trained(model.unit_names, self.frozen)
+        self.no_grad = frozenset(model.unit_names[:first])
+        self.needs_dx = frozenset(model.unit_names[first + 1:])
         self.prev = {u: (model.units[i - 1].name if i else None) for i, u in enumerate(model.unit_names)}
         self.bufs: dict[str, torch.Tensor] = {}
         self.wbufs: dict[str, torch.Tensor] = {}
@@ -115,7 +122,7 @@ class Executor:
 
     def _params(self, unit: str) -> tuple[torch.Tensor, Any]:
         self._wait(unit)
-        flat = self.bufs[unit].detach().requires_grad_()
+        flat = self.bufs[unit].detach().requires_grad_(unit not in self.frozen)
         return flat, self.layout[unit].unflatten(flat)
 
     def _inputs(self, s: Forward | Backward) -> tuple[torch.Tensor, Any, tuple[torch.Tensor, ...]]:
@@ -150,11 +157,14 @@ class Executor:
         if got is None:
             return
         data, x = got
-        if isinstance(x, torch.Tensor) and x.is_floating_point():
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and s.unit in self.needs_dx:
             x = x.detach().requires_grad_()
         fwd = self.units[s.unit].fwd
         flat, params, used = self._inputs(s)
-        if s.remat:
+        if s.unit in self.no_grad:  # forward only: no Backward follows
+            with torch.no_grad():
+                y = fwd(params, x, data)
+        elif s.remat:
             with torch.no_grad():
                 y = fwd(params, x, data)
             self.saved[(s.unit, mb)] = _Saved(x, None, None)
@@ -170,7 +180,8 @@ class Executor:
     def backward(self, s: Backward, mb: int) -> None:
         data = self._mb(mb)
         if data.empty:
-            self.grads[s.unit] = self.shared.pop(s.unit, None)
+            if s.unit not in self.frozen:
+                self.grads[s.unit] = self.shared.pop(s.unit, None)
             return
         sv = self.saved.pop((s.unit, mb))
         flat, y, used = sv.flat, sv.y, sv.used
@@ -186,15 +197,27 @@ class Executor:
             gy = torch.full_like(y, self.scale)
             if y.dim():  # [loss, metrics...]: only the loss is differentiated
                 gy[1:] = 0.0
-        inputs = [flat, *used]
+        own = s.unit not in self.frozen
+        trained_uses = [(v, f) for v, f in zip(s.uses, used) if v not in self.frozen]
+        inputs = ([flat] if own else []) + [f for _, f in trained_uses]
         has_x = isinstance(sv.x_in, torch.Tensor) and sv.x_in.requires_grad
         if has_x:
             inputs.append(sv.x_in)
-        grads = torch.autograd.grad(y, inputs, gy)
-        for v, g in zip(s.uses, grads[1 : 1 + len(used)]):  # the used unit pushes the sum, once
+        if not inputs:
+            return
+        # allow_unused: a unit whose fwd reads none of its own weights (LoRA's adapter units
+        # pass x through; the layer that uses them differentiates them)
+        if y.requires_grad:
+            grads = torch.autograd.grad(y, inputs, gy, allow_unused=True)
+        else:  # a pass-through unit right after the forward-only ones: nothing reaches its weights
+            grads = (None,) * len(inputs)
+        grads = [torch.zeros_like(t) if g is None else g for g, t in zip(grads, inputs)]
+        g_own = grads[0] if own else None
+        for (v, _), g in zip(trained_uses, grads[int(own):]):  # the used unit pushes the sum, once
             self.shared[v] = g if v not in self.shared else self.shared[v] + g
-        own = self.shared.pop(s.unit, None)
-        self.grads[s.unit] = grads[0] if own is None else grads[0] + own
+        if own:
+            shared = self.shared.pop(s.unit, None)
+            self.grads[s.unit] = g_own if shared is None else g_own + shared
         if has_x:
             self.grad_out[mb] = grads[-1]
 
@@ -230,6 +253,8 @@ class Executor:
         self.backward(s, s.mb + offset)
 
     def _grad_out(self, unit: str) -> torch.Tensor:
+        if unit in self.frozen:  # the plan never pushes a frozen unit; a plan that does is wrong
+            raise ValueError(f"a plan step pushes a gradient of frozen unit {unit!r}")
         g = self.grads.pop(unit)
         if g is None:  # an empty microbatch still joins the collective
             g = torch.zeros(self.layout[unit].padded_numel, dtype=self.dtype, device=self.device)
@@ -256,7 +281,7 @@ class Executor:
         for h in self.pushes:
             h.wait()
         self.t.flush()
-        grads = self.t.grad_shards()
+        grads = {k: g for k, g in self.t.grad_shards().items() if k not in self.frozen}
         self.t.replica_all_reduce(grads)
         norm2 = torch.zeros((), dtype=torch.float64, device=self.device)
         for g in grads.values():

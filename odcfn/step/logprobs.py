@@ -14,6 +14,7 @@ load into an inference engine (e.g. transformers' ``generate``).
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -102,10 +103,20 @@ def log_probs(
     return (rows[0], rows[1]) if entropy else rows[0]
 
 
-def gather_params(state: TrainState, dst: int | None = None) -> dict | None:
+def gather_params(
+    state: TrainState, dst: int | None = None, *, adapters_only: bool = False, merged: bool = False,
+    units: Sequence[str] | None = None,
+) -> dict | None:
     """The full unsharded params (a fresh pytree, the model's dtype) on every rank, or only on
     rank ``dst`` (the others get None). Every rank of the world must call it; one sync ends it,
-    so no rank publishes newer shards while another still reads."""
+    so no rank publishes newer shards while another still reads. A LoRA model's state
+    (``odcfn.lora``): ``adapters_only`` gathers just the adapter units (for engines that load
+    LoRA adapters), ``merged`` the base params with the adapters folded in. ``units``: only
+    these units."""
+    if adapters_only or merged:
+        from odcfn.lora.core import lora_gather  # lazy: only LoRA states need it
+
+        return lora_gather(gather_params, state, dst, adapters_only, merged)
     if not isinstance(state, TrainState):
         raise TypeError(f"state must be an odcfn.TrainState, got {type(state).__name__}")
     check_fields(state)
@@ -118,9 +129,11 @@ def gather_params(state: TrainState, dst: int | None = None) -> dict | None:
     transport.begin_step(layout, state.params, model.dtype)
     collective = state.config.comm == "collective"
     want = dst is None or dst == mesh.rank
+    if units is not None and (isinstance(units, str) or not set(units) <= set(layout.names)):
+        raise ValueError(f"gather_params: units must be unit names of the model, got {units!r}")
     out = {}
     for u in layout.units:
-        if not (want or collective):
+        if not (want or collective) or (units is not None and u.name not in units):
             continue
         buf = torch.empty(u.padded_numel, dtype=model.dtype, device=state.params[u.name].device)
         if collective:  # every rank joins every all-gather, whether it keeps the result or not

@@ -26,6 +26,7 @@ from odcfn.schedule.policy import Policy, policy_info, resolve_policy
 from odcfn.sharding import Mesh, make_layout, shard
 from odcfn.sharding.layout import check_shards
 from odcfn.trace import Event
+from odcfn.trainable import freeze, split
 from odcfn.tree import register_dataclass, tree_flatten_with_path
 
 __all__ = ["StepConfig", "StepMetrics", "TrainState", "check_fields", "check_opt_state"]
@@ -86,6 +87,9 @@ class StepConfig:
         return dataclasses.replace(self, **changes)
 
 
+_MODEL: Any = object()  # TrainState.create(trainable=...) not given: the model's Model.frozen
+
+
 @dataclass(frozen=True)
 class TrainState:
     """This rank's training state. Build it with ``TrainState.create``."""
@@ -109,12 +113,18 @@ class TrainState:
         config: StepConfig | None = None,
         opt_state: Any = None,
         step: int = 0,
+        trainable: Any = _MODEL,
     ) -> TrainState:
         """``params``: this rank's shards (``odcfn.shard``), or the full unsharded params tree,
         which is sharded here for ``transport.mesh``. ``opt_state``: None calls
-        ``optimizer.init`` (pass one to resume)."""
+        ``optimizer.init`` (pass one to resume). ``trainable``: which leaves are trained
+        (``odcfn.trainable``: a predicate on leaf names, fnmatch patterns, None for all);
+        by default the model's own ``Model.frozen`` (a LoRA model freezes its base). The
+        optimizer state covers the trained units only."""
         if not isinstance(model, Model):
             raise TypeError(f"TrainState.create: model must be an odcfn.Model, got {type(model).__name__}")
+        if trainable is not _MODEL:
+            model = freeze(model, trainable)
         if not isinstance(optimizer, Optimizer):
             raise TypeError(
                 f"TrainState.create: optimizer must be an odcfn.Optimizer (odcfn.adamw, odcfn.sgd), "
@@ -141,7 +151,7 @@ class TrainState:
             params = shard(params, model, mesh)
         params = dict(params)
         check_shards(params, make_layout(model, mesh), model.dtype)
-        fresh = optimizer.init(params)
+        fresh = optimizer.init(split(model, params))
         if opt_state is None:
             opt_state = fresh
         else:  # a resumed state from another optimizer or mesh fails here, not in the update

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from odcfn import trainable
 from odcfn.batch import Batch, check_token_range
 from odcfn.kernels.base import supports_odc
 from odcfn.losses import check_loss, loss_metrics
@@ -58,7 +59,12 @@ def schedule_options(options: ScheduleOptions | None, model: Model) -> ScheduleO
     options = options or ScheduleOptions()
     if options.uses and options.uses != model.uses:
         raise ValueError(f"ScheduleOptions.uses={options.uses} differs from the model's {model.uses}")
-    return replace(options, uses=model.uses) if model.uses else options
+    if options.frozen and options.frozen != frozenset(model.frozen):
+        raise ValueError(
+            f"ScheduleOptions.frozen={sorted(options.frozen)} differs from the model's {model.frozen}"
+        )
+    options = replace(options, uses=model.uses) if model.uses else options
+    return replace(options, frozen=frozenset(model.frozen)) if model.frozen else options
 
 
 def _recording(balance: Any, seen: list) -> Any:
@@ -82,6 +88,8 @@ def _fingerprint(
     m, mesh = state.model, state.mesh
     key = (f"{[(u.name, u.shard_size) for u in layout.units]} W={mesh.world_size} "
            f"{mesh.sharding}/{mesh.node_size} {m.dtype} {m.config_key}")
+    if m.frozen:  # ranks that disagree on what is trained would push into missing accumulators
+        key += f" frozen={list(m.frozen)}"
     config = state.config
     if assignment is not None:
         config = (config, [[list(map(int, mb)) for mb in r] for r in assignment])
@@ -151,7 +159,7 @@ def grad_step(state: TrainState, batch: Batch) -> tuple[dict[str, torch.Tensor],
     input check happens before any communication, identically on every rank.
     """
     grads, metrics, _ = _grads(state, batch)
-    return {k: g.clone() for k, g in grads.items()}, metrics
+    return {k: g.clone() for k, g in trainable.split(state.model, grads).items()}, metrics
 
 
 def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, StepMetrics]:
@@ -161,5 +169,8 @@ def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, StepMetrics
         return state, metrics
     scale = clip_scale(metrics.grad_norm, state.config.max_grad_norm)
     optimizer = state.optimizer.for_layout(layout)  # a decay mask needs it
-    params, opt_state = optimizer.update(grads, state.opt_state, state.params, grad_scale=scale)
+    trained = trainable.split(state.model, state.params)  # frozen units: no state, never updated
+    grads = trainable.split(state.model, grads)
+    params, opt_state = optimizer.update(grads, state.opt_state, trained, grad_scale=scale)
+    params = {**state.params, **params} if state.model.frozen else params
     return state.replace(params=params, opt_state=opt_state, step=state.step + 1), metrics

@@ -1,0 +1,101 @@
+"""Checkpoints of a state with frozen units (LoRA): only what changes, plus a reference to the base.
+
+The frozen units (the base model) never change, so a checkpoint holds the trained units and
+their optimizer state only, with a reference to where the base came from: its path and the
+sha256 of its files (``odcfn.save(path, state, base=hf_dir)``). Loading verifies that the base
+files still hash the same (every rank reads the same files, so every rank raises alike) and
+keeps the state's own frozen shards.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import Any
+
+from odcfn.checkpoint import sharded
+from odcfn.model import Model, Unit
+
+__all__ = ["KEY", "base_reference", "load_parts", "trained_model", "verify_base"]
+
+KEY = "frozen_base"  # the manifest's extra entry
+
+
+def trained_model(model: Model) -> Model:
+    """The model's trained units alone (the checkpoint's layout); their reads of frozen units
+    (tied weights) do not concern the checkpoint."""
+    units = tuple(Unit(u.name, u.fwd, u.shapes) for u in model.units if u.name not in model.frozen)
+    return Model(units, dtype=model.dtype, vocab_size=model.vocab_size, config_key=model.config_key)
+
+
+def _files(base: Path) -> list[Path]:
+    if base.is_file():
+        return [base]
+    if not base.is_dir():
+        raise FileNotFoundError(f"the base {base} does not exist")
+    return sorted(p for p in base.rglob("*") if p.is_file() and not p.name.startswith("."))
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def base_reference(model: Model, base: str | os.PathLike | None) -> dict[str, Any]:
+    """What the manifest records about the frozen units and the base they came from."""
+    if base is not None and not isinstance(base, (str, os.PathLike)):
+        raise TypeError(
+            f"odcfn.save: base must be a path (the base checkpoint) or None, got {type(base).__name__}"
+        )
+    ref: dict[str, Any] = {"units": list(model.frozen), "path": None, "sha256": {}}
+    if base is not None:
+        root = Path(base)
+        ref["path"] = str(root.resolve())
+        ref["sha256"] = {str(p.relative_to(root)) if p != root else p.name: _sha256(p) for p in _files(root)}
+    return ref
+
+
+def verify_base(ref: Any, model: Model, where: Path, base: str | os.PathLike | None) -> None:
+    """Raise a ValueError naming the file if the base differs from the one the checkpoint
+    was trained on (``base``: its location now; None: the recorded path)."""
+    if not isinstance(ref, dict):
+        raise ValueError(f"checkpoint {where} holds only trained units but records no base ({KEY!r})")
+    if list(ref.get("units", [])) != list(model.frozen):
+        raise ValueError(
+            f"checkpoint {where} was saved with frozen units {ref.get('units')}, "
+            f"the state freezes {list(model.frozen)}"
+        )
+    want = ref.get("sha256") or {}
+    if not want:
+        return  # saved without base=: nothing to verify against (the model config was checked)
+    root = Path(base) if base is not None else Path(ref.get("path") or "")
+    got = {str(p.relative_to(root)) if p != root else p.name: p for p in _files(root)}
+    for name, digest in sorted(want.items()):
+        if name not in got:
+            raise ValueError(
+                f"checkpoint {where}: its base file {root / name} is missing (the base has changed)"
+            )
+        if _sha256(got[name]) != digest:
+            raise ValueError(
+                f"checkpoint {where}: base file {root / name} differs from the one the adapters were trained "
+                "on (sha256 mismatch): a LoRA checkpoint only makes sense on its own base"
+            )
+
+
+def load_parts(
+    path: str | os.PathLike, model: Model, mesh: Any, frozen_shards: Any,
+    base: str | os.PathLike | None = None,
+) -> tuple[dict[str, Any], Any, int]:
+    """``(params, opt_state, step)`` of checkpoint ``path`` for ``model``: with frozen units,
+    the checkpoint's trained units next to ``frozen_shards`` (this rank's base shards), after
+    ``verify_base``; without, the checkpoint's params as they are."""
+    if not model.frozen:
+        return sharded.read_shards(path, model=model, mesh=mesh)
+    ref = sharded.read_manifest(path).get("extra", {}).get(KEY)
+    verify_base(ref, model, Path(path), base)
+    params, opt_state, step = sharded.read_shards(path, model=trained_model(model), mesh=mesh)
+    return {**{k: frozen_shards[k] for k in model.frozen}, **params}, opt_state, step
