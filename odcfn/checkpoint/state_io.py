@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from odcfn.checkpoint import sharded
+from odcfn.checkpoint.async_save import AsyncSaver, default_saver
 from odcfn.step.state import TrainState, check_opt_state
 
 
@@ -18,12 +19,24 @@ def save(
     extra: Mapping[str, Any] | None = None,
     overwrite: bool = False,
     timeout: float = 60.0,
-) -> os.PathLike:
+    blocking: bool = True,
+) -> os.PathLike | AsyncSaver:
     """Write ``state``'s params, optimizer state and step as a sharded checkpoint (every rank
     calls it; returns once it is committed). ``extra``: JSON metadata kept in the manifest.
-    A committed checkpoint at ``path`` is replaced only with ``overwrite=True``, atomically."""
+    A committed checkpoint at ``path`` is replaced only with ``overwrite=True``, atomically.
+    ``blocking=False``: return once the shards are snapshotted to host memory and write them in
+    the background (``checkpoint.async_save``); returns the process's ``AsyncSaver``, whose
+    ``wait()`` gives the committed path or raises the write's error (as does the next save)."""
     if not isinstance(state, TrainState):
         raise TypeError(f"odcfn.save(path, state): state must be a TrainState, got {type(state).__name__}")
+    if not isinstance(blocking, bool):
+        raise TypeError(f"odcfn.save: blocking must be a bool, got {type(blocking).__name__}")
+    saver = default_saver(state.mesh)
+    if not blocking:
+        saver.save(path, state.params, state.opt_state, state.step, model=state.model, mesh=state.mesh,
+                   extra=extra, overwrite=overwrite, timeout=timeout)
+        return saver
+    saver.wait()  # a background save still in flight completes (or raises) first
     return sharded.write_shards(
         path, state.params, state.opt_state, state.step, model=state.model, mesh=state.mesh,
         extra=extra, overwrite=overwrite, timeout=timeout,
