@@ -42,10 +42,9 @@ import argparse
 import json
 import math
 import os
-import shutil
 import sys
 import time
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +56,8 @@ from odcfn.sft.config import (
     load_config,
     write_example,
 )
-from odcfn.sft.record import Logger, prune, step_record
+from odcfn.sft.record import Logger, step_record
+from odcfn.sft.restart import Snapshots, clear_for_fresh_start, resume_point
 
 __all__ = ["SFTConfig", "add_arguments", "config_from_dict", "load_config", "main", "run", "train_rank"]
 
@@ -121,7 +121,7 @@ def _setup(cfg: SFTConfig, rank: int, transport) -> _Run:
     import torch
 
     import odcfn
-    from odcfn.checkpoint.sharded import latest, read_manifest, read_shards
+    from odcfn.checkpoint.sharded import read_manifest, read_shards
     from odcfn.checkpoint.verify import sha256
     from odcfn.data.records import read_dataset, steps_per_epoch
 
@@ -129,7 +129,7 @@ def _setup(cfg: SFTConfig, rank: int, transport) -> _Run:
     mesh = transport.mesh  # the transport's view of the job (ranks_per_node, sharding) wins
     if mesh.world_size != t.world_size or mesh.rank != rank:
         raise ValueError(f"transport serves {mesh}, but the config asks for rank {rank} of {t.world_size}")
-    ck = latest(cfg.checkpoint_dir) if cfg.checkpoint.resume else None
+    ck = resume_point(cfg)  # the newest verified snapshot, memory tier or disk
     qcfg, model, initial = _build_model(cfg, None if ck is not None else mesh)
     d = cfg.data
     if d.tokenizer:  # chat transcripts, tokenized once and cached
@@ -146,7 +146,7 @@ def _setup(cfg: SFTConfig, rank: int, transport) -> _Run:
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[t.compute_dtype]
     step_config = odcfn.StepConfig(
         comm=t.comm, balance=t.balance, max_tokens_per_microbatch=t.max_tokens_per_microbatch,
-        compute_dtype=dtype, max_grad_norm=t.max_grad_norm,
+        compute_dtype=dtype, max_grad_norm=t.max_grad_norm, deterministic=t.deterministic,
     )
     start, resumed = 0, None
     data_sha = sha256(Path(cfg.data.path))
@@ -162,30 +162,13 @@ def _setup(cfg: SFTConfig, rank: int, transport) -> _Run:
         params=params, model=model, optimizer=optimizer, transport=transport, config=step_config,
         opt_state=opt_state, step=start,
     )
-    if rank == 0 and cfg.checkpoint_dir.exists():
+    if rank == 0:
         # Everything past the step we start from is stale: a fresh run's predecessors, or the
         # uncommitted remains of an interrupted save (whose rank files would otherwise pass
-        # for this run's). Safe without a barrier: no rank saves before the first step's sync.
-        for d in cfg.checkpoint_dir.glob("step-*"):
-            num = d.name.removeprefix("step-")
-            if num.isdigit() and (not cfg.checkpoint.resume or int(num) > start):
-                shutil.rmtree(d)
+        # for this run's), in both tiers. Safe without a barrier: no rank saves before the
+        # first step's sync.
+        clear_for_fresh_start(cfg, start)
     return _Run(state, data, steps_per_epoch(data, cfg.data.batch_size), lr, data_sha, start, resumed)
-
-
-def _checkpoint(cfg: SFTConfig, run: _Run, done: int) -> None:
-    """Save after step ``done`` when the schedule says so (every rank calls it)."""
-    import odcfn
-
-    every = cfg.checkpoint.every
-    if not every or (done % every and done != cfg.train.steps):
-        return
-    odcfn.save(
-        cfg.checkpoint_dir / f"step-{done:08d}", run.state,
-        extra={"config": asdict(cfg), "data_sha256": run.data_sha}, timeout=cfg.train.timeout,
-    )
-    if run.state.mesh.rank == 0:
-        prune(cfg.checkpoint_dir, cfg.checkpoint.keep, done)
 
 
 def train_rank(cfg: SFTConfig, rank: int, transport) -> dict[str, Any]:
@@ -195,6 +178,7 @@ def train_rank(cfg: SFTConfig, rank: int, transport) -> dict[str, Any]:
 
     run = _setup(cfg, rank, transport)
     logger = Logger(cfg, run.start) if rank == 0 else None
+    snaps = Snapshots(cfg, run.data_sha, run.state.mesh)  # disk and memory tiers (sft/restart.py)
     last = None
     try:
         for step in range(run.start, cfg.train.steps):
@@ -204,7 +188,8 @@ def train_rank(cfg: SFTConfig, rank: int, transport) -> dict[str, Any]:
             last = m.loss
             if logger is not None:
                 logger.log(step_record(m, step + 1, step // run.per_epoch, run.lr(step + 1)))
-            _checkpoint(cfg, run, step + 1)
+            snaps.after_step(run.state, step + 1)
+        snaps.finish(run.state)
     finally:
         if logger is not None:
             logger.close()
@@ -247,7 +232,9 @@ def run(cfg: SFTConfig) -> list[dict[str, Any]]:
     elif cfg.train.backend == "processes":
         from odcfn.launch import launch
 
-        results = launch(_process_worker, W, args=(cfg,), timeout=cfg.train.timeout)
+        results = launch(
+            _process_worker, W, args=(cfg,), timeout=cfg.train.timeout, max_restarts=cfg.train.max_restarts
+        )
     else:
         results = odcfn.run_local(lambda rank, tr: train_rank(cfg, rank, tr), W, timeout=cfg.train.timeout)
     if cfg.checkpoint.export_hf and len(results) != W:  # one rank of torchrun: no launcher
