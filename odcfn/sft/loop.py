@@ -25,8 +25,12 @@ Config (TOML or JSON), every key optional except ``data.path`` and ``train.steps
     weight_decay_mask = "no_norms_biases" | "no_norms_biases_embeddings" | "all",
     comm = "odc" | "collective", balance = "round_robin", max_tokens_per_microbatch = 4096,
     compute_dtype = "float32" | "bfloat16", world_size = 2, backend = "threads" | "processes"
+    deterministic = false  # bit-identical reruns/restarts (StepConfig.deterministic)
+    max_restarts = 0       # processes backend: restart all ranks after a failure (as torchrun)
     [checkpoint]
     every = 50, keep = 3, export_hf = "path"   # HF copy of the final weights
+    async_save = true      # disk checkpoints written in the background
+    memory_every = 0       # a /dev/shm snapshot every N steps; a restart resumes from the newest
     resume = true          # false (or --no-resume): start over, deleting out_dir's checkpoints
     resume_anyway = false  # resuming with another config/dataset is refused unless true
     [log]
@@ -154,8 +158,12 @@ def _setup(cfg: SFTConfig, rank: int, transport) -> _Run:
         check_resume(cfg, read_manifest(ck).get("extra", {}), data_sha, str(ck))
         # the state is built from the checkpoint's shards: a resumed rank never initialises
         # (or holds) fresh weights
+        t_load = time.perf_counter()
         params, opt_state, start = read_shards(ck, model=model, mesh=mesh)
         resumed = str(ck)
+        if rank == 0:  # a restart's trace in the job's log (recovery time, lost work)
+            print(f"odcfn train: resuming at step {start} from {ck} (read in "
+                  f"{time.perf_counter() - t_load:.2f}s)", file=sys.stderr, flush=True)
     else:
         params, opt_state = initial, None
     state = odcfn.TrainState.create(
