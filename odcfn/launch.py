@@ -29,6 +29,7 @@ import os
 import pickle
 import secrets
 import socket
+import sys
 import threading
 import time
 import traceback
@@ -160,6 +161,7 @@ def launch(
     deadline: float | None = None,
     nodes: int = 1,
     env: Mapping[str, str] | None = None,
+    max_restarts: int = 0,
 ) -> list[Any]:
     """Run ``fn(*args)`` on ``world_size`` local processes; return the results by rank.
 
@@ -167,11 +169,15 @@ def launch(
     before they are terminated as unresponsive (a healthy job may run as long as it needs).
     ``deadline``: seconds the whole job may take (None: no bound). ``nodes``: simulated nodes
     (``world_size`` must be a multiple). ``env``: extra environment (not the torchrun variables).
+    ``max_restarts``: like ``torchrun --max-restarts``: when a rank fails, stop the others at
+    once, clean up and start all ranks again (``TORCHELASTIC_RESTART_COUNT`` counts up; the
+    store and job id stay), at most this many times; the last attempt's failure is raised.
     """
     if not callable(fn):
         raise TypeError(f"fn must be callable, got {type(fn).__name__}")
     check_int(world_size, "world_size", at_least=1, want="a positive int")
     check_int(nodes, "nodes", at_least=1, want="a positive int")
+    check_int(max_restarts, "max_restarts", at_least=0)
     if world_size % nodes:
         raise ValueError(f"world_size={world_size} is not a multiple of nodes={nodes}")
     seconds = "a positive number of seconds"
@@ -192,8 +198,37 @@ def launch(
         "ODCFN_JOB_ID": job, "ODCFN_JOB_SECRET": secrets.token_hex(32),
         "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "0",
     }
-    procs, conns = [], []
     t_end = None if deadline is None else time.monotonic() + deadline
+    try:
+        for attempt in range(max_restarts + 1):
+            job_env["TORCHELASTIC_RESTART_COUNT"] = str(attempt)
+            more = attempt < max_restarts
+            # with a restart to come, the survivors of a failure are stopped at once (torchrun's
+            # agent does the same): they would only wait for the dead rank
+            results, errors = _attempt(ctx, fn, args, extra, job_env, world_size, port, prefix, nodes,
+                                       timeout, 0.0 if more else timeout, t_end, deadline)
+            if not errors or not more or (t_end is not None and time.monotonic() >= t_end):
+                break
+            first = min(errors, key=lambda r: (errors[r][0], errors[r][1], r))
+            print(f"odcfn.launch: rank {first} failed ({errors[first][2]}); restarting all ranks "
+                  f"({attempt + 1}/{max_restarts})", file=sys.stderr, flush=True)
+    finally:
+        del store
+    if errors:
+        first = min(errors, key=lambda r: (errors[r][0], errors[r][1], r))
+        detail = "\n".join(f"  rank {r}: {errors[r][2]}" for r in sorted(errors))
+        tbs = "".join(f"\n--- rank {r} traceback ---\n{errors[r][3]}" for r in sorted(errors) if errors[r][3])
+        raise LaunchError(
+            f"rank {first} failed: {errors[first][2]}\nall failures:\n{detail}{tbs}",
+            {r: e[2] for r, e in errors.items()}, results,
+        )
+    return [results[r] for r in range(world_size)]
+
+
+def _attempt(ctx, fn, args, extra, job_env, world_size, port, prefix, nodes, grace, fail_grace, t_end,
+             deadline):
+    """Start every rank once and collect their outcomes; always kills leftovers and sweeps shm."""
+    procs, conns = [], []
     try:
         for r in range(world_size):
             parent, child = ctx.Pipe(duplex=False)
@@ -209,29 +244,21 @@ def launch(
             child.close()
             procs.append(p)
             conns.append(parent)
-        results, errors = _collect(procs, conns, timeout, t_end, deadline)
+        return _collect(procs, conns, grace, t_end, deadline, fail_grace)
     finally:
         for p in procs:
             if p.is_alive():
                 p.kill()
             p.join()
         sweep_shm(prefix)
-        del store
-    if errors:
-        first = min(errors, key=lambda r: (errors[r][0], errors[r][1], r))
-        detail = "\n".join(f"  rank {r}: {errors[r][2]}" for r in sorted(errors))
-        tbs = "".join(f"\n--- rank {r} traceback ---\n{errors[r][3]}" for r in sorted(errors) if errors[r][3])
-        raise LaunchError(
-            f"rank {first} failed: {errors[first][2]}\nall failures:\n{detail}{tbs}",
-            {r: e[2] for r, e in errors.items()}, results,
-        )
-    return [results[r] for r in range(world_size)]
 
 
 def _collect(
-    procs: list, conns: list[Connection], grace: float, t_end: float | None, deadline: float | None
+    procs: list, conns: list[Connection], grace: float, t_end: float | None, deadline: float | None,
+    fail_grace: float | None = None,
 ) -> tuple[dict, dict]:
     """Wait for every rank's message or death. errors: rank -> (kind, time, text, traceback).
+    The others get ``grace`` seconds once a rank ended (``fail_grace`` if it ended by failing).
 
     Only the pipes are watched: a rank's pipe turns readable with its message or, when the
     process dies (the child held the only write end), with end-of-file.
@@ -240,13 +267,14 @@ def _collect(
     errors: dict[int, tuple[int, float, str, str]] = {}
     live = {c: r for r, c in enumerate(conns)}
     t_grace = None  # set when the first rank ends, in whatever way
+    t_first = 0.0
     while live:
         ends = [t for t in (t_grace, t_end) if t is not None]
         ready = wait(list(live), timeout=None if not ends else max(0.0, min(ends) - time.monotonic()))
         if not ready:
             done = sorted(set(range(len(procs))) - set(live.values()))
             if t_grace is not None and (t_end is None or t_grace <= t_end):
-                why = (f"unresponsive: still running {grace}s after rank(s) {done} ended "
+                why = (f"unresponsive: still running {t_grace - t_first:.1f}s after rank(s) {done} ended "
                        "(stopped, stuck, or waiting for a peer that left)")
             else:
                 why = f"unresponsive: still running at the job's deadline of {deadline}s"
@@ -270,5 +298,9 @@ def _collect(
                 rank_kind = _TRANSPORT if str(payload).startswith("TransportError") else _RAISED
                 errors[r] = (rank_kind, time.monotonic(), payload, tb)
         if t_grace is None:
-            t_grace = time.monotonic() + grace
+            t_first = time.monotonic()
+            failed = fail_grace is not None and errors
+            t_grace = time.monotonic() + (fail_grace if failed else grace)
+        elif fail_grace is not None and errors:
+            t_grace = min(t_grace, time.monotonic() + fail_grace)
     return results, errors

@@ -141,7 +141,10 @@ def _attempt(root: Path, rank: int, step: int) -> str:
     return hashlib.sha256(f"{env}|{k[0]}|{step}|{n}".encode()).hexdigest()[:16]
 
 
-_JOB_VARS = ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "ODCFN_JOB_SECRET", "ODCFN_SHM_PREFIX")
+# the restart count too: a restarted job re-saving a path its previous incarnation was killed
+# while saving must not meet that save's staging directory (its dead ranks' pids, its aborts)
+_JOB_VARS = ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
+             "ODCFN_JOB_SECRET", "ODCFN_SHM_PREFIX")
 
 
 def write_shards(

@@ -8,8 +8,21 @@ from collections.abc import Mapping
 from typing import Any
 
 from odcfn.checkpoint import frozen, sharded
+from odcfn.checkpoint.async_save import AsyncSaver, default_saver
 from odcfn.step.state import TrainState, check_opt_state
 from odcfn.trainable import split
+
+
+def savable(
+    state: TrainState, extra: Mapping[str, Any] | None, base: str | os.PathLike | None = None
+) -> tuple[dict, Any, dict]:
+    """``(params, model, extra)`` as a checkpoint holds them: everything, or for a state with
+    frozen units (LoRA) the trained units only plus a reference to the frozen base."""
+    model, params, extra = state.model, state.params, dict(extra or {})
+    if model.frozen:  # the base never changes: keep only what does, and where the base came from
+        extra[frozen.KEY] = frozen.base_reference(model, base)
+        params, model = split(model, params), frozen.trained_model(model)
+    return params, model, extra
 
 
 def save(
@@ -20,18 +33,27 @@ def save(
     overwrite: bool = False,
     timeout: float = 60.0,
     base: str | os.PathLike | None = None,
-) -> os.PathLike:
+    blocking: bool = True,
+) -> os.PathLike | AsyncSaver:
     """Write ``state``'s params, optimizer state and step as a sharded checkpoint (every rank
     calls it; returns once it is committed). ``extra``: JSON metadata kept in the manifest.
     A committed checkpoint at ``path`` is replaced only with ``overwrite=True``, atomically.
     A state with frozen units (LoRA) writes its trained units only, with a reference to the
-    frozen base: ``base`` (the base checkpoint's path) is recorded with the sha256 of its files."""
+    frozen base: ``base`` (the base checkpoint's path) is recorded with the sha256 of its files.
+    ``blocking=False``: return once the shards are snapshotted to host memory and write them in
+    the background (``checkpoint.async_save``); returns the process's ``AsyncSaver``, whose
+    ``wait()`` gives the committed path or raises the write's error (as does the next save)."""
     if not isinstance(state, TrainState):
         raise TypeError(f"odcfn.save(path, state): state must be a TrainState, got {type(state).__name__}")
-    model, params = state.model, state.params
-    if model.frozen:  # the base never changes: keep only what does, and where the base came from
-        extra = {**(extra or {}), frozen.KEY: frozen.base_reference(model, base)}
-        params, model = split(model, params), frozen.trained_model(model)
+    if not isinstance(blocking, bool):
+        raise TypeError(f"odcfn.save: blocking must be a bool, got {type(blocking).__name__}")
+    params, model, extra = savable(state, extra, base)
+    saver = default_saver(state.mesh)
+    if not blocking:
+        saver.save(path, params, state.opt_state, state.step, model=model, mesh=state.mesh,
+                   extra=extra, overwrite=overwrite, timeout=timeout)
+        return saver
+    saver.wait()  # a background save still in flight completes (or raises) first
     return sharded.write_shards(
         path, params, state.opt_state, state.step, model=model, mesh=state.mesh,
         extra=extra, overwrite=overwrite, timeout=timeout,

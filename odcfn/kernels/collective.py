@@ -56,10 +56,43 @@ def ensure_process_group(mesh: Mesh, timeout: float, backend: str) -> bool:
             f"cannot initialise torch.distributed: {', '.join(missing)} not set "
             "(run under odcfn.launch or torchrun, or call dist.init_process_group yourself)"
         )
+    td = timedelta(seconds=timeout)
     dist.init_process_group(
-        backend, rank=mesh.rank, world_size=mesh.world_size, timeout=timedelta(seconds=timeout)
+        backend, store=_fresh_store(mesh, td), rank=mesh.rank, world_size=mesh.world_size, timeout=td
     )
     return True
+
+
+# the job's store client (rank 0: also its server when no launcher hosts it), kept for the
+# process's life: keyed by (address, port, restart count)
+_STORE: dict[str, Any] = {"key": None, "store": None}
+
+
+def _fresh_store(mesh: Mesh, td: timedelta) -> Any:
+    """A key space of the job's store that no earlier default group of this job used.
+
+    torch names a re-created default group's keys exactly as the first one's (its group counter
+    restarts at 0), and the store outlives a group: a launcher's or torchrun agent's store lives
+    for the job, and rank 0's own server is shared by every client in its process. A re-created
+    group (a transport opened again, a restarted worker) would then read the previous
+    incarnation's addresses and fail in gloo's connectFullMesh. So each incarnation gets its own
+    prefix: the restart count (torchrun/odcfn.launch set ``TORCHELASTIC_RESTART_COUNT``) and a
+    round agreed through the store itself: every rank adds 1 to a counter before joining, and a
+    round's W joins all land before any rank of it can finish joining, so ``(count-1) // W``
+    is the same on every rank of the round. The store is kept for the process's life: dropping
+    rank 0's server between rounds would let a fast peer meet a dying server.
+    """
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    key = (os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"], restart, mesh.world_size)
+    if _STORE["key"] != key:
+        _STORE["store"] = None  # another job (the test pool's next task) or incarnation
+        store, _, _ = next(dist.rendezvous("env://", rank=mesh.rank, world_size=mesh.world_size, timeout=td))
+        _STORE["key"], _STORE["store"] = key, store
+    store = _STORE["store"]
+    store.set_timeout(td)
+    base = f"odcfn/pg/{restart}/w{mesh.world_size}"
+    joined = store.add(f"{base}/joins", 1)
+    return dist.PrefixStore(f"{base}/round{(joined - 1) // mesh.world_size}/", store)
 
 
 class TorchCollectives:

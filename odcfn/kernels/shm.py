@@ -34,6 +34,7 @@ does not answer within ``timeout``.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import secrets
 from collections.abc import Mapping
@@ -61,6 +62,10 @@ __all__ = ["ShmTransport"]
 VERSION, PID, ABORT, DONE = 0, 1, 2, 16  # MAX_COUNTERS: each counter an int64 (step, value) pair
 _ALIGN = 64
 _COUNTER_LOCK = 0  # lock byte for fetch_add; accumulator chunk locks use byte offsets >= the acc region
+
+
+# dtype codes for the agreement check at mapping time
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 def _align(n: int) -> int:
@@ -135,9 +140,37 @@ class ShmTransport(StepCollectives):
     def _path(self, rank: int) -> str:
         return os.path.join(shm_dir(), f"{self._stem}-g{self._gen}-r{rank}")
 
+    def _agree(self, seg: _SegLayout, dtype: torch.dtype) -> None:
+        """Every rank checks that all ranks map the same layout and dtype, before any file
+        exists: a disagreement then reads the same on every rank, naming what differs (one
+        all-reduce of small integers, exact in float64; only when segments are (re)mapped)."""
+        w, r = self.mesh.world_size, self.mesh.rank
+        units = [n for n, _ in seg.key[0]]
+        digest = hashlib.sha256(repr(seg.key[0]).encode()).digest()
+        mine = [float(_DTYPES.index(dtype) if dtype in _DTYPES else len(_DTYPES)), float(len(units)),
+                float(sum(seg.sizes.values())), float(int.from_bytes(digest[:6], "little"))]
+        vec = torch.zeros(4 * w, dtype=torch.float64)
+        vec[4 * r : 4 * r + 4] = torch.tensor(mine, dtype=torch.float64)
+        got = self.collectives.all_reduce(world_group(self.mesh), vec).view(w, 4).tolist()
+        if len({row[0] for row in got}) > 1:
+            names = ", ".join(
+                f"rank {p}: {_DTYPES[int(c)] if int(c) < len(_DTYPES) else 'another dtype'}"
+                for p, (c, *_) in enumerate(got)
+            )
+            raise ValueError(f"ranks disagree on the compute dtype of the published shards ({names})")
+        if len({tuple(row[1:]) for row in got}) > 1:
+            names = "; ".join(
+                f"rank {p}: {int(n)} units, {int(e)} elements per shard"
+                for p, (_, n, e, _h) in enumerate(got)
+            )
+            raise ValueError(
+                f"ranks disagree on the parameter layout (a different model, world or sharding?): {names}"
+            )
+
     def _map(self, seg: _SegLayout, dtype: torch.dtype) -> None:
         """Create this rank's segment, map every rank's between two barriers, unlink ours."""
         self._release()
+        self._agree(seg, dtype)
         self._gen += 1
         r, w = self.mesh.rank, self.mesh.world_size
         own = Segment(self._path(r), seg.nbytes, create=True)

@@ -116,6 +116,8 @@ class TrainSection:
     world_size: int | None = None  # None: default_world_size(), the local ranks that fit
     backend: str = "threads"
     timeout: float = 120.0
+    deterministic: bool = False  # StepConfig.deterministic: bit-identical reruns and restarts
+    max_restarts: int = 0  # backend "processes": restart the ranks this often after a failure
 
     def __post_init__(self) -> None:
         # resolved here, so a checkpoint's stored config names what the run actually used
@@ -139,6 +141,8 @@ class CheckpointSection:
     resume: bool = True
     resume_anyway: bool = False  # resume although the stored run's config differs
     export_hf: str | None = None
+    async_save: bool = True  # disk checkpoints written in the background (the step waits for a copy)
+    memory_every: int = 0  # a /dev/shm snapshot every N steps (0: off); restarts resume from it
 
     def __post_init__(self) -> None:
         _check_types(self, 'checkpoint')
@@ -209,6 +213,8 @@ class SFTConfig:
             raise ValueError(f"config: train.world_size must be a positive int, got {t.world_size!r}")
         if self.checkpoint.every < 0 or self.log.every < 1:
             raise ValueError("config: checkpoint.every must be >= 0 and log.every >= 1")
+        if self.checkpoint.memory_every < 0 or t.max_restarts < 0:
+            raise ValueError("config: checkpoint.memory_every and train.max_restarts must be >= 0")
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -302,7 +308,7 @@ def model_config(cfg: SFTConfig) -> Any:
 
 
 # what may change when a run resumes: how long, on how many ranks, how it logs and checkpoints
-_RESUMABLE = {"train.steps", "train.world_size", "train.backend", "train.timeout"}
+_RESUMABLE = {"train.steps", "train.world_size", "train.backend", "train.timeout", "train.max_restarts"}
 _RESUMABLE_SECTIONS = {"log", "checkpoint"}
 
 

@@ -30,8 +30,12 @@ Config (TOML or JSON), every key optional except ``data.path`` and ``train.steps
     comm = "odc" | "collective", balance = "lb_mini" (ODC) / "lb_micro" (collective),
     max_tokens_per_microbatch = 4096, compute_dtype = "float32" | "bfloat16",
     world_size = one per CPU core up to 4, backend = "threads" | "processes"
+    deterministic = false  # bit-identical reruns/restarts (StepConfig.deterministic)
+    max_restarts = 0       # processes backend: restart all ranks after a failure (as torchrun)
     [checkpoint]
     every = 100, keep = 3, export_hf = "path"  # (and after the last step); HF copy of the final weights
+    async_save = true      # disk checkpoints written in the background
+    memory_every = 0       # a /dev/shm snapshot every N steps; a restart resumes from the newest
     resume = true          # false (or --no-resume): start over, deleting out_dir's checkpoints
     resume_anyway = false  # resuming with another config/dataset is refused unless true
     [log]
@@ -46,10 +50,9 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import shutil
 import sys
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +66,8 @@ from odcfn.sft.config import (
     write_example,
 )
 from odcfn.sft.prepare import PreparedData, prepare_data
-from odcfn.sft.record import Logger, prune, step_record
+from odcfn.sft.record import Logger, step_record
+from odcfn.sft.restart import Snapshots, clear_for_fresh_start, resume_point
 
 __all__ = ["SFTConfig", "add_arguments", "config_from_dict", "load_config", "main", "run", "train_rank"]
 
@@ -135,14 +139,14 @@ def _setup(cfg: SFTConfig, rank: int, transport, data: PreparedData | None = Non
 
     import odcfn
     from odcfn.checkpoint.frozen import load_parts
-    from odcfn.checkpoint.sharded import latest, read_manifest
+    from odcfn.checkpoint.sharded import read_manifest
     from odcfn.checkpoint.verify import sha256
 
     t = cfg.train
     mesh = transport.mesh  # the transport's view of the job (ranks_per_node, sharding) wins
     if mesh.world_size != t.world_size or mesh.rank != rank:
         raise ValueError(f"transport serves {mesh}, but the config asks for rank {rank} of {t.world_size}")
-    ck = latest(cfg.checkpoint_dir) if cfg.checkpoint.resume else None
+    ck = resume_point(cfg)  # the newest verified snapshot, memory tier or disk
     # LoRA: the frozen base comes from [model] whether or not a checkpoint holds the adapters
     qcfg, model, initial = _build_model(cfg, None if ck is not None and not cfg.lora.rank else mesh)
     model, initial = _with_lora(cfg, model, initial, mesh)
@@ -154,7 +158,7 @@ def _setup(cfg: SFTConfig, rank: int, transport, data: PreparedData | None = Non
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[t.compute_dtype]
     step_config = odcfn.StepConfig(
         comm=t.comm, balance=t.balance, max_tokens_per_microbatch=t.max_tokens_per_microbatch,
-        compute_dtype=dtype, max_grad_norm=t.max_grad_norm,
+        compute_dtype=dtype, max_grad_norm=t.max_grad_norm, deterministic=t.deterministic,
     )
     start, resumed = 0, None
     data_sha = sha256(Path(cfg.data.path))
@@ -163,9 +167,12 @@ def _setup(cfg: SFTConfig, rank: int, transport, data: PreparedData | None = Non
         check_resume(cfg, extra, data_sha, str(ck))
         # the state is built from the checkpoint's shards: a resumed rank never initialises
         # (or holds) fresh weights
+        t_load = time.perf_counter()
         params, opt_state, start = load_parts(ck, model, mesh, initial, cfg.model.hf_path)
         resumed = str(ck)
-        if rank == 0:
+        if rank == 0:  # a restart's trace in the job's log (recovery time, lost work)
+            print(f"odcfn train: resuming at step {start} from {ck} (read in "
+                  f"{time.perf_counter() - t_load:.2f}s)", file=sys.stderr, flush=True)
             _say_schedule_change(extra.get("config", {}), cfg, start)
     else:
         params, opt_state = initial, None
@@ -173,14 +180,12 @@ def _setup(cfg: SFTConfig, rank: int, transport, data: PreparedData | None = Non
         params=params, model=model, optimizer=optimizer, transport=transport, config=step_config,
         opt_state=opt_state, step=start,
     )
-    if rank == 0 and cfg.checkpoint_dir.exists():
+    if rank == 0:
         # Everything past the step we start from is stale: a fresh run's predecessors, or the
         # uncommitted remains of an interrupted save (whose rank files would otherwise pass
-        # for this run's). Safe without a barrier: no rank saves before the first step's sync.
-        for d in cfg.checkpoint_dir.glob("step-*"):
-            num = d.name.removeprefix("step-")
-            if num.isdigit() and (not cfg.checkpoint.resume or int(num) > start):
-                shutil.rmtree(d)
+        # for this run's), in both tiers. Safe without a barrier: no rank saves before the
+        # first step's sync.
+        clear_for_fresh_start(cfg, start)
     return _Run(state, data, lr, data_sha, start, resumed)
 
 
@@ -207,24 +212,6 @@ def _lr_now(run: _Run, step: int) -> float:
     return run.lr(count if isinstance(count, int) else step + 1)
 
 
-def _checkpoint(cfg: SFTConfig, run: _Run, done: int) -> None:
-    """Save after step ``done`` when the schedule says so (every rank calls it)."""
-    import odcfn
-
-    every, last = cfg.checkpoint.every, done == cfg.train.steps
-    # under torchrun the HF export is written from the last step's checkpoint
-    export_from_it = last and bool(cfg.checkpoint.export_hf) and _under_torchrun()
-    if not ((every and (done % every == 0 or last)) or export_from_it):
-        return
-    odcfn.save(
-        cfg.checkpoint_dir / f"step-{done:08d}", run.state,
-        extra={"config": asdict(cfg), "data_sha256": run.data_sha}, timeout=cfg.train.timeout,
-        base=cfg.model.hf_path,  # with LoRA: the adapters and a reference to the base only
-    )
-    if run.state.mesh.rank == 0:
-        prune(cfg.checkpoint_dir, cfg.checkpoint.keep, done)
-
-
 def train_rank(cfg: SFTConfig, rank: int, transport, data: PreparedData | None = None) -> dict[str, Any]:
     """The SFT loop for one rank; returns a summary (and rank's final shards for export).
     ``data``: the launcher's checked dataset (else this rank reads and checks it)."""
@@ -233,12 +220,16 @@ def train_rank(cfg: SFTConfig, rank: int, transport, data: PreparedData | None =
 
     run = _setup(cfg, rank, transport, data)
     logger = Logger(cfg, run.start) if rank == 0 else None
+    # disk and memory tiers (sft/restart.py); under torchrun the HF export is written from the
+    # last step's checkpoint, so that one is saved whatever the schedule
+    snaps = Snapshots(cfg, run.data_sha, run.state.mesh, base=cfg.model.hf_path,
+                      save_last=bool(cfg.checkpoint.export_hf) and _under_torchrun())
     last = None
     try:
         for step in range(run.start, cfg.train.steps):
             if step in run.data.skip_steps:  # no loss tokens: a step without an update
                 run.state = run.state.replace(step=step + 1)
-                _checkpoint(cfg, run, step + 1)
+                snaps.after_step(run.state, step + 1)
                 continue
             d = cfg.data
             batch = batch_at(run.data.dataset, step, d.batch_size, seed=d.seed, shuffle=d.shuffle)
@@ -246,7 +237,8 @@ def train_rank(cfg: SFTConfig, rank: int, transport, data: PreparedData | None =
             last = m.loss
             if logger is not None:
                 logger.log(step_record(m, step + 1, step // run.data.per_epoch, _lr_now(run, step)))
-            _checkpoint(cfg, run, step + 1)
+            snaps.after_step(run.state, step + 1)
+        snaps.finish(run.state)
     finally:
         if logger is not None:
             logger.close()
@@ -312,7 +304,9 @@ def _run_locked(cfg: SFTConfig) -> list[dict[str, Any]]:
     if cfg.train.backend == "processes":
         from odcfn.launch import launch
 
-        results = launch(_process_worker, W, args=(cfg,), timeout=cfg.train.timeout)
+        results = launch(
+            _process_worker, W, args=(cfg,), timeout=cfg.train.timeout, max_restarts=cfg.train.max_restarts
+        )
     else:
         results = odcfn.run_local(
             lambda rank, tr: train_rank(cfg, rank, tr, data), W, timeout=cfg.train.timeout

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from odcfn.batch import Batch, Microbatch, pack
-from odcfn.kernels.base import Handle, Transport
+from odcfn.kernels.base import Handle, Transport, TransportError
 from odcfn.model import Model, unit_inputs
 from odcfn.schedule.plan import (
     AllGather,
@@ -100,6 +100,8 @@ class Executor:
         n = 1 + len(getattr(loss, "metric_names", ()))
         self.loss_sum = torch.zeros(n if loss is not None else (), dtype=torch.float64, device=device)
         self.scale = 1.0 if loss is not None else 1.0 / batch.num_loss_tokens
+        # deterministic mode: this rank's gradient sums (fp32, padded full), pushed in rank order
+        self.local: dict[str, torch.Tensor] | None = None
 
     # --- parameters -------------------------------------------------------------------------
     def _buffer(self, unit: str) -> torch.Tensor:
@@ -263,7 +265,15 @@ class Executor:
     def _scatter(self, s: ScatterAccumulate, offset: int) -> None:
         g = self._grad_out(s.unit)
         with torch.no_grad():
-            self.pushes.append(self.t.scatter_accumulate(s.unit, g))
+            if self.local is None:
+                self.pushes.append(self.t.scatter_accumulate(s.unit, g))
+                return
+            # deterministic: summed here, pushed in rank order at the sync
+            acc = self.local.get(s.unit)
+            if acc is None:
+                self.local[s.unit] = g.to(torch.float32, copy=True)
+            else:
+                acc.add_(g)
 
     def _reduce_scatter(self, s: ReduceScatter, offset: int) -> None:
         g = self._grad_out(s.unit)
@@ -278,6 +288,8 @@ class Executor:
         return self.sync()
 
     def sync(self) -> torch.Tensor:
+        if self.local is not None:
+            push_in_rank_order(self.t, self.layout, self.local)
         for h in self.pushes:
             h.wait()
         self.t.flush()
@@ -309,6 +321,32 @@ _STEPS = {
 }
 
 
+def push_in_rank_order(transport: Transport, layout: Layout, local: dict[str, torch.Tensor]) -> None:
+    """Push each unit's local gradient sum into its owners, rank 0 first, then rank 1, ...: so
+    every owner's accumulator is ``((0 + g_0) + g_1) + ...`` whatever the timing. The turn of
+    unit i is a shared counter (``fetch_add``, fresh every step) counted from the top of the
+    counter range (work stealing, which uses the bottom, is refused in this mode); all ranks walk
+    the units in the same order, so rank r pushes unit i while rank r-1 pushes unit i+1."""
+    rank, top = transport.mesh.rank, transport.max_counters - 1
+    timeout = float(getattr(transport, "timeout", 60.0))
+    for i, u in enumerate(layout.units):
+        counter = top - i
+        deadline, pause = time.monotonic() + timeout, 1e-5
+        while (turn := transport.fetch_add(counter, 0)) != rank:
+            if turn > rank:
+                raise TransportError(f"rank {rank}: the push order of unit {u.name!r} is at rank {turn} "
+                                     "(ranks disagree on StepConfig.deterministic?)")
+            if time.monotonic() > deadline:
+                raise TransportError(f"rank {rank}: timed out after {timeout}s waiting for rank {turn} to "
+                                     f"push unit {u.name!r} (deterministic order; dead or stuck peer?)")
+            time.sleep(pause)
+            pause = min(2 * pause, 1e-3)
+        g = local.get(u.name)
+        if g is not None:  # no microbatch on this rank: nothing to add (x + 0 == x anyway)
+            transport.scatter_accumulate(u.name, g).wait()
+        transport.fetch_add(counter, 1)
+
+
 def execute(
     program: Iterable[Piece],
     *,
@@ -321,14 +359,18 @@ def execute(
     device: torch.device | str = "cpu",
     riders: torch.Tensor | None = None,
     loss: Any = None,
+    deterministic: bool = False,
 ) -> tuple[ExecResult, Plan]:
     """Run a rank's program (``odcfn.schedule.policy.prepare_program``: a static plan is one
     piece, work stealing one piece per decision) up to and including its one Sync; the
     transport then holds this rank's gradient shards. Returns the result and the plan that ran.
-    ``riders``: float64 values summed over the ranks in the same sync (``ExecResult.riders``)."""
+    ``riders``: float64 values summed over the ranks in the same sync (``ExecResult.riders``).
+    ``deterministic``: ODC pushes summed locally and pushed in rank order (``StepConfig``)."""
     t0 = time.perf_counter()
     ex = Executor(model, layout, batch, transport, compute_dtype, torch.device(device), loss)
     ex.riders = riders
+    if deterministic and comm == "odc":
+        ex.local = {}
     events: list[Event] = []
     ran: list[Piece] = []
     stats = None

@@ -22,7 +22,7 @@ from odcfn.model import Model, check_params
 from odcfn.optim import Optimizer
 from odcfn.schedule.cost import CostModel
 from odcfn.schedule.plan import Comm, Plan, ScheduleOptions
-from odcfn.schedule.policy import Policy, policy_info, resolve_policy
+from odcfn.schedule.policy import Policy, WorkStealing, policy_info, resolve_policy
 from odcfn.sharding import Mesh, make_layout, shard
 from odcfn.sharding.layout import check_shards
 from odcfn.trace import Event
@@ -45,6 +45,12 @@ class StepConfig:
     head unit applies (None: token cross-entropy). ``nonfinite``: a minibatch whose loss or
     gradient norm is NaN/inf raises ``FloatingPointError`` on every rank ("raise"), or is skipped
     ("skip": params, optimizer state and step unchanged, ``metrics.extra["skipped_nonfinite"]``).
+    ``deterministic``: ODC gradients reduced in a fixed order, so equal inputs give bit-identical
+    results run after run (restarts, debugging): each rank sums its microbatches' gradients
+    locally (an unsharded fp32 gradient per rank: memory), then the ranks push their sums into
+    each owner in rank order. The default adds each microbatch's push as it arrives (faster;
+    runs then differ in the last bits when a rank has several microbatches). Collective mode
+    is always in a fixed order. Work stealing decides the split at run time: not deterministic.
     """
 
     comm: Comm = "odc"
@@ -56,6 +62,7 @@ class StepConfig:
     cost: CostModel | None = None
     loss: Any = None
     nonfinite: str = "raise"
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         if self.comm not in ("odc", "collective"):
@@ -76,6 +83,14 @@ class StepConfig:
         check_number(self.max_grad_norm, "StepConfig.max_grad_norm", positive=True, none_ok=True)
         if self.nonfinite not in ("raise", "skip"):
             raise ValueError(f"StepConfig.nonfinite must be 'raise' or 'skip', got {self.nonfinite!r}")
+        if not isinstance(self.deterministic, bool):
+            got = type(self.deterministic).__name__
+            raise TypeError(f"StepConfig.deterministic must be a bool, got {got}")
+        if self.deterministic and isinstance(resolve_policy(self.balance, self.comm), WorkStealing):
+            raise ValueError(
+                "StepConfig(deterministic=True) cannot use work stealing: which rank runs which "
+                "microbatch is decided at run time, so the summation order is not fixed"
+            )
         if self.loss is not None:
             check_loss(self.loss)  # a TypeError naming what a non-loss lacks, at construction
         if self.cost is not None and not callable(self.cost):

@@ -124,7 +124,7 @@ def _grads(state: TrainState, batch: Batch) -> tuple[dict[str, torch.Tensor], St
     result, plan = execute(
         program, model=model, layout=layout, batch=batch, transport=transport,
         compute_dtype=dtype, comm=cfg.comm, device=device, riders=fingerprint.encode(words, device),
-        loss=cfg.loss,
+        loss=cfg.loss, deterministic=cfg.deterministic,
     )
     # every rank sees the same sums, so every rank raises alike (before any optimizer step)
     fingerprint.check_agreement(result.riders, mesh.world_size, words, detail)

@@ -1,0 +1,142 @@
+"""Snapshots that outlive the trainer: a memory tier in /dev/shm, and picking the newest good one.
+
+A ``MemoryTier`` keeps a run's newest snapshots as ordinary sharded checkpoints (the same
+manifest, per-file sha256 and atomic commit as on disk) in a directory of the shared-memory
+file system (``ODCFN_SHM_DIR``, default /dev/shm) that no training process owns: the files stay
+when a rank is killed, so a restarted job on the same node reads them at memory speed. The disk
+tier is the copy that survives the node.
+
+Each snapshot is written beside the last (``step-XXXXXXXX``), then rank 0 verifies every file
+against the manifest and only then switches the pointer (``CURRENT``, replaced atomically) to it
+and removes the snapshots older than the one the pointer named before: there is never a moment
+with no verified snapshot. ``cleanup`` removes the directory at the run's normal end.
+
+``newest_verified(roots)``: among the committed snapshots of several tiers, the one with the
+highest step whose every file matches its manifest; a snapshot that fails is skipped for the
+next with a warning naming the file. Every rank checks every file, so all ranks (which see the
+same files on one node) reach the same verdict without communicating.
+
+Across nodes (designed, not built): /dev/shm is per node, so each node would keep its own
+ranks' files plus a copy of its neighbour's (node n pushes its files to node n+1 mod N after
+each snapshot, over the transport's fabric or a socket, and commits them under the neighbour's
+manifest); a restarted node that lost its memory reads its files back from its neighbour's copy,
+and a job falls back to the disk tier only when two adjacent nodes are gone. Until then the
+memory tier requires every rank on one node (``check_single_node``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+
+from odcfn.checkpoint.commit import CheckpointError, fsync_path
+from odcfn.checkpoint.sharded import MANIFEST, read_manifest
+from odcfn.checkpoint.verify import check_files, sha256
+from odcfn.kernels._shm_sync import shm_dir
+
+__all__ = ["MemoryTier", "committed", "newest_verified", "remove_stale", "verify_all"]
+
+POINTER = "CURRENT"
+
+
+def verify_all(path: Path) -> None:
+    """Every file of checkpoint ``path`` against its manifest; ``CheckpointError`` naming the
+    first file that is missing or differs."""
+    doc = read_manifest(path)
+    try:
+        files = check_files(doc, path)
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"checkpoint {path}: {e}") from e
+    for f, entry in zip(files, doc["files"]):
+        if not f.is_file():
+            raise CheckpointError(f"{f} is missing")
+        if f.stat().st_size != entry.get("bytes") or sha256(f) != entry.get("sha256"):
+            raise CheckpointError(f"{f} does not match the sha256 in its manifest")
+
+
+def committed(root: Path) -> list[tuple[int, Path]]:
+    """``(step, path)`` of every committed ``step-*`` snapshot under ``root``, newest first."""
+    out = []
+    if root.is_dir():
+        for d in root.glob("step-*"):
+            try:
+                step = int(json.loads((d / MANIFEST).read_text())["step"])
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+            out.append((step, d))
+    return sorted(out, key=lambda x: x[0], reverse=True)
+
+
+def newest_verified(roots: Sequence[Path]) -> Path | None:
+    """The verified snapshot with the highest step among ``roots`` (earlier roots win a tie:
+    list the fastest tier first); failing ones are skipped with a warning naming the file."""
+    found = [(step, -i, d) for i, root in enumerate(roots) for step, d in committed(Path(root))]
+    for step, _, d in sorted(found, reverse=True):
+        try:
+            verify_all(d)
+            return d
+        except (CheckpointError, FileNotFoundError) as e:
+            warnings.warn(f"skipping snapshot {d} (step {step}) for an older one: {e}", stacklevel=2)
+    return None
+
+
+def remove_stale(root: Path, newer_than: int) -> None:
+    """Remove ``root``'s snapshots past step ``newer_than`` and every staging leftover (call
+    before a run's first save, when no save of this job is in flight)."""
+    if not root.is_dir():
+        return
+    for d in root.glob(".step-*.tmp-*"):
+        shutil.rmtree(d, ignore_errors=True)
+    for d in root.glob("step-*"):
+        num = d.name.removeprefix("step-")
+        if num.isdigit() and int(num) > newer_than:
+            shutil.rmtree(d, ignore_errors=True)
+
+
+class MemoryTier:
+    """The shared-memory snapshots of the run whose output directory is ``out_dir``."""
+
+    def __init__(self, out_dir: str | os.PathLike) -> None:
+        key = hashlib.sha256(os.fsencode(os.path.abspath(out_dir))).hexdigest()[:16]
+        self.root = Path(shm_dir()) / f"odcfn-snap-{key}"
+
+    def path(self, step: int) -> Path:
+        return self.root / f"step-{step:08d}"
+
+    def current(self) -> Path | None:
+        try:
+            name = (self.root / POINTER).read_text().strip()
+        except OSError:
+            return None
+        return self.root / name if name.startswith("step-") and "/" not in name else None
+
+    def publish(self, path: Path) -> None:
+        """Rank 0, after ``path`` committed: verify it, point ``CURRENT`` at it, then remove the
+        snapshots older than the one the pointer named before (that one stays until the next
+        switch, so a torn ``CURRENT`` target is never the only copy)."""
+        verify_all(path)
+        before = self.current()
+        tmp = self.root / f".{POINTER}.{os.getpid()}"
+        tmp.write_text(path.name)
+        os.replace(tmp, self.root / POINTER)
+        fsync_path(self.root)
+        keep = {path.name} | ({before.name} if before is not None else set())
+        for _step, d in committed(self.root):
+            if d.name not in keep and d.name < path.name:
+                shutil.rmtree(d, ignore_errors=True)
+
+    def cleanup(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def check_single_node(world_size: int, local_world_size: int) -> None:
+    if local_world_size != world_size:
+        raise ValueError(
+            f"checkpoint.memory_every needs every rank on one node (world size {world_size}, "
+            f"{local_world_size} per node): the cross-node neighbour copy is not built yet"
+        )

@@ -1,0 +1,103 @@
+"""The memory tier and the choice of a restart's snapshot: write beside the last, verify, switch
+the pointer, prune behind it; a snapshot that fails verification is skipped for the previous
+good one with a warning naming the file; a run resumed on another number of ranks continues
+the same loss trajectory (resharded on load)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+
+import odcfn
+from odcfn.checkpoint.memory_tier import MemoryTier, committed, newest_verified, remove_stale
+from odcfn.data.records import synthetic_records, write_jsonl
+from odcfn.models import QwenConfig, init_params, qwen_model
+from odcfn.sft.config import config_from_dict
+from odcfn.sft.loop import run
+
+CFG = QwenConfig(vocab_size=37, d_model=16, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=24)
+
+
+def _save_steps(tier: MemoryTier, steps, W=2):
+    model = qwen_model(CFG)
+
+    def fn(rank, tr):
+        state = odcfn.TrainState.create(params=init_params(CFG, seed=0), model=model,
+                                        optimizer=odcfn.adamw(1e-2), transport=tr)
+        for s in steps:
+            odcfn.save(tier.path(s), state.replace(step=s))
+            if rank == 0:
+                tier.publish(tier.path(s))
+        return True
+
+    odcfn.run_local(fn, W)
+
+
+def test_publish_switches_the_pointer_and_keeps_the_previous_snapshot(tmp_path, monkeypatch):
+    monkeypatch.setenv("ODCFN_SHM_DIR", str(tmp_path / "shm"))
+    tier = MemoryTier(tmp_path / "run")
+    assert tier.root.parent == tmp_path / "shm" and tier.root.name.startswith("odcfn-snap-")
+    _save_steps(tier, [1, 2])
+    assert tier.current() == tier.path(2) and [s for s, _ in committed(tier.root)] == [2, 1]
+    _save_steps(tier, [3])
+    # the pointer's previous target stays until the next switch; older ones go
+    assert tier.current() == tier.path(3) and [s for s, _ in committed(tier.root)] == [3, 2]
+    tier.cleanup()
+    assert not tier.root.exists()
+
+
+def test_a_snapshot_failing_verification_is_skipped_naming_the_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("ODCFN_SHM_DIR", str(tmp_path / "shm"))
+    tier = MemoryTier(tmp_path / "run")
+    _save_steps(tier, [4, 5])
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    f = tier.path(5) / "rank-00001.safetensors"
+    raw = bytearray(f.read_bytes())
+    raw[-3] ^= 0xFF  # a flipped bit in the data
+    f.write_bytes(bytes(raw))
+    with pytest.warns(UserWarning, match=r"skipping snapshot .*step-00000005.*rank-00001\.safetensors"):
+        assert newest_verified([tier.root, disk]) == tier.path(4)
+    (tier.path(4) / "rank-00000.safetensors").unlink()
+    (tier.path(5) / "manifest.json").unlink()  # uncommitted: not even a candidate
+    with pytest.warns(UserWarning, match=r"step-00000004.*rank-00000\.safetensors is missing"):
+        assert newest_verified([tier.root, disk]) is None
+    (tier.root / ".step-00000009.tmp-abc").mkdir()
+    remove_stale(tier.root, 4)
+    assert sorted(p.name for p in tier.root.iterdir()) == ["CURRENT", "step-00000004"]
+
+
+def _config(tmp_path, **train):
+    lengths = [5, 9, 7, 12, 6, 8, 10, 4, 11, 5, 7, 9]
+    write_jsonl(tmp_path / "train.jsonl", synthetic_records(lengths, 40, seed=0))
+    doc = {
+        "out_dir": str(tmp_path / "out"),
+        "model": {"vocab_size": 40, "d_model": 16, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "d_ff": 24},
+        "data": {"path": str(tmp_path / "train.jsonl"), "batch_size": 6},
+        "train": {"steps": 8, "lr": 1e-2, "world_size": 2, "max_tokens_per_microbatch": 20, **train},
+        "checkpoint": {"every": 4, "memory_every": 1},
+        "log": {"progress": False},
+    }
+    return config_from_dict(doc)
+
+
+@pytest.mark.parametrize("W_new", [1, 3])
+def test_a_run_resumed_on_another_number_of_ranks_continues_the_trajectory(tmp_path, monkeypatch, W_new):
+    monkeypatch.setenv("ODCFN_SHM_DIR", str(tmp_path / "shm"))
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    whole = _config(tmp_path / "a")
+    run(whole)
+    part = _config(tmp_path / "b")
+    run(replace(part, train=replace(part.train, steps=4)))
+    out = run(replace(part, train=replace(part.train, world_size=W_new)))
+    assert out[0]["start_step"] == 4 and len(out) == W_new
+    la = [json.loads(x) for x in whole.metrics_path.read_text().splitlines()]
+    lb = [json.loads(x) for x in part.metrics_path.read_text().splitlines()]
+    assert [r["step"] for r in lb] == list(range(1, 9))  # one run's log: nothing lost or doubled
+    assert [r["loss"] for r in la[:4]] == [r["loss"] for r in lb[:4]]
+    torch.testing.assert_close([r["loss"] for r in lb[4:]], [r["loss"] for r in la[4:]], rtol=1e-5, atol=0)
+    assert not any((tmp_path / "shm").iterdir())  # the memory tier is gone at a normal end
