@@ -145,7 +145,7 @@ class ShmTransport(StepCollectives):
         exists: a disagreement then reads the same on every rank, naming what differs (one
         all-reduce of small integers, exact in float64; only when segments are (re)mapped)."""
         w, r = self.mesh.world_size, self.mesh.rank
-        units = [n for n, _ in seg.key[0]]
+        units = [k[0] for k in seg.key[0]]
         digest = hashlib.sha256(repr(seg.key[0]).encode()).digest()
         mine = [float(_DTYPES.index(dtype) if dtype in _DTYPES else len(_DTYPES)), float(len(units)),
                 float(sum(seg.sizes.values())), float(int.from_bytes(digest[:6], "little"))]
