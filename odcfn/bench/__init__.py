@@ -17,7 +17,6 @@ from pathlib import Path
 
 SCHEMA = "odcfn.bench/1"
 SECTIONS = ("end_to_end", "balanced", "fsdp2", "primitives", "simulator", "straggler", "rl")
-E2E_POLICIES = ("collective+lb-micro", "odc+lb-mini", "odc+work-stealing")
 STRAGGLER_SLOWDOWN = 1.5
 
 
@@ -109,7 +108,8 @@ def main(args: argparse.Namespace) -> int:
     }
     if backend == "thread":
         report["notes"].append("ranks ran as threads of one process (--backend thread): "
-                               "not a multi-process measurement")
+                               "not a multi-process measurement; both collective baselines ran "
+                               "on the in-process transport")
     runners = {
         "end_to_end": lambda: S.end_to_end(ctx, spr),
         "balanced": lambda: S.balanced(ctx),

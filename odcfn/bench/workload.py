@@ -17,8 +17,10 @@ from odcfn.schedule.policy import SCHEDULES, Schedule
 
 __all__ = [
     "POLICIES",
+    "SAME_WIRE",
     "Policy",
     "Workload",
+    "collectives_of",
     "make_batch",
     "make_lengths",
     "model_config",
@@ -30,9 +32,18 @@ __all__ = [
 LONGALIGN_MEAN = 16500
 
 
-# The registry of (comm, balance) pairs lives in the schedule layer; the bench reads it.
+# The registry of (comm, balance) pairs lives in the schedule layer; the bench adds one: the
+# collective baseline run over the same shared memory as ODC (``ShmTransport(collectives=
+# "shm")``), so that ODC against it differs in synchronisation only, not in the wire.
 Policy = Schedule
-POLICIES = SCHEDULES
+SAME_WIRE = "collective-shm+lb-micro"
+POLICIES = {**SCHEDULES, SAME_WIRE: Schedule(SAME_WIRE, "collective", "lb_micro")}
+
+
+def collectives_of(policy: str) -> str:
+    """The ``ShmTransport(collectives=...)`` a policy runs on: ``"shm"`` for the same-wire
+    baseline, ``"gloo"`` (what users run by default) for every other."""
+    return "shm" if policy == SAME_WIRE else "gloo"
 
 
 def model_config(d_model: int = 128, n_layers: int = 4, vocab_size: int = 512) -> QwenConfig:
