@@ -90,7 +90,8 @@ def _stealing(lengths: Sequence[int], world: int, cap: int, cost=None) -> dict:
     from odcfn.schedule.steal import WorkStealing, steal_plan
 
     ws = WorkStealing()
-    sp = steal_plan(lengths, world, cap, cost=cost or DEFAULT_COST, split_cost=ws.split_cost)
+    sp = steal_plan(lengths, world, cap, cost=cost or DEFAULT_COST, split_cost=ws.split_cost,
+                    split_tail=ws.split_tail)
     return {"plan": sp, "overhead": ws.overhead, "tolerance": ws.tolerance}
 
 

@@ -123,7 +123,8 @@ def prepare_program(
     chosen = resolve_policy(policy, comm, cost)
     if isinstance(chosen, WorkStealing):
         sp = steal_plan(
-            lengths, world_size, max_tokens, cost=cost or DEFAULT_COST, split_cost=chosen.split_cost
+            lengths, world_size, max_tokens, cost=cost or DEFAULT_COST, split_cost=chosen.split_cost,
+            split_tail=chosen.split_tail,
         )
         if max_counters is not None and sp.num_counters > max_counters:
             raise ValueError(
