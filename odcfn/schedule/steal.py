@@ -56,7 +56,7 @@ __all__ = [
 ]
 
 DEFAULT_TOLERANCE = 0.1
-DEFAULT_SPLIT_TAIL = 0.3
+DEFAULT_SPLIT_TAIL = 0.2
 _QUANTUM = 1 << 20
 
 
@@ -70,8 +70,8 @@ class WorkStealing:
     1.5x slower than one other needs a fifth of its list taken, among 8 ranks 30%. Each extra
     microbatch costs one more round of gathers and pushes (on CPU shared memory a synchronous
     copy of the model: about 2% of the CPU time of a step when every list is split), so only the
-    tail pays it (docs/benchmarks.md: the simulator keeps the straggler gain of splitting
-    everything with ~30% fewer extra microbatches at 4 samples per rank).
+    tail pays it (docs/benchmarks.md: at 4 samples per rank the simulator keeps splitting
+    everything's gain from a 1.5x straggler with half its extra microbatches).
     ``split_cost``: besides, an LB-Mini microbatch whose samples each cost at least this much
     (in the cost model's units) runs sample by sample (0: every list sample by sample, the
     former default; the simulator splits where compute hides the transfers:
