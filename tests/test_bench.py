@@ -323,11 +323,11 @@ def test_the_same_wire_baseline_runs_its_collectives_over_shared_memory(mp_pool)
     same-wire baseline's collectives go over /dev/shm (ShmCollectives) and every other policy's
     over gloo; all train alike (the same losses), and the collective baselines issue collectives
     while ODC issues one sync and no collective."""
-    from odcfn.bench.runner import _process_worker
+    from odcfn.bench.runner import process_worker
 
     w = Workload(model=model_config(16, 1), length_scale=1024, samples_per_rank=2)
     pols = ("collective+lb-micro", "collective-shm+lb-micro", "odc+lb-mini")
-    per_rank = mp_pool.run(_process_worker, 2, args=(RunSpec(w, pols, steps=1, warmup=1),), timeout=300)
+    per_rank = mp_pool.run(process_worker, 2, args=(RunSpec(w, pols, steps=1, warmup=1),), timeout=300)
     sums = {p: policy_summary(per_rank, p) for p in pols}
     assert {p: s["collectives"] for p, s in sums.items()} == {
         "collective+lb-micro": "gloo", "collective-shm+lb-micro": "shm", "odc+lb-mini": "gloo"}

@@ -21,18 +21,19 @@ from dataclasses import dataclass, field
 
 import torch
 
-from odcfn.bench.workload import POLICIES, Policy, Workload, collectives_of, make_batch
+from odcfn.bench.workload import Workload, collectives_of, make_batch
 from odcfn.models import init_params, qwen_model
 from odcfn.optim import adamw
+from odcfn.schedule.policy import SCHEDULES, Schedule
 from odcfn.sharding import Mesh, shard
 
-__all__ = ["RunSpec", "available_backends", "pick_backend", "run"]
+__all__ = ["RunSpec", "available_backends", "pick_backend", "process_worker", "run"]
 
 
 @dataclass(frozen=True)
 class RunSpec:
     workload: Workload
-    policies: tuple[str, ...]  # keys of POLICIES
+    policies: tuple[str, ...]  # keys of SCHEDULES
     steps: int = 3  # timed minibatches per policy
     warmup: int = 1  # untimed minibatches per policy first (allocations, first-touch of shm)
     slowdown: tuple[float, ...] = ()  # per-rank compute slowdown (1.5 = a 1.5x slower device)
@@ -43,9 +44,9 @@ class RunSpec:
     cost: object | None = None  # a CostModel (picklable) for every balancer; None: the default
 
     def __post_init__(self) -> None:
-        unknown = [p for p in self.policies if p not in POLICIES]
+        unknown = [p for p in self.policies if p not in SCHEDULES]
         if unknown:
-            raise ValueError(f"unknown policies {unknown}; known: {sorted(POLICIES)}")
+            raise ValueError(f"unknown policies {unknown}; known: {sorted(SCHEDULES)}")
         if self.steps < 1 or self.warmup < 0:
             raise ValueError(
                 f"RunSpec needs steps >= 1 and warmup >= 0, got {self.steps}, {self.warmup}"
@@ -94,7 +95,7 @@ def _rank_loop(spec: RunSpec, mesh: Mesh, transport, barrier: Callable[[], None]
     full = init_params(w.model, seed=w.seed)
     state, wire = {}, {}
     for name in spec.policies:
-        pol = POLICIES[name]
+        pol = SCHEDULES[name]
         # every rank binds the same cost model, so every rank computes the same assignment
         # (static balancers) or the same work-stealing lists
         config = StepConfig(
@@ -114,7 +115,7 @@ def _rank_loop(spec: RunSpec, mesh: Mesh, transport, barrier: Callable[[], None]
         batch = make_batch(w, step)
         k = step % len(spec.policies)
         for name in spec.policies[k:] + spec.policies[:k]:
-            pol: Policy = POLICIES[name]
+            pol: Schedule = SCHEDULES[name]
             barrier()
             t0, c0 = time.perf_counter(), time.process_time()
             state[name], m = train.train_step(state[name], batch)
@@ -144,7 +145,7 @@ def _rank_loop(spec: RunSpec, mesh: Mesh, transport, barrier: Callable[[], None]
     return records
 
 
-def _process_worker(spec: RunSpec) -> list[dict]:
+def process_worker(spec: RunSpec) -> list[dict]:
     """Entry point of one launched rank (also runs unchanged under torchrun)."""
     import torch.distributed as dist
 
@@ -180,7 +181,7 @@ def run(spec: RunSpec, backend: str = "auto") -> list[list[dict]]:
     if backend == "process":
         from odcfn.launch import launch
 
-        return launch(_process_worker, W, args=(spec,), timeout=spec.timeout * 10)
+        return launch(process_worker, W, args=(spec,), timeout=spec.timeout * 10)
     from odcfn.kernels.local import run_local
 
     b = threading.Barrier(W)

@@ -16,16 +16,16 @@ from odcfn.bench.report import (
 )
 from odcfn.bench.runner import RunSpec, run
 from odcfn.bench.workload import SAME_WIRE, Workload
+from odcfn.schedule.policy import HEADLINE
 
 __all__ = ["Context", "balanced", "end_to_end", "fill_ratios", "fsdp2", "primitives",
            "render", "simulator", "straggler"]
 
-# the user's baseline (collectives over gloo), the same-wire baseline (collectives over the
-# shared memory ODC uses), ODC: ODC / same-wire is what removing per-layer barriers buys,
-# same-wire / gloo what the wire buys
-E2E = ("collective+lb-micro", SAME_WIRE, "odc+lb-mini", "odc+work-stealing")
+# the headline trio plus the same-wire baseline (collectives over the shared memory ODC uses):
+# ODC / same-wire is what removing per-layer barriers buys, same-wire / gloo what the wire buys.
+# The simulator replays the headline trio (its wire model is gloo's for collectives).
+E2E = (HEADLINE[0], SAME_WIRE, *HEADLINE[1:])
 BALANCED = ("collective+lb-micro", SAME_WIRE, "odc+lb-mini")
-SIMULATED = ("collective+lb-micro", "odc+lb-mini", "odc+work-stealing")  # the simulator's wire model
 
 
 @dataclass
@@ -45,7 +45,7 @@ class Context:
         return self.calibration[0] if self.calibration else None
 
 
-def _compare(ctx: Context, w: Workload, policies: Sequence[str], slowdown=()) -> tuple[dict, list]:
+def compare_policies(ctx: Context, w: Workload, policies: Sequence[str], slowdown=()) -> tuple[dict, list]:
     spec = RunSpec(w, tuple(policies), steps=ctx.steps, warmup=ctx.warmup, slowdown=tuple(slowdown),
                    progress=ctx.progress, cost=ctx.cost)
     per_rank = run(spec, ctx.backend)
@@ -60,14 +60,14 @@ def end_to_end(ctx: Context, samples_per_rank: Sequence[int]) -> dict:
     out = {}
     for n in samples_per_rank:
         ctx.log(f"   {n} samples per rank")
-        res, per_rank = _compare(ctx, ctx.workload.with_(samples_per_rank=n), E2E)
+        res, per_rank = compare_policies(ctx, ctx.workload.with_(samples_per_rank=n), E2E)
         ctx.records[n] = per_rank
         out[str(n)] = res
     return {"by_samples_per_rank": out}
 
 
 def balanced(ctx: Context) -> dict:
-    res, _ = _compare(ctx, ctx.workload.with_(balanced=True), BALANCED)
+    res, _ = compare_policies(ctx, ctx.workload.with_(balanced=True), BALANCED)
     return res
 
 
@@ -76,7 +76,7 @@ def straggler(ctx: Context, factor: float) -> dict:
     slow = (1.0,) * (W - 1) + (factor,)
     ctx.log(f"   rank {W - 1} emulates a {factor}x slower device (odcfn.bench.slow_model): each unit's "
             f"forward and backward take {factor:g}x as long")
-    res, per_rank = _compare(ctx, ctx.workload, E2E, slow)
+    res, per_rank = compare_policies(ctx, ctx.workload, E2E, slow)
     ctx.straggler_records = (per_rank, slow)
     res["slowdown_per_rank"] = list(slow)
     res["emulation"] = (f"rank {W - 1} runs odcfn.bench.slow_model(model, {factor:g}): every unit's forward "
@@ -118,11 +118,11 @@ def simulator(ctx: Context, report: dict) -> dict:
         return {"skipped": f"needs the end_to_end run at {n} samples per rank"}
     prim = report.get("primitives")
     prim = prim if isinstance(prim, dict) and "gbps" in prim else None
-    out = compare(ctx.records[n], ctx.workload, SIMULATED, calibration=ctx.calibration, primitives=prim,
+    out = compare(ctx.records[n], ctx.workload, HEADLINE, calibration=ctx.calibration, primitives=prim,
                   run_cost=ctx.cost)
     if ctx.straggler_records is not None:  # the slowdown model, checked the same way
         per_rank, slow = ctx.straggler_records
-        st = compare(per_rank, ctx.workload, SIMULATED, calibration=ctx.calibration, primitives=prim,
+        st = compare(per_rank, ctx.workload, HEADLINE, calibration=ctx.calibration, primitives=prim,
                      slowdown=slow, run_cost=ctx.cost, with_extrapolation=False)
         out["straggler"] = {k: st[k] for k in ("policies", "rows", "in_situ_fit",
                                                 "simulated_over_measured_step_time",

@@ -7,18 +7,14 @@ Every rank builds the same minibatches from (seed, step) alone, so no data moves
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from odcfn.batch import Batch, random_batch
 from odcfn.models import QwenConfig
 from odcfn.schedule.lengths import LONGALIGN_MAX, longalign
-from odcfn.schedule.policy import SCHEDULES, Schedule
 
 __all__ = [
-    "POLICIES",
     "SAME_WIRE",
-    "Policy",
     "Workload",
     "collectives_of",
     "make_batch",
@@ -32,12 +28,10 @@ __all__ = [
 LONGALIGN_MEAN = 16500
 
 
-# The registry of (comm, balance) pairs lives in the schedule layer; the bench adds one: the
-# collective baseline run over the same shared memory as ODC (``ShmTransport(collectives=
-# "shm")``), so that ODC against it differs in synchronisation only, not in the wire.
-Policy = Schedule
+# The collective baseline run over the same shared memory as ODC (``ShmTransport(collectives=
+# "shm")``), so that ODC against it differs in synchronisation only, not in the wire (its
+# (comm, balance) entry is in ``odcfn.schedule.policy.SCHEDULES``, as every schedule's).
 SAME_WIRE = "collective-shm+lb-micro"
-POLICIES = {**SCHEDULES, SAME_WIRE: Schedule(SAME_WIRE, "collective", "lb_micro")}
 
 
 def collectives_of(policy: str) -> str:
@@ -132,12 +126,3 @@ def make_batch(w: Workload, step: int) -> Batch:
         return rl_batch(w.samples_per_step, w.group_size, w.length_scale, w.model.vocab_size,
                         w.seed * 100_003 + step)
     return random_batch(make_lengths(w, step), w.model.vocab_size, seed=w.seed * 100_003 + step)
-
-
-def summarize_lengths(lengths: Sequence[int]) -> dict[str, float]:
-    return {
-        "min": min(lengths),
-        "max": max(lengths),
-        "mean": sum(lengths) / len(lengths),
-        "total": sum(lengths),
-    }

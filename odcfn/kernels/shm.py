@@ -43,7 +43,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from odcfn.kernels._shm_sync import RangeLock, Segment, shm_dir, wait_until
 from odcfn.kernels.base import (
     MAX_COUNTERS,
     Counters,
@@ -56,6 +55,7 @@ from odcfn.kernels.base import (
 )
 from odcfn.kernels.collective import TorchCollectives
 from odcfn.kernels.shm_collective import ShmCollectives
+from odcfn.kernels.shm_sync import RangeLock, Segment, shm_dir, wait_until
 from odcfn.sharding import Layout, Mesh
 
 __all__ = ["ShmTransport"]

@@ -1,7 +1,7 @@
 """Collectives over /dev/shm: the collective FSDP baseline on the same wire as ODC.
 
 ``ShmCollectives`` implements the ``Collectives`` protocol with the shared-memory mappings and
-the bounded waits of ``ShmTransport`` (``_shm_sync``), so that ``ShmTransport(mesh,
+the bounded waits of ``ShmTransport`` (``shm_sync``), so that ``ShmTransport(mesh,
 collectives="shm")`` runs ``comm="collective"`` with the same bytes over the same memory as
 ``comm="odc"``. Only the synchronisation differs: every collective is a barrier of its group.
 That isolates what ODC's removal of per-layer barriers buys from what shared memory buys
@@ -33,9 +33,9 @@ from collections import Counter
 
 import torch
 
-from odcfn.kernels._shm_sync import Segment, shm_dir, wait_until
 from odcfn.kernels.base import TransportError, mesh_groups, world_group
 from odcfn.kernels.collective import TorchCollectives
+from odcfn.kernels.shm_sync import Segment, shm_dir, wait_until
 from odcfn.sharding import Mesh
 
 __all__ = ["ShmCollectives"]

@@ -21,6 +21,7 @@ from odcfn.schedule.steal import StealPlan, TransportCounters, WorkStealing, ran
 __all__ = [
     "BASELINE",
     "POLICIES",
+    "HEADLINE",
     "SCHEDULES",
     "Policy",
     "PolicyInfo",
@@ -160,5 +161,11 @@ SCHEDULES: dict[str, Schedule] = _schedules(
     ("odc+lb-mini", "odc", "lb_mini"),
     ("odc+work-stealing", "odc", WORK_STEALING),
     ("odc+lb-micro", "odc", "lb_micro"),
+    # the collective baseline again; ``odcfn bench`` runs it with its collectives over the same
+    # shared memory as ODC (ShmTransport(collectives="shm")), so only synchronisation differs
+    ("collective-shm+lb-micro", "collective", "lb_micro"),
 )
 BASELINE = "collective+lb-micro"
+# the three schedules every report puts side by side: today's collective FSDP, ODC with
+# minibatch-level balancing, ODC with run-time work stealing
+HEADLINE = ("collective+lb-micro", "odc+lb-mini", "odc+work-stealing")
