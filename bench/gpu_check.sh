@@ -7,7 +7,7 @@
 # and exits 0.
 #   usage: bench/gpu_check.sh [--cpu] [gpu_check.py args, e.g. --world 2]
 #     --cpu   dry run on this CPU machine: TRITON_INTERPRET=1, --device cpu, no wheel install
-#   device: run(carry=[".gpu-wheels"], timeout_s=540, command="bench/gpu_check.sh")
+#   on a GPU machine: copy the checkout with .gpu-wheels/, then  OUT=gpu-check-out bench/gpu_check.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 REPO=$PWD
@@ -45,7 +45,7 @@ main() {
           --target "$SITE" "$WHEELS"/fallback/*.whl || echo "gpu_check: fallback install failed (NVSHMEM will skip)"
       fi
     else
-      echo "gpu_check: no wheels in $WHEELS (bench/gpu_wheels.sh makes them; carry .gpu-wheels)"
+      echo "gpu_check: no wheels in $WHEELS (bench/gpu_wheels.sh makes them; copy .gpu-wheels/ with the checkout)"
     fi
     export PYTHONPATH=$SITE:$REPO${PYTHONPATH:+:$PYTHONPATH}
     export TRITON_DEFAULT_FP_FUSION=1

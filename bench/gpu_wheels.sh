@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Download the wheels the lent H200's image lacks (Python 3.12, x86_64, no network there) into
-# .gpu-wheels/ (git-ignored), check they install together for that target, and print the size
-# that travels with `run`'s carry (64 MiB per call, working tree included).
-#   usage: bench/gpu_wheels.sh [DIR]          then: run(carry=[".gpu-wheels"], ...)
+# Download the wheels the target GPU image lacks (Python 3.12, x86_64, no network there) into
+# .gpu-wheels/ (git-ignored), check they install together for that target, and print the size to
+# copy to the GPU machine with the checkout (kept under 64 MiB, working tree included).
+#   usage: bench/gpu_wheels.sh [DIR]          then, on the GPU machine: bench/gpu_check.sh
 #
-# What the image has and lacks (docs/gpu.md, from the device tool's KINDS.md): torch 2.11.0+cu130,
+# What the image has and lacks (docs/gpu.md, as documented for that machine): torch 2.11.0+cu130,
 # triton 3.6.0, nvidia-nvshmem-cu13 3.4.5 (torch's pin), cuda-bindings/-core/-pathfinder, numpy,
 # einops, safetensors, matplotlib: all there. Missing:
 #   optree            odcfn's core imports it
@@ -42,9 +42,9 @@ tree=$(git ls-files -z --cached --others --exclude-standard | xargs -0 cat 2>/de
 total=$((wheels + tree))
 limit=$((64 << 20))
 awk -v w="$wheels" -v t="$tree" -v s="$total" -v l="$limit" 'BEGIN {
-  printf "wheels %.1f MiB + working tree %.1f MiB = %.1f MiB of the %.0f MiB carry limit\n",
+  printf "wheels %.1f MiB + working tree %.1f MiB = %.1f MiB to copy (limit %.0f MiB)\n",
          w / 2^20, t / 2^20, s / 2^20, l / 2^20 }'
 if [ "$total" -ge "$limit" ]; then
-  echo "gpu_wheels: FAILED: over the 64 MiB a run call may carry" >&2
+  echo "gpu_wheels: FAILED: over the 64 MiB kept as the limit of what is copied" >&2
   exit 1
 fi

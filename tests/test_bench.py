@@ -14,6 +14,7 @@ from odcfn.bench.report import chrome_trace, losses_match, policy_summary, ratio
 from odcfn.bench.runner import RunSpec, run
 from odcfn.bench.sections import TARGETS
 from odcfn.bench.workload import Workload, make_batch, make_lengths, model_config
+from tests.mp_pool import mp_pool  # noqa: F401 - the session fixture
 
 TINY = ["--d-model", "16", "--n-layers", "1", "--length-scale", "1024", "--backend", "thread"]
 
@@ -132,7 +133,10 @@ def test_bench_json_has_the_documented_keys_and_consistent_ratios(capsys, tmp_pa
                 "balanced_odc_over_collective", "collective_over_torch_fsdp2",
                 "shm_gather_over_gloo_all_gather", "shm_gather_over_memcpy",
                 "simulated_over_measured_step_time",
-                "straggler_odc_work_stealing_over_collective_lb_micro"):
+                "straggler_odc_work_stealing_over_collective_lb_micro",
+                "odc_lb_mini_over_collective_shm_lb_micro", "collective_shm_over_collective_gloo",
+                "balanced_odc_over_collective_shm", "odc_lb_mini_over_torch_fsdp2",
+                "straggler_odc_work_stealing_over_odc_lb_mini"):
         assert key in r["ratios"]
     assert {k for k, _, _ in TARGETS} <= set(r["targets"])
     # each ratio is the quotient of the raw figures reported next to it
@@ -140,6 +144,13 @@ def test_bench_json_has_the_documented_keys_and_consistent_ratios(capsys, tmp_pa
     base = pol["collective+lb-micro"]["samples_per_s"]
     assert r["ratios"]["odc_lb_mini_over_collective_lb_micro"] == pytest.approx(
         pol["odc+lb-mini"]["samples_per_s"] / base)
+    same = pol["collective-shm+lb-micro"]["samples_per_s"]
+    assert r["ratios"]["odc_lb_mini_over_collective_shm_lb_micro"] == pytest.approx(
+        pol["odc+lb-mini"]["samples_per_s"] / same)
+    assert r["ratios"]["collective_shm_over_collective_gloo"] == pytest.approx(same / base)
+    bal = r["balanced"]["policies"]
+    assert r["ratios"]["balanced_odc_over_collective_shm"] == pytest.approx(
+        bal["odc+lb-mini"]["samples_per_s"] / bal["collective-shm+lb-micro"]["samples_per_s"])
     st = r["straggler"]["policies"]
     assert r["ratios"]["straggler_odc_work_stealing_over_collective_lb_micro"] == pytest.approx(
         st["odc+work-stealing"]["samples_per_s"] / st["collective+lb-micro"]["samples_per_s"])
@@ -192,6 +203,8 @@ def test_bench_process_sections_fsdp2_and_primitives(capsys):
     assert f["losses_match"], f  # torch FSDP2 and odcfn collective train the same model alike
     assert r["ratios"]["collective_over_torch_fsdp2"] == pytest.approx(
         f["odcfn_collective"]["samples_per_s"] / f["torch_fsdp2"]["samples_per_s"])
+    assert r["ratios"]["odc_lb_mini_over_torch_fsdp2"] == pytest.approx(
+        f["odc_lb_mini"]["samples_per_s"] / f["torch_fsdp2"]["samples_per_s"])
     g = r["primitives"]["gbps"]
     assert set(g) == {"memcpy", "local_add", "shm_gather", "shm_scatter_accumulate",
                       "gloo_all_gather", "gloo_reduce_scatter"}
@@ -303,3 +316,23 @@ def test_run_hands_train_step_the_policy_balancer_and_the_cost_model(monkeypatch
     assert [s["balancer"] for s in sums] == ["lb_micro", "lb_mini", "work_stealing"]
     assert "balancer_is_fallback" not in sums[0]
     assert losses_match(sums)[0]
+
+
+def test_the_same_wire_baseline_runs_its_collectives_over_shared_memory(mp_pool):  # noqa: F811
+    """On real processes (the process backend's rank entry point, on the test pool's ranks) the
+    same-wire baseline's collectives go over /dev/shm (ShmCollectives) and every other policy's
+    over gloo; all train alike (the same losses), and the collective baselines issue collectives
+    while ODC issues one sync and no collective."""
+    from odcfn.bench.runner import process_worker
+
+    w = Workload(model=model_config(16, 1), length_scale=1024, samples_per_rank=2)
+    pols = ("collective+lb-micro", "collective-shm+lb-micro", "odc+lb-mini")
+    per_rank = mp_pool.run(process_worker, 2, args=(RunSpec(w, pols, steps=1, warmup=1),), timeout=300)
+    sums = {p: policy_summary(per_rank, p) for p in pols}
+    assert {p: s["collectives"] for p, s in sums.items()} == {
+        "collective+lb-micro": "gloo", "collective-shm+lb-micro": "shm", "odc+lb-mini": "gloo"}
+    ok, worst = losses_match(list(sums.values()))
+    assert ok, worst
+    assert sums["collective-shm+lb-micro"]["collectives_per_minibatch"] > 0
+    assert sums["odc+lb-mini"]["collectives_per_minibatch"] == 0
+    assert sums["odc+lb-mini"]["syncs_per_minibatch"] == 1

@@ -1,6 +1,6 @@
 """torch FSDP2 (``fully_shard`` per layer + root, gloo, CPU) on the ``nn.Module`` mirror versus
-odcfn's collective and ODC modes on the same ranks and data: gradients of the first step and
-parameters after several AdamW steps, leaf by leaf by name."""
+odcfn's collective (over gloo and over /dev/shm) and ODC modes on the same ranks and data:
+gradients of the first step and parameters after several AdamW steps, leaf by leaf by name."""
 
 from __future__ import annotations
 
@@ -38,17 +38,20 @@ def parity_worker(lengths, seed, cfg=CFG):
     mesh = odcfn.Mesh.from_env()
     w, r = mesh.world_size, mesh.rank
     out = {}
-    with ShmTransport(mesh, timeout=60) as tr:  # also initialises the default (gloo) group
-        for comm in ("collective", "odc"):
+    with ShmTransport(mesh, timeout=60) as tr, ShmTransport(mesh, timeout=60, collectives="shm") as shm:
+        # (the first also initialises the default gloo group); the second runs the collectives
+        # over /dev/shm: the same-wire baseline must give the same gradients
+        for key, comm, t in (("collective", "collective", tr), ("odc", "odc", tr),
+                             ("collective_shm", "collective", shm)):
             state = odcfn.TrainState.create(
-                params=full, model=model, optimizer=odcfn.adamw(LR), transport=tr,
+                params=full, model=model, optimizer=odcfn.adamw(LR), transport=t,
                 config=odcfn.StepConfig(comm=comm, balance="round_robin"),
             )
             for step in range(STEPS):
                 state, _ = odcfn.train_step(state, batch)
                 if step == 0:
-                    grads = {k: v.clone() for k, v in tr.grad_shards().items()}
-            out[comm] = (grads, {k: v.clone() for k, v in state.params.items()})
+                    grads = {k: v.clone() for k, v in t.grad_shards().items()}
+            out[key] = (grads, {k: v.clone() for k, v in state.params.items()})
 
     module = QwenModule(cfg)
     module.load_params(full)
@@ -78,7 +81,7 @@ def test_fsdp2_matches_odcfn_collective_and_odc(mp_pool, world, cfg):  # noqa: F
     model = qwen_model(cfg)
     mesh = odcfn.Mesh(world, 0)
     fsdp_grads, fsdp_params = out[0][1], out[0][2]
-    for comm in ("collective", "odc"):
+    for comm in ("collective", "odc", "collective_shm"):
         grads = _named(odcfn.unshard([o[0][comm][0] for o in out], model, mesh))
         params = _named(odcfn.unshard([o[0][comm][1] for o in out], model, mesh))
         assert grads.keys() == fsdp_grads.keys() == params.keys() == fsdp_params.keys()

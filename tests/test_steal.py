@@ -26,9 +26,10 @@ TOK = TokenCost()
     st.lists(st.integers(1, 40), min_size=1, max_size=20),
     st.integers(0, 2**32 - 1),
     st.sampled_from([None, 0.0, 0.1, 1.0]),
+    st.sampled_from([0.0, 0.3, 1.0]),
 )
-def test_any_interleaving_runs_every_sample_exactly_once(world, lengths, seed, tolerance):
-    sp = steal_plan(lengths, world, 40, cost=TOK)
+def test_any_interleaving_runs_every_sample_exactly_once(world, lengths, seed, tolerance, tail):
+    sp = steal_plan(lengths, world, 40, cost=TOK, split_tail=tail)
     fa = ArrayCounters(sp.num_counters)
     progs = [program(sp, fa, r, tolerance=tolerance) for r in range(world)]
     actions: list[list] = [[] for _ in range(world)]
@@ -83,6 +84,34 @@ def test_split_cost_runs_expensive_microbatches_sample_by_sample():
     assert packed.lists == lb_mini(lengths, 1, 12, cost=TOK) == (((0, 1, 2), (3, 4, 5)),)
     split = steal_plan(lengths, 1, 12, cost=TOK, split_cost=4.0)
     assert split.lists == (((0,), (1,), (2,), (3, 4, 5)),)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 4), st.lists(st.integers(1, 40), min_size=1, max_size=20),
+       st.sampled_from([0.0, 0.1, 0.3, 0.5, 1.0]))
+def test_split_tail_runs_only_the_lists_tail_sample_by_sample(world, lengths, tail):
+    """Each list keeps LB-Mini's samples in LB-Mini's order; a sample of a packed microbatch runs
+    alone exactly when its list's cost up to and including it exceeds (1 - tail) of the list's
+    total (the tail, where thieves take from); the others stay in their LB-Mini microbatch."""
+    packed = lb_mini(lengths, world, 40, cost=TOK)
+    sp = steal_plan(lengths, world, 40, cost=TOK, split_tail=tail)
+    for mbs, own in zip(packed, sp.lists, strict=True):
+        assert [s for mb in own for s in mb] == [s for mb in mbs for s in mb]
+        total = sum(TOK(lengths[s]) for mb in mbs for s in mb)
+        want, done = [], 0.0
+        for mb in mbs:
+            keep = []
+            for s in mb:
+                done += TOK(lengths[s])
+                (want.append((s,)) if tail > 0 and done > (1 - tail) * total * (1 + 1e-12)
+                 else keep.append(s))
+            if keep:
+                want.insert(len(want) - (len(mb) - len(keep)), tuple(keep))
+        assert own == tuple(want)
+    if tail == 0:
+        assert sp.lists == packed
+    if tail == 1:
+        assert all(len(mb) == 1 for own in sp.lists for mb in own)
 
 
 @pytest.mark.parametrize("n_units", [1, 2, 3, 4])

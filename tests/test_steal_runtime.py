@@ -53,8 +53,9 @@ def test_runtime_work_stealing_matches_the_reference_and_runs_each_sample_once(
 
     import odcfn
 
-    # packed: LB-Mini's microbatches and no helping; else the default (sample by sample)
-    policy = odcfn.WorkStealing(split_cost=math.inf, tolerance=None) if packed else "work_stealing"
+    # packed: LB-Mini's microbatches and no helping; else the default (the tail sample by sample)
+    packed_lists = odcfn.WorkStealing(split_cost=math.inf, split_tail=0.0, tolerance=None)
+    policy = packed_lists if packed else "work_stealing"
     model, full, batch, out = _ws_grad_steps(
         world,
         lengths,
@@ -132,6 +133,9 @@ def test_runtime_work_stealing_rejects_collective_and_oversized_samples():
         odcfn.WorkStealing(tolerance=-1.0)
     with pytest.raises(ValueError, match="WorkStealing.split_cost"):
         odcfn.WorkStealing(split_cost=float("nan"))
+    for bad in (-0.1, 1.5, float("nan")):
+        with pytest.raises(ValueError, match="WorkStealing.split_tail"):
+            odcfn.WorkStealing(split_tail=bad)
 
 
 def shm_stealing_worker(lengths, cap, slow_rank):

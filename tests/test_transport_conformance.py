@@ -1,7 +1,8 @@
 """One conformance suite for every transport: a new transport passes it or it is not done.
 
 Kinds (``KINDS``): the in-process ``LocalWorld`` (threads); ``ShmTransport`` (processes of the
-session pool); the CUDA-IPC fabric on CPU (threads, and processes sharing /dev/shm arenas over
+session pool), with gloo collectives and with ``collectives="shm"`` (``shm_coll``); the
+CUDA-IPC fabric on CPU (threads, and processes sharing /dev/shm arenas over
 a caller-made gloo group); the NVSHMEM fabric on CPU (threads: ``NvshmemFabric``'s own host
 code with its three device kernels replaced by CPU equivalents, every peer on another "node",
 so gathers and pushes take the remote get / put-with-signal path). Properties: gradients equal
@@ -37,7 +38,7 @@ from odcfn.sharding import make_layout
 from tests.mp_pool import mp_pool  # noqa: F401 - the session fixture
 from tests.util import make_state, tiny
 
-THREADS, PROCESSES = ("local", "ipc_threads", "nvshmem_threads"), ("shm", "ipc_procs")
+THREADS, PROCESSES = ("local", "ipc_threads", "nvshmem_threads"), ("shm", "shm_coll", "ipc_procs")
 KINDS = THREADS + PROCESSES
 
 
@@ -111,6 +112,8 @@ def _process_transport(kind: str, timeout: float, ranks_per_node, sharding):
     mesh = odcfn.Mesh(world, rank, ranks_per_node, sharding)
     if kind == "shm":
         return ShmTransport(mesh, timeout=timeout)
+    if kind == "shm_coll":  # the same transport with its collectives over /dev/shm too
+        return ShmTransport(mesh, timeout=timeout, collectives="shm")
     # the caller's own group and store (as verl / Ray Train would have): the transport reuses them
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, rank == 0,
                           timeout=timedelta(seconds=60))

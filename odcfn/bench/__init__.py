@@ -109,7 +109,8 @@ def main(args: argparse.Namespace) -> int:
     }
     if backend == "thread":
         report["notes"].append("ranks ran as threads of one process (--backend thread): "
-                               "not a multi-process measurement")
+                               "not a multi-process measurement; both collective baselines ran "
+                               "on the in-process transport")
     runners = {
         "end_to_end": lambda: S.end_to_end(ctx, spr),
         "balanced": lambda: S.balanced(ctx),

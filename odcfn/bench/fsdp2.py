@@ -1,10 +1,13 @@
-"""odcfn's collective mode vs torch FSDP2 on the same data, side by side in one launched job.
+"""torch FSDP2 vs odcfn's collective mode and ODC+LB-Mini on the same data, side by side in one
+launched job (torch FSDP2 with LB-Micro's microbatches is what a user would otherwise run).
 
 FSDP2 (``torch.distributed.fsdp.fully_shard``) wraps the ``nn.Module`` mirror of the same model,
 one FSDP unit per odcfn unit (embed, each layer, head) plus the root, and runs exactly the
 microbatches odcfn's collective mode runs (the same balancer's assignment), with gradient
 accumulation and ``torch.optim.AdamW`` using odcfn's AdamW hyper-parameters. Both reshard after
-forward. Minibatches alternate between the two; each times the whole step, optimizer included.
+forward. ODC+LB-Mini runs on ``ShmTransport`` (the collective mode on the same transport, its
+collectives over gloo as FSDP2's). The order of the three rotates every minibatch; each times the
+whole step, optimizer included.
 """
 
 from __future__ import annotations
@@ -71,7 +74,7 @@ def fsdp2_worker(spec: Fsdp2Spec) -> list[dict]:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from odcfn.kernels.collective import CollectiveTransport
+    from odcfn.kernels.shm import ShmTransport
     from odcfn.models import init_params, qwen_model
     from odcfn.optim import adamw
     from odcfn.schedule.balance import get_balancer
@@ -82,32 +85,34 @@ def fsdp2_worker(spec: Fsdp2Spec) -> list[dict]:
     torch.set_num_threads(1)
     w = spec.workload
     mesh = Mesh.from_env()
-    with CollectiveTransport(mesh, timeout=spec.timeout) as tr:
-        if not dist.is_initialized():
-            dist.init_process_group("gloo")
+    with ShmTransport(mesh, timeout=spec.timeout) as tr:  # (creates the default gloo group)
         dmesh = init_device_mesh("cpu", (mesh.world_size,))
         module = _fsdp2_model(w, dmesh)
         b1, b2, eps, wd = 0.9, 0.999, 1e-8, 0.01  # odcfn.optim.adamw's defaults
         topt = torch.optim.AdamW(module.parameters(), lr=w.lr, betas=(b1, b2), eps=eps,
                                  weight_decay=wd)
         model = qwen_model(w.model)
-        state = TrainState.create(
-            params=init_params(w.model, seed=w.seed), model=model, transport=tr,
-            optimizer=adamw(w.lr, b1=b1, b2=b2, eps=eps, weight_decay=wd),
-            config=StepConfig(comm="collective", balance="lb_micro", cost=spec.cost,
-                              max_tokens_per_microbatch=w.max_tokens_per_microbatch),
-        )
+        states = {
+            impl: TrainState.create(
+                params=init_params(w.model, seed=w.seed), model=model, transport=tr,
+                optimizer=adamw(w.lr, b1=b1, b2=b2, eps=eps, weight_decay=wd),
+                config=StepConfig(comm=comm, balance=balance, cost=spec.cost,
+                                  max_tokens_per_microbatch=w.max_tokens_per_microbatch),
+            )
+            for impl, comm, balance in (("odcfn", "collective", "lb_micro"), ("odc", "odc", "lb_mini"))
+        }
         lb_micro = get_balancer("lb_micro", cost=spec.cost)  # FSDP2 runs odcfn's microbatches
         cap = w.max_tokens_per_microbatch
         out = []
         for step in range(spec.warmup + spec.steps):
             batch = make_batch(w, step)
-            order = ("odcfn", "fsdp2") if step % 2 == 0 else ("fsdp2", "odcfn")
-            for which in order:
+            impls = ("odcfn", "fsdp2", "odc")
+            k = step % len(impls)
+            for which in impls[k:] + impls[:k]:
                 dist.barrier()
                 t0 = time.perf_counter()
-                if which == "odcfn":
-                    state, m = train_step(state, batch)
+                if which in states:
+                    states[which], m = train_step(states[which], batch)
                     loss = m.loss
                 else:
                     assignment = lb_micro(batch.lengths, mesh.world_size, cap)

@@ -51,6 +51,7 @@ def policy_summary(per_rank: Sequence[Sequence[dict]], policy: str) -> dict:
     return {
         "policy": policy,
         "comm": SCHEDULES[policy].comm,
+        "collectives": steps[-1][0].get("collectives"),  # "gloo", "shm" or "in-process" (threads)
         "balancer": steps[-1][0]["balancer"],
         "minibatches": len(steps),
         "samples": samples,

@@ -6,11 +6,13 @@ the cores) falls on all policies alike. Ranks meet at a barrier before each time
 wall time is the slowest rank's ``train_step`` time, optimizer update included.
 
 Backends: ``process`` (``odcfn.launch`` + ``ShmTransport``: real processes, shared memory and
-gloo) and ``thread`` (``odcfn.run_local``: W threads in one process, the reference transport).
+gloo; the same-wire baseline on a second ``ShmTransport(collectives="shm")``) and ``thread``
+(``odcfn.run_local``: W threads in one process, the reference transport for every policy).
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 import time
@@ -19,13 +21,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from odcfn.bench.workload import Workload, make_batch
+from odcfn.bench.workload import Workload, collectives_of, make_batch
 from odcfn.models import init_params, qwen_model
 from odcfn.optim import adamw
 from odcfn.schedule.policy import SCHEDULES, Schedule
 from odcfn.sharding import Mesh, shard
 
-__all__ = ["RunSpec", "available_backends", "pick_backend", "run"]
+__all__ = ["RunSpec", "available_backends", "pick_backend", "process_worker", "run"]
 
 
 @dataclass(frozen=True)
@@ -82,7 +84,8 @@ class _Progress:
 
 
 def _rank_loop(spec: RunSpec, mesh: Mesh, transport, barrier: Callable[[], None]) -> list[dict]:
-    """One rank's side of a run: returns one record per (minibatch, policy)."""
+    """One rank's side of a run: returns one record per (minibatch, policy). ``transport``: one
+    transport for every policy, or a function of the policy's name returning its transport."""
     from odcfn.bench.slow import slow_model
     from odcfn.step import train
     from odcfn.step.state import StepConfig, TrainState
@@ -90,7 +93,7 @@ def _rank_loop(spec: RunSpec, mesh: Mesh, transport, barrier: Callable[[], None]
     w = spec.workload
     model = slow_model(qwen_model(w.model), spec.slowdown_of(mesh.rank))
     full = init_params(w.model, seed=w.seed)
-    state = {}
+    state, wire = {}, {}
     for name in spec.policies:
         pol = SCHEDULES[name]
         # every rank binds the same cost model, so every rank computes the same assignment
@@ -99,8 +102,10 @@ def _rank_loop(spec: RunSpec, mesh: Mesh, transport, barrier: Callable[[], None]
             comm=pol.comm, balance=pol.balance, cost=spec.cost,
             max_tokens_per_microbatch=w.max_tokens_per_microbatch, loss=w.loss,
         )
+        tr = transport(name) if callable(transport) else transport
+        wire[name] = getattr(tr, "collectives_kind", "in-process")  # what its collectives ran over
         state[name] = TrainState.create(
-            params=shard(full, model, mesh), model=model, optimizer=adamw(w.lr), transport=transport,
+            params=shard(full, model, mesh), model=model, optimizer=adamw(w.lr), transport=tr,
             config=config,
         )
     total = (spec.warmup + spec.steps) * len(spec.policies)
@@ -121,6 +126,7 @@ def _rank_loop(spec: RunSpec, mesh: Mesh, transport, barrier: Callable[[], None]
                 "step": step,
                 "warmup": step < spec.warmup,
                 "rank": mesh.rank,
+                "collectives": wire[name],
                 "wall": wall,
                 "cpu": cpu,  # this process's CPU seconds (all its threads) during the step
                 "loss": m.loss,
@@ -139,7 +145,7 @@ def _rank_loop(spec: RunSpec, mesh: Mesh, transport, barrier: Callable[[], None]
     return records
 
 
-def _process_worker(spec: RunSpec) -> list[dict]:
+def process_worker(spec: RunSpec) -> list[dict]:
     """Entry point of one launched rank (also runs unchanged under torchrun)."""
     import torch.distributed as dist
 
@@ -147,8 +153,11 @@ def _process_worker(spec: RunSpec) -> list[dict]:
 
     torch.set_num_threads(spec.threads_per_rank)
     mesh = Mesh.from_env()
-    with ShmTransport(mesh, timeout=spec.timeout) as tr:
-        return _rank_loop(spec, mesh, tr, dist.barrier)
+    kinds = sorted({collectives_of(p) for p in spec.policies})  # the same order on every rank
+    with contextlib.ExitStack() as stack:
+        trs = {k: stack.enter_context(ShmTransport(mesh, timeout=spec.timeout, collectives=k))
+               for k in kinds}
+        return _rank_loop(spec, mesh, lambda name: trs[collectives_of(name)], dist.barrier)
 
 
 def available_backends() -> list[str]:
@@ -172,7 +181,7 @@ def run(spec: RunSpec, backend: str = "auto") -> list[list[dict]]:
     if backend == "process":
         from odcfn.launch import launch
 
-        return launch(_process_worker, W, args=(spec,), timeout=spec.timeout * 10)
+        return launch(process_worker, W, args=(spec,), timeout=spec.timeout * 10)
     from odcfn.kernels.local import run_local
 
     b = threading.Barrier(W)

@@ -83,15 +83,19 @@ def _trace_makespan(recs: Sequence[dict]) -> float:
     return max((e[3] for r in recs for e in r["events"]), default=0.0)
 
 
-def _stealing(lengths: Sequence[int], world: int, cap: int, cost=None) -> dict:
+def _stealing(lengths: Sequence[int], world: int, cap: int, cost=None, sim_cost=None) -> dict:
     """What the runtime's work stealing runs with: the owners' lists it builds with ``cost``
     (None: the schedule layer's default), as ``train_step(..., balance="work_stealing",
-    cost=cost)`` does, and its policy's guard and tolerance."""
+    cost=cost)`` does, and its policy's guard and tolerance. The simulator times a plan's
+    samples by the plan's own costs: ``sim_cost`` (the model being checked) replaces them."""
     from odcfn.schedule.cost import DEFAULT_COST
-    from odcfn.schedule.steal import WorkStealing, steal_plan
+    from odcfn.schedule.steal import StealPlan, WorkStealing, steal_plan
 
     ws = WorkStealing()
-    sp = steal_plan(lengths, world, cap, cost=cost or DEFAULT_COST, split_cost=ws.split_cost)
+    sp = steal_plan(lengths, world, cap, cost=cost or DEFAULT_COST, split_cost=ws.split_cost,
+                    split_tail=ws.split_tail)
+    if sim_cost is not None:
+        sp = StealPlan(sp.lists, tuple(float(sim_cost(n)) for n in lengths))
     return {"plan": sp, "overhead": ws.overhead, "tolerance": ws.tolerance}
 
 
@@ -103,7 +107,7 @@ def _simulate_step(recs, policy, cost, sim_w, comm, cap, slowdown=None, run_cost
     W = len(recs)
     if recs[0]["balancer"] == "work_stealing":
         return simulate_work_stealing(
-            lengths, W, workload=sim_w, cost=cost, **_stealing(lengths, W, cap, run_cost),
+            lengths, W, workload=sim_w, cost=cost, **_stealing(lengths, W, cap, run_cost, cost),
             comm=comm, slowdown=slowdown, record=False).makespan
     assignment = tuple(tuple(tuple(mb) for mb in r["microbatches"]) for r in recs)
     plans = [compile_plan(sim_w.units, assignment, r, SCHEDULES[policy].comm) for r in range(W)]

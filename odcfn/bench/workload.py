@@ -14,7 +14,9 @@ from odcfn.models import QwenConfig
 from odcfn.schedule.lengths import LONGALIGN_MAX, longalign
 
 __all__ = [
+    "SAME_WIRE",
     "Workload",
+    "collectives_of",
     "make_batch",
     "make_lengths",
     "model_config",
@@ -24,6 +26,18 @@ __all__ = [
 # LongAlign's SFT lengths span 8K-64K tokens with a mean of ~16.5K (the ODC paper's Table/Fig.);
 # divided by ``Workload.length_scale`` so a sample costs ~0.1-3 s of CPU per step.
 LONGALIGN_MEAN = 16500
+
+
+# The collective baseline run over the same shared memory as ODC (``ShmTransport(collectives=
+# "shm")``), so that ODC against it differs in synchronisation only, not in the wire (its
+# (comm, balance) entry is in ``odcfn.schedule.policy.SCHEDULES``, as every schedule's).
+SAME_WIRE = "collective-shm+lb-micro"
+
+
+def collectives_of(policy: str) -> str:
+    """The ``ShmTransport(collectives=...)`` a policy runs on: ``"shm"`` for the same-wire
+    baseline, ``"gloo"`` (what users run by default) for every other."""
+    return "shm" if policy == SAME_WIRE else "gloo"
 
 
 def model_config(d_model: int = 128, n_layers: int = 4, vocab_size: int = 512) -> QwenConfig:

@@ -18,8 +18,9 @@ Each rank owns one shared-memory segment that every peer maps::
 - ``flush``: point-to-point completion: each client writes "done with step t" into a slot of its
   own in every owner's ``ctrl``; the owner waits for all its clients' slots (no atomics needed).
 - ``sync`` (the one global all-reduce), ``all_gather``/``reduce_scatter``/``replica_all_reduce``
-  are ``base.StepCollectives`` over ``TorchCollectives`` (gloo), so one transport serves
-  ``comm="odc"`` and ``"collective"``.
+  are ``base.StepCollectives`` over ``TorchCollectives`` (gloo) by default, so one transport
+  serves ``comm="odc"`` and ``"collective"``; ``collectives="shm"`` runs them over /dev/shm
+  instead (``shm_collective.ShmCollectives``: the collective baseline on ODC's own wire).
 - ``fetch_add``: read-modify-write of one counter of rank 0's segment under a byte-range lock.
   A counter stored at an older step counts as 0 (reset lazily, no zeroing pass; a later step
   is an error). The region is sparse in the file: untouched counters cost no memory.
@@ -54,6 +55,7 @@ from odcfn.kernels.base import (
     world_group,
 )
 from odcfn.kernels.collective import TorchCollectives
+from odcfn.kernels.shm_collective import ShmCollectives
 from odcfn.kernels.shm_sync import RangeLock, Segment, shm_dir, wait_until
 from odcfn.sharding import Layout, Mesh
 
@@ -108,15 +110,25 @@ class ShmTransport(StepCollectives):
     ``chunk_elems``: scatter-accumulate granularity (elements per lock); smaller chunks let more
     writers into one owner's unit at once, larger ones pay fewer lock round trips.
     ``fetch_add`` serves counters ``0 .. max_counters - 1``.
+    ``collectives``: ``"gloo"`` (torch.distributed) or ``"shm"`` (``ShmCollectives``: every
+    collective a barrier over this machine's shared memory, the same wire as the ODC ops).
     """
 
     max_counters = MAX_COUNTERS
 
-    def __init__(self, mesh: Mesh, *, timeout: float = 60.0, chunk_elems: int = 1 << 16) -> None:
+    def __init__(
+        self, mesh: Mesh, *, timeout: float = 60.0, chunk_elems: int = 1 << 16, collectives: str = "gloo"
+    ) -> None:
         if not isinstance(chunk_elems, int) or chunk_elems < 1:
             raise ValueError(f"chunk_elems must be a positive int, got {chunk_elems!r}")
-        self.collectives = TorchCollectives(mesh, "cpu", backend="gloo", timeout=timeout)
+        if collectives not in ("gloo", "shm"):
+            raise ValueError(f"collectives must be 'gloo' or 'shm', got {collectives!r}")
+        if collectives == "shm":
+            self.collectives = ShmCollectives(mesh, timeout=timeout)
+        else:
+            self.collectives = TorchCollectives(mesh, "cpu", backend="gloo", timeout=timeout)
         self.dist = self.collectives  # its former name, still used by bench/shm_accumulate.py
+        self.collectives_kind = collectives
         self.mesh, self.timeout, self.chunk = mesh, float(timeout), chunk_elems
         self.counters = Counters()
         self.step = 0
@@ -320,6 +332,7 @@ class ShmTransport(StepCollectives):
         """Tell peers waiting on this rank to give up now rather than at their timeout."""
         if self._ctrl:
             self._ctrl[self.mesh.rank][ABORT] = 1
+        getattr(self.collectives, "abort", lambda: None)()
 
     def close(self) -> None:
         if self._closed:

@@ -124,7 +124,8 @@ def prepare_program(
     chosen = resolve_policy(policy, comm, cost)
     if isinstance(chosen, WorkStealing):
         sp = steal_plan(
-            lengths, world_size, max_tokens, cost=cost or DEFAULT_COST, split_cost=chosen.split_cost
+            lengths, world_size, max_tokens, cost=cost or DEFAULT_COST, split_cost=chosen.split_cost,
+            split_tail=chosen.split_tail,
         )
         if max_counters is not None and sp.num_counters > max_counters:
             raise ValueError(
@@ -160,6 +161,9 @@ SCHEDULES: dict[str, Schedule] = _schedules(
     ("odc+lb-mini", "odc", "lb_mini"),
     ("odc+work-stealing", "odc", WORK_STEALING),
     ("odc+lb-micro", "odc", "lb_micro"),
+    # the collective baseline again; ``odcfn bench`` runs it with its collectives over the same
+    # shared memory as ODC (ShmTransport(collectives="shm")), so only synchronisation differs
+    ("collective-shm+lb-micro", "collective", "lb_micro"),
 )
 BASELINE = "collective+lb-micro"
 # the three schedules every report puts side by side: today's collective FSDP, ODC with

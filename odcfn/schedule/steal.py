@@ -39,6 +39,7 @@ from odcfn.schedule.plan import Assignment
 from odcfn.schedule.program import Action
 
 __all__ = [
+    "DEFAULT_SPLIT_TAIL",
     "DEFAULT_TOLERANCE",
     "WorkStealing",
     "ArrayCounters",
@@ -55,6 +56,7 @@ __all__ = [
 ]
 
 DEFAULT_TOLERANCE = 0.1
+DEFAULT_SPLIT_TAIL = 0.2
 _QUANTUM = 1 << 20
 
 
@@ -62,24 +64,35 @@ _QUANTUM = 1 << 20
 class WorkStealing:
     """``train_step(..., balance=WorkStealing(...))``; ``balance="work_stealing"`` is the default.
 
-    ``split_cost``: an LB-Mini microbatch whose samples each cost at least this much (in the
-    cost model's units) runs sample by sample. The default, 0, runs every list sample by sample:
-    a slow rank then holds at most one sample that others cannot take, for one more round of
-    gathers per extra microbatch (hidden behind compute when samples are long; the simulator
-    splits exactly where it is: ``simulate_work_stealing(split_cost=None)``). ``math.inf``
-    keeps LB-Mini's microbatches: equal to LB-Mini when nobody is slow, but a slow rank has
-    claimed most of its list before anyone can tell.
+    ``split_tail``: the last ``split_tail`` of each list's cost (LB-Mini orders heaviest first,
+    so its lightest samples) runs sample by sample; the head keeps LB-Mini's packed
+    microbatches. Thieves take from the tail, so that is where granularity buys balance: a rank
+    1.5x slower than one other needs a fifth of its list taken, among 8 ranks 30%. Each extra
+    microbatch costs one more round of gathers and pushes (on CPU shared memory a synchronous
+    copy of the model: about 2% of the CPU time of a step when every list is split), so only the
+    tail pays it (docs/benchmarks.md: at 4 samples per rank the simulator keeps splitting
+    everything's gain from a 1.5x straggler with half its extra microbatches).
+    ``split_cost``: besides, an LB-Mini microbatch whose samples each cost at least this much
+    (in the cost model's units) runs sample by sample (0: every list sample by sample, the
+    former default; the simulator splits where compute hides the transfers:
+    ``simulate_work_stealing(split_cost=None)``). ``split_tail=0, split_cost=math.inf`` keeps
+    LB-Mini's microbatches: equal to LB-Mini when nobody is slow, but a slow rank has claimed
+    most of its list before anyone can tell. Once a rank is behind another it takes even its
+    packed microbatches one sample at a time.
     ``tolerance``: how far behind a rank must be before others help it (None: only idle ranks
     steal). ``overhead``: what a steal costs beyond the sample's compute, in cost units.
     """
 
-    split_cost: float = 0.0
+    split_cost: float = math.inf
     tolerance: float | None = DEFAULT_TOLERANCE
     overhead: float = 0.0
+    split_tail: float = DEFAULT_SPLIT_TAIL
 
     def __post_init__(self) -> None:
         if not self.split_cost >= 0:
             raise ValueError(f"WorkStealing.split_cost must be >= 0, got {self.split_cost!r}")
+        if not 0 <= self.split_tail <= 1:
+            raise ValueError(f"WorkStealing.split_tail must be in [0, 1], got {self.split_tail!r}")
         if self.tolerance is not None and not self.tolerance >= 0:
             raise ValueError(f"WorkStealing.tolerance must be >= 0 or None, got {self.tolerance!r}")
         if not self.overhead >= 0:
@@ -197,21 +210,35 @@ def steal_plan(
     *,
     cost: CostModel = DEFAULT_COST,
     split_cost: float = math.inf,
+    split_tail: float = 0.0,
 ) -> StealPlan:
-    """LB-Mini's assignment as the owners' lists. ``split_cost``: an LB-Mini microbatch whose
-    samples all cost at least this much is run as single-sample microbatches instead (an owner
-    then commits to less work at a time; worth it when compute hides the extra gathers, which
-    is what the simulator's default measures)."""
+    """LB-Mini's assignment as the owners' lists. An LB-Mini microbatch runs as single-sample
+    microbatches instead (an owner then commits to less work at a time) when its samples all
+    cost at least ``split_cost`` (worth it when compute hides the extra gathers, which is what
+    the simulator's default measures) or when it reaches into the last ``split_tail`` of its
+    list's cost (where thieves take from); there only its samples in that tail are split off."""
     check_lengths(lengths, max_tokens)
     costs = tuple(float(cost(n)) for n in lengths)
     lists = []
     for mbs in lb_mini(lengths, world_size, max_tokens, cost=cost):
+        total = sum(costs[s] for mb in mbs for s in mb)
+        head = (1.0 - split_tail) * total  # cost before the tail starts
         own: list[tuple[int, ...]] = []
+        done = 0.0
         for mb in mbs:
             if len(mb) > 1 and min(costs[s] for s in mb) >= split_cost:
                 own.extend((s,) for s in mb)
-            else:
-                own.append(tuple(mb))
+                done += sum(costs[s] for s in mb)
+                continue
+            keep: list[int] = []  # the samples that end inside the head stay packed
+            tail: list[tuple[int, ...]] = []  # the others run one by one
+            for s in mb:
+                done += costs[s]
+                if split_tail > 0 and done > head * (1 + 1e-12):
+                    tail.append((s,))
+                else:
+                    keep.append(s)
+            own.extend(([tuple(keep)] if keep else []) + tail)
         lists.append(tuple(own))
     return StealPlan(tuple(lists), costs)
 
