@@ -98,6 +98,7 @@ class TrainSection:
     balance: str = "round_robin"
     max_tokens_per_microbatch: int | None = None
     compute_dtype: str = "float32"
+    remat: bool = False  # recompute every unit in its backward (StepConfig.remat): O(T) activations
     world_size: int = 1
     backend: str = "threads"
     timeout: float = 120.0
@@ -232,8 +233,9 @@ def load_config(path: str | os.PathLike) -> SFTConfig:
         raise ValueError(f"{path}: {e}") from None
 
 
-# what may change when a run resumes: how long, on how many ranks, how it logs and checkpoints
-_RESUMABLE = {"train.steps", "train.world_size", "train.backend", "train.timeout"}
+# what may change when a run resumes: how long, on how many ranks, how it logs and checkpoints,
+# whether it recomputes activations (the same math)
+_RESUMABLE = {"train.steps", "train.world_size", "train.backend", "train.timeout", "train.remat"}
 _RESUMABLE_SECTIONS = {"log", "checkpoint"}
 
 

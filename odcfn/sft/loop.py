@@ -25,6 +25,7 @@ Config (TOML or JSON), every key optional except ``data.path`` and ``train.steps
     weight_decay_mask = "no_norms_biases" | "no_norms_biases_embeddings" | "all",
     comm = "odc" | "collective", balance = "round_robin", max_tokens_per_microbatch = 4096,
     compute_dtype = "float32" | "bfloat16", world_size = 2, backend = "threads" | "processes"
+    remat = false          # true: recompute every unit in its backward (O(T) activations)
     [checkpoint]
     every = 50, keep = 3, export_hf = "path"   # HF copy of the final weights
     resume = true          # false (or --no-resume): start over, deleting out_dir's checkpoints
@@ -209,7 +210,7 @@ def train_rank(cfg: SFTConfig, rank: int, transport) -> dict[str, Any]:
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[t.compute_dtype]
     step_config = odcfn.StepConfig(
         comm=t.comm, balance=t.balance, max_tokens_per_microbatch=t.max_tokens_per_microbatch,
-        compute_dtype=dtype, max_grad_norm=t.max_grad_norm,
+        compute_dtype=dtype, max_grad_norm=t.max_grad_norm, remat=t.remat,
     )
     start, resumed = 0, None
     data_sha = sha256(Path(cfg.data.path))

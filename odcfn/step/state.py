@@ -44,6 +44,9 @@ class StepConfig:
     head unit applies (None: token cross-entropy). ``nonfinite``: a minibatch whose loss or
     gradient norm is NaN/inf raises ``FloatingPointError`` on every rank ("raise"), or is skipped
     ("skip": params, optimizer state and step unchanged, ``metrics.extra["skipped_nonfinite"]``).
+    ``remat``: True recomputes every unit's forward inside its backward (only each unit's input
+    is kept between them: activation memory O(T) per unit, about 1/3 more compute);
+    ``options.remat`` names units one by one instead.
     """
 
     comm: Comm = "odc"
@@ -55,6 +58,7 @@ class StepConfig:
     cost: CostModel | None = None
     loss: Any = None
     nonfinite: str = "raise"
+    remat: bool = False
 
     def __post_init__(self) -> None:
         if self.comm not in ("odc", "collective"):
@@ -79,6 +83,9 @@ class StepConfig:
             raise ValueError(f"StepConfig.max_grad_norm must be a finite number > 0 or None, got {g!r}")
         if self.nonfinite not in ("raise", "skip"):
             raise ValueError(f"StepConfig.nonfinite must be 'raise' or 'skip', got {self.nonfinite!r}")
+        if not isinstance(self.remat, bool):
+            got = f"{type(self.remat).__name__} {self.remat!r}"
+            raise TypeError(f"StepConfig.remat must be a bool (True: every unit), got {got}")
         if self.loss is not None:
             check_loss(self.loss)  # a TypeError naming what a non-loss lacks, at construction
         if self.cost is not None and not callable(self.cost):

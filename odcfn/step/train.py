@@ -53,9 +53,12 @@ def check_inputs(state: TrainState, batch: Batch) -> Layout:
     return layout
 
 
-def _options(options: ScheduleOptions | None, model: Model) -> ScheduleOptions:
-    """The schedule options with the model's tied-weight uses, which the plan must gather."""
+def _options(options: ScheduleOptions | None, model: Model, remat: bool = False) -> ScheduleOptions:
+    """The schedule options with the model's tied-weight uses, which the plan must gather, and
+    every unit rematerialised when ``remat`` (``StepConfig.remat``)."""
     options = options or ScheduleOptions()
+    if remat:
+        options = replace(options, remat=frozenset(model.unit_names))
     if options.uses and options.uses != model.uses:
         raise ValueError(f"ScheduleOptions.uses={options.uses} differs from the model's {model.uses}")
     return replace(options, uses=model.uses) if model.uses else options
@@ -104,7 +107,7 @@ def _grads(state: TrainState, batch: Batch) -> tuple[dict[str, torch.Tensor], St
     program = prepare_program(
         _recording(cfg.balance, seen), batch.lengths, units=model.unit_names, world_size=mesh.world_size,
         rank=mesh.rank,
-        max_tokens=cap, comm=cfg.comm, options=_options(cfg.options, model), cost=cfg.cost,
+        max_tokens=cap, comm=cfg.comm, options=_options(cfg.options, model, cfg.remat), cost=cfg.cost,
         fetch_add=getattr(transport, "fetch_add", None),
         max_counters=getattr(transport, "max_counters", None),
     )
