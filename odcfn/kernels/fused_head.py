@@ -53,7 +53,7 @@ _VOCAB_CHUNK = 8192
 def check_temperature(temperature: object, name: str = "temperature") -> float:
     t = temperature
     if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < math.inf:
-        raise ValueError(f"{name} must be a finite number > 0, got {t!r}")
+        raise ValueError(f"{name} must be > 0 (a finite number), got {t!r}")
     return float(t)
 
 
@@ -243,26 +243,37 @@ def _triton():
 
 
 class _FusedHead(torch.autograd.Function):
+    """``(logp_T, entropy_T (empty without entropy), lse_T)``; lse is not differentiable. Written
+    with ``setup_context`` so that ``torch.func`` transforms (the reference's ``grad``) work."""
+
     @staticmethod
-    def forward(ctx, h_TxD, w_VxD, labels_T, temperature, want_entropy, token_chunk, vocab_chunk):
+    def forward(h_TxD, w_VxD, labels_T, temperature, want_entropy, token_chunk, vocab_chunk):
         kern = _triton() if h_TxD.is_cuda else None
         if kern is not None:
             logp, ent, lse = kern.triton_head_forward(h_TxD, w_VxD, labels_T, temperature, want_entropy)
         else:
             logp, ent, lse = head_forward(h_TxD, w_VxD, labels_T, temperature, want_entropy,
                                           token_chunk=token_chunk, vocab_chunk=vocab_chunk)
-        ctx.save_for_backward(h_TxD, w_VxD, labels_T, lse, ent)
-        ctx.args = (temperature, token_chunk, vocab_chunk, kern)
-        return (logp, ent) if want_entropy else logp
+        return logp, ent if want_entropy else logp.new_zeros(0), lse
 
     @staticmethod
-    def backward(ctx, g_logp, g_ent=None):
+    def setup_context(ctx, inputs, output):
+        h_TxD, w_VxD, labels_T, temperature, want_entropy, token_chunk, vocab_chunk = inputs
+        _, ent, lse = output
+        ctx.save_for_backward(h_TxD, w_VxD, labels_T, lse, ent if want_entropy else None)
+        ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)  # an unused entropy costs nothing in backward
+        ctx.args = (temperature, token_chunk, vocab_chunk)
+
+    @staticmethod
+    def backward(ctx, g_logp, g_ent, _g_lse):
         h, w, labels, lse, ent = ctx.saved_tensors
-        temperature, tc, vc, kern = ctx.args
+        temperature, tc, vc = ctx.args
         if g_logp is None:
             g_logp = torch.zeros_like(lse)
         if ent is None:
             g_ent = None
+        kern = _triton() if h.is_cuda else None
         if kern is not None:
             dh, dw = kern.triton_head_backward(h, w, labels, lse, ent, g_logp, g_ent, temperature)
         else:
@@ -310,7 +321,8 @@ def fused_head(
             logp, ent, _ = head_forward(h_TxD, w_VxD, labels_T, t, entropy,
                                         token_chunk=token_chunk, vocab_chunk=vocab_chunk)
         return (logp, ent) if entropy else logp
-    return _FusedHead.apply(h_TxD, w_VxD, labels_T, t, bool(entropy), token_chunk, vocab_chunk)
+    logp, ent, _ = _FusedHead.apply(h_TxD, w_VxD, labels_T, t, bool(entropy), token_chunk, vocab_chunk)
+    return (logp, ent) if entropy else logp
 
 
 def unfused_head(

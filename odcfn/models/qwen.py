@@ -1,7 +1,7 @@
 """A Qwen2/Qwen3/Llama-style decoder over packed variable-length sequences, as pure unit functions.
 
 Units: ``embed`` (token embedding), ``layers.{i}`` (RMSNorm -> GQA attention with RoPE ->
-RMSNorm -> SwiGLU, both residual) and ``head`` (final RMSNorm, LM head, summed cross-entropy).
+RMSNorm -> SwiGLU, both residual) and ``head`` (final RMSNorm, LM head and loss, fused).
 Qwen3's per-head q/k RMSNorm, Llama's o_proj bias and RoPE scalings (``models.rope``) are
 config switches; see docs/models.md.
 Parameter names follow Hugging Face's Qwen2 layout below the unit name, so that
@@ -194,14 +194,11 @@ def block_fwd(p: dict, x_TxD: torch.Tensor, mb: Microbatch, *, cfg: QwenConfig) 
 
 
 def head_fwd(p: dict, x_TxD: torch.Tensor, mb: Microbatch, *, cfg: QwenConfig) -> torch.Tensor:
-    """Summed cross-entropy over the microbatch's loss tokens (fp32 logits). Tied: the LM head
-    is the embedding matrix (``p["embed"]``, the used unit's subtree)."""
+    """The final norm, then the loss seam (``odcfn.losses.head_stats``: the fused head, never a
+    T×V tensor). Tied: the LM head is the embedding matrix (``p["embed"]``, the used unit's
+    subtree)."""
     w_VxD = p["embed"]["embed_tokens"]["weight"] if cfg.tie_embeddings else p["lm_head"]["weight"]
-    logits_TxV = F.linear(rms_norm(x_TxD, p["norm"]["weight"], cfg.rms_eps), w_VxD).float()
-    if mb.loss is not None:  # the loss seam: weighted per-token loss and its metrics (odcfn.losses)
-        return head_stats(logits_TxV, mb)
-    nll_T = F.cross_entropy(logits_TxV, mb.labels_T, reduction="none")
-    return (nll_T * mb.loss_mask_T).sum()
+    return head_stats(rms_norm(x_TxD, p["norm"]["weight"], cfg.rms_eps), w_VxD, mb)
 
 
 def qwen_model(cfg: QwenConfig, *, dtype: torch.dtype = torch.float32) -> Model:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from odcfn.kernels.base import Counters, Transport
-from odcfn.losses import check_loss
+from odcfn.losses import check_loss, cross_entropy
 from odcfn.model import Model, check_params
 from odcfn.optim import Optimizer
 from odcfn.schedule.cost import CostModel
@@ -41,12 +41,12 @@ class StepConfig:
     longest sample of each minibatch). ``compute_dtype``: what gathers deliver and units compute
     in (master shards and accumulators stay fp32). ``max_grad_norm``: clip by the global norm the
     one sync carries. ``cost``: the cost model balancers use. ``loss``: the per-token loss the
-    head unit applies (None: token cross-entropy). ``nonfinite``: a minibatch whose loss or
-    gradient norm is NaN/inf raises ``FloatingPointError`` on every rank ("raise"), or is skipped
-    ("skip": params, optimizer state and step unchanged, ``metrics.extra["skipped_nonfinite"]``).
-    ``remat``: True recomputes every unit's forward inside its backward (only each unit's input
-    is kept between them: activation memory O(T) per unit, about 1/3 more compute);
-    ``options.remat`` names units one by one instead.
+    head unit applies (default ``cross_entropy()``; None means the same). ``nonfinite``: a
+    minibatch whose loss or gradient norm is NaN/inf raises ``FloatingPointError`` on every rank
+    ("raise"), or is skipped ("skip": params, optimizer state and step unchanged,
+    ``metrics.extra["skipped_nonfinite"]``). ``remat``: True recomputes every unit's forward
+    inside its backward (only each unit's input is kept between them: activation memory O(T)
+    per unit, about 1/3 more compute); ``options.remat`` names units one by one instead.
     """
 
     comm: Comm = "odc"
@@ -56,7 +56,7 @@ class StepConfig:
     compute_dtype: torch.dtype | None = None
     max_grad_norm: float | None = None
     cost: CostModel | None = None
-    loss: Any = None
+    loss: Any = field(default_factory=cross_entropy)
     nonfinite: str = "raise"
     remat: bool = False
 
@@ -86,8 +86,9 @@ class StepConfig:
         if not isinstance(self.remat, bool):
             got = f"{type(self.remat).__name__} {self.remat!r}"
             raise TypeError(f"StepConfig.remat must be a bool (True: every unit), got {got}")
-        if self.loss is not None:
-            check_loss(self.loss)  # a TypeError naming what a non-loss lacks, at construction
+        if self.loss is None:  # the one place None means anything: the default loss
+            object.__setattr__(self, "loss", cross_entropy())
+        check_loss(self.loss)  # a TypeError naming what a non-loss lacks, at construction
         if self.cost is not None and not callable(self.cost):
             raise TypeError(
                 f"StepConfig.cost must be a cost model (length -> cost), got {type(self.cost).__name__}"

@@ -100,8 +100,7 @@ def _grads(state: TrainState, batch: Batch) -> tuple[dict[str, torch.Tensor], St
     t0 = time.perf_counter()
     layout = check_inputs(state, batch)
     cfg, model, transport, mesh = state.config, state.model, state.transport, state.mesh
-    if cfg.loss is not None:  # the extras the loss needs, on every rank, before any communication
-        check_loss(cfg.loss).validate(batch)
+    check_loss(cfg.loss).validate(batch)  # the extras it needs, on every rank, before any communication
     cap = cfg.max_tokens_per_microbatch or max(batch.lengths)
     seen: list = []
     program = prepare_program(
@@ -131,7 +130,7 @@ def _grads(state: TrainState, batch: Batch) -> tuple[dict[str, torch.Tensor], St
             "StepConfig(nonfinite='skip') skips such steps instead)"
         )
     metrics = StepMetrics(
-        loss=result.loss_sum if cfg.loss is not None else result.loss_sum / batch.num_loss_tokens,
+        loss=result.loss_sum,
         grad_norm=result.grad_norm,
         num_samples=len(batch),
         num_tokens=sum(batch.lengths),
