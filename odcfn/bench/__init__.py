@@ -47,6 +47,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="--memory: tokens per point (default 1K..32K; --quick: 1K 4K 16K)")
     p.add_argument("--memory-budget-gib", type=float, default=16.0,
                    help="--memory: what one step may add (each child's address-space cap)")
+    p.add_argument("--memory-grpo-tokens", type=int, nargs="*", default=None,
+                   help="--memory: tokens of the GRPO points (default: --memory-tokens)")
+    p.add_argument("--memory-contenders", nargs="+", choices=("fused", "unfused", "transformers"),
+                   default=None, help="--memory: run only these (default: all three)")
     p.add_argument("--plot", type=Path, default=None, help="--memory: write the PNG plot here")
     p.add_argument("--cost", choices=("calibrated", "default"), default="calibrated",
                    help="balancers' cost model: fitted to this machine's measured unit times "
@@ -163,7 +167,10 @@ def memory_main(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     _log(f"== memory: tokens {list(tokens)}")
     report = {"schema": SCHEMA, "machine": machine(), "config": {"tokens": list(tokens), "shape": M.SHAPE},
-              "memory": M.memory_bench(tokens, budget=int(args.memory_budget_gib * M.GIB), log=_log)}
+              "memory": M.memory_bench(
+                  tokens, budget=int(args.memory_budget_gib * M.GIB), log=_log,
+                  grpo_tokens=None if args.memory_grpo_tokens is None else tuple(args.memory_grpo_tokens),
+                  contenders=tuple(args.memory_contenders or M.CONTENDERS))}
     report["elapsed_s"] = time.perf_counter() - t0
     text = json.dumps(report, indent=1, default=_jsonable)
     if args.out:

@@ -122,7 +122,7 @@ def _transformers_step(spec: dict) -> tuple[Any, Any]:
                       tie_word_embeddings=False, use_cache=False)
     cfg._attn_implementation = "sdpa"
     model = Qwen2ForCausalLM(cfg)
-    model.gradient_checkpointing_enable()
+    getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
