@@ -206,31 +206,30 @@ def memory_bench(
     budget = int(min(budget, max(1 * GIB, _available() - 2 * GIB)))
     points: list[dict] = []
 
-    def series(contender: str, loss: str, V: int, ts: tuple[int, ...]) -> None:
-        failed = False
-        for T in sorted(ts):
-            spec = {"contender": contender, "loss": loss, "V": V, "T": T, "budget": budget,
-                    "threads": threads, "steps": 2 if T in speed_tokens and V == BIG_V and loss == "ce"
-                    and contender != "transformers" else 1}
-            if failed:
-                r = {**spec, "status": "skipped"}
-            else:
-                t0 = time.perf_counter()
-                r = run_point(spec)
-                r["wall_s"] = time.perf_counter() - t0
-                failed = r["status"] != "ok"
-            points.append(r)
-            peak = f"{r['peak_bytes'] / GIB:6.2f} GiB" if r.get("peak_bytes") is not None else r["status"]
-            log(f"   {contender:12s} {loss:4s} V={V:6d} T={T:6d}: {peak}"
-                + (f"  step {r['step_s']:.1f}s" if r.get("step_s") else ""))
+    def point(contender: str, loss: str, V: int, T: int, failed: set) -> None:
+        spec = {"contender": contender, "loss": loss, "V": V, "T": T, "budget": budget,
+                "threads": threads, "steps": 2 if T in speed_tokens and V == BIG_V and loss == "ce"
+                and contender != "transformers" else 1}
+        if (contender, loss, V) in failed:  # a larger T of a series that already did not fit
+            r = {**spec, "status": "skipped"}
+        else:
+            t0 = time.perf_counter()
+            r = run_point(spec)
+            r["wall_s"] = time.perf_counter() - t0
+            if r["status"] != "ok":
+                failed.add((contender, loss, V))
+        points.append(r)
+        peak = f"{r['peak_bytes'] / GIB:6.2f} GiB" if r.get("peak_bytes") is not None else r["status"]
+        log(f"   {contender:12s} {loss:4s} V={V:6d} T={T:6d}: {peak}"
+            + (f"  step {r['step_s']:.1f}s" if r.get("step_s") else ""))
 
-    for contender in contenders:
-        series(contender, "ce", BIG_V, tokens)
-        series(contender, "ce", SMALL_V, tokens)
-    for contender in [c for c in contenders if c != "transformers"]:  # it has no GRPO loss
-        gt = grpo_tokens if grpo_tokens is not None else tokens
-        series(contender, "grpo", BIG_V, gt)
-        series(contender, "grpo", SMALL_V, gt)
+    gt = grpo_tokens if grpo_tokens is not None else tokens
+    series = [(c, "ce", V, T) for c in contenders for V in (BIG_V, SMALL_V) for T in tokens]
+    series += [(c, "grpo", V, T) for c in contenders if c != "transformers"  # it has no GRPO loss
+               for V in (BIG_V, SMALL_V) for T in gt]
+    failed: set = set()
+    for spec in sorted(series, key=lambda s: s[3]):  # small T first: the long points come last
+        point(*spec, failed)
     return summarise(points, budget)
 
 
