@@ -1,6 +1,7 @@
-"""GPU check: kernels vs references, the CUDA-IPC transport with W processes on the GPU(s)
-(gradients vs the single-process reference and the collective path, one sync per step),
-transport and kernel bandwidth against the device's own ``copy_``, NVSHMEM last.
+"""GPU check: kernels vs references, the fused head (``gpu_check_head``), the CUDA-IPC
+transport with W processes on the GPU(s) (gradients vs the single-process reference and the
+collective path, one sync per step), transport and kernel bandwidth against the device's own
+``copy_``, NVSHMEM last.
 
     python bench/gpu_check.py --json OUT.json         # on a GPU machine (bench/gpu_check.sh wraps it)
     TRITON_INTERPRET=1 python bench/gpu_check.py --device cpu --json OUT.json   # dry run on CPU
@@ -27,6 +28,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from gpu_check_head import fused_head  # noqa: E402
 from gpu_check_ranks import PARITY_TOL, PhaseError, Ranks, ipc_rank_main, nvshmem_rank_main  # noqa: E402
 
 STATUSES = ("pass", "fail", "error", "timeout", "skip")
@@ -316,6 +318,7 @@ def section_names(worlds: list[int]) -> list[str]:
     return [
         "env",
         "kernels",
+        "fused_head",
         *ipc[:2],
         "kernel_bandwidth",
         *ipc[2:],
@@ -368,6 +371,7 @@ def main() -> int:
     rep.meta = {"device": args.device, "world": args.world, "budget_s": args.budget, "argv": sys.argv[1:]}
     rep.run("env", lambda: env(dev))
     rep.run("kernels", lambda: kernels(dev))
+    rep.run("fused_head", lambda: fused_head(dev), need=60)
     for i, world in enumerate(args.world):
         _ipc_sections(rep, dev, world)
         if i == 0:

@@ -2,9 +2,10 @@
 
 A loss is a small object with
 
-- ``per_token(logp_T, logits_TxV, extras) -> (loss_T, {metric: value_T})``: the loss of every
-  target token (``logp_T``: the log-prob of each target, fp32; ``extras``: the microbatch's
-  per-token extras, aligned with its labels),
+- ``per_token(logp_T, entropy_T, extras) -> (loss_T, {metric: value_T})``: the loss of every
+  target token (``logp_T``: the log-prob of each target, fp32; ``entropy_T``: the entropy of each
+  position's next-token distribution when ``needs_entropy``, else None; ``extras``: the
+  microbatch's per-token extras, aligned with its labels),
 - ``weights(batch) -> per-sample per-token weights`` from the WHOLE minibatch (the aggregation
   mode), computed before any communication: the minibatch loss is ``sum(weight * loss_T)`` over
   every token, so neither the loss nor its gradient depends on how samples are split into
@@ -12,6 +13,12 @@ A loss is a small object with
 - ``validate(batch)``: the extras it needs, checked on every rank before any communication,
 - ``metric_names`` (summed in the same sync; those in ``mean_metrics`` are means over the
   minibatch's loss tokens, the others are aggregated with the loss's weights) and ``temperature``.
+
+The head computes ``logp_T`` and ``entropy_T`` with the fused head (``odcfn.kernels.fused_head``:
+never a T×V tensor; temperature applied inside), so losses never see logits. A loss that truly
+needs them sets ``needs_logits = True`` and receives ``per_token(..., logits_TxV=...)``: the full
+fp32 logits of the microbatch, O(T×V) memory (``head="unfused"`` computes every loss that way,
+the reference the fused head is measured against).
 
 ``cross_entropy()`` is SFT's loss; ``policy_gradient(...)`` is PPO/GRPO/DAPO's clipped surrogate
 with verl's parameter names and semantics. Write your own by subclassing ``TokenLoss``.
@@ -24,10 +31,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from odcfn._check import check_number
 from odcfn.batch import Batch, Microbatch
+from odcfn.kernels.fused_head import IGNORE, check_chunk, check_temperature, fused_head, unfused_head
 
 __all__ = [
     "AGG_MODES",
@@ -43,7 +50,6 @@ __all__ = [
     "loss_metrics",
     "kl_penalty",
     "policy_gradient",
-    "token_entropy",
 ]
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
@@ -93,20 +99,42 @@ def _check_mode(mode: str, scale: float | None) -> None:
             )
 
 
+HEADS = ("fused", "unfused")
+
+
+def _check_head(obj: object) -> None:
+    """The head settings every loss (and ``LogProbs``) carries, checked at construction."""
+    check_temperature(obj.temperature)
+    if obj.head not in HEADS:
+        raise ValueError(f"head must be one of {list(HEADS)}, got {obj.head!r}")
+    check_chunk(obj.token_chunk, "token_chunk")
+    check_chunk(obj.vocab_chunk, "vocab_chunk")
+
+
 @dataclass(frozen=True)
 class TokenLoss:
-    """Base of the built-in losses: the aggregation mode and the shared plumbing."""
+    """Base of the built-in losses: the aggregation mode, the head settings and the plumbing.
+
+    ``head``: "fused" (never a T×V tensor) or "unfused" (full fp32 logits, the reference);
+    ``token_chunk``/``vocab_chunk``: the fused head's tile (None: chosen from the shapes).
+    ``needs_entropy``: whether ``per_token`` receives entropies (SFT's loss does not pay for
+    them); ``needs_logits``: whether it receives the full logits (O(T×V) memory)."""
 
     loss_agg_mode: str = "token-mean"
     loss_scale_factor: float | None = None
     temperature: float = 1.0
+    head: str = "fused"
+    token_chunk: int | None = None
+    vocab_chunk: int | None = None
 
     metric_names = ()
     mean_metrics = frozenset()
+    needs_entropy = False
+    needs_logits = False
 
     def __post_init__(self) -> None:
         _check_mode(self.loss_agg_mode, self.loss_scale_factor)
-        check_number(self.temperature, "temperature", positive=True, want="> 0 (a finite number)")
+        _check_head(self)
 
     def required_extras(self) -> tuple[str, ...]:
         return ()
@@ -125,25 +153,23 @@ class TokenLoss:
         return aggregation_weights(batch, self.loss_agg_mode, self.loss_scale_factor)
 
     def per_token(
-        self, logp_T: torch.Tensor, logits_TxV: torch.Tensor, extras: Mapping[str, torch.Tensor]
+        self, logp_T: torch.Tensor, entropy_T: torch.Tensor | None, extras: Mapping[str, torch.Tensor]
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         raise NotImplementedError
 
 
 @dataclass(frozen=True)
 class CrossEntropy(TokenLoss):
-    def per_token(self, logp_T, logits_TxV, extras):
+    def per_token(self, logp_T, entropy_T, extras):
         return -logp_T, {}
 
 
-def cross_entropy(loss_agg_mode: str = "token-mean", loss_scale_factor: float | None = None) -> CrossEntropy:
-    """Token cross-entropy (SFT). ``token-mean`` is what ``StepConfig.loss=None`` computes."""
-    return CrossEntropy(loss_agg_mode=loss_agg_mode, loss_scale_factor=loss_scale_factor)
-
-
-def token_entropy(logits_TxV: torch.Tensor) -> torch.Tensor:
-    """Entropy of each position's next-token distribution."""
-    return torch.logsumexp(logits_TxV, -1) - (logits_TxV.softmax(-1) * logits_TxV).sum(-1)
+def cross_entropy(
+    loss_agg_mode: str = "token-mean", loss_scale_factor: float | None = None, **head: object
+) -> CrossEntropy:
+    """Token cross-entropy (SFT), the default ``StepConfig.loss``. ``head``: the head settings
+    of ``TokenLoss`` (``temperature``, ``head``, ``token_chunk``, ``vocab_chunk``)."""
+    return CrossEntropy(loss_agg_mode=loss_agg_mode, loss_scale_factor=loss_scale_factor, **head)
 
 
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.Tensor:
@@ -172,6 +198,7 @@ class PolicyGradient(TokenLoss):
 
     metric_names = ("pg_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "kl_loss", "entropy")
     mean_metrics = frozenset({"pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"})
+    needs_entropy = True  # the entropy bonus, and the "entropy" figure even without one
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -191,7 +218,7 @@ class PolicyGradient(TokenLoss):
     def required_extras(self) -> tuple[str, ...]:
         return ("advantages", "old_logprobs") + (("ref_logprobs",) if self.kl_loss_coef else ())
 
-    def per_token(self, logp_T, logits_TxV, extras):
+    def per_token(self, logp_T, entropy_T, extras):
         adv, old = extras["advantages"], extras["old_logprobs"]
         log_ratio = (logp_T - old).clamp(-20.0, 20.0)
         ratio = log_ratio.exp()
@@ -202,8 +229,6 @@ class PolicyGradient(TokenLoss):
         bound = -adv * self.clip_ratio_c
         pg_T = torch.where(adv < 0, torch.minimum(bound, clipped), clipped)
         loss_T = pg_T
-        with torch.set_grad_enabled(bool(self.entropy_coeff) and torch.is_grad_enabled()):
-            entropy_T = token_entropy(logits_TxV)
         if self.entropy_coeff:
             loss_T = loss_T - self.entropy_coeff * entropy_T
         if self.kl_loss_coef:
@@ -217,7 +242,7 @@ class PolicyGradient(TokenLoss):
             "pg_clipfrac_lower": ((clipped > bound) & (adv < 0)).float(),
             "ppo_kl": -log_ratio,
             "kl_loss": kl_T,
-            "entropy": entropy_T,
+            "entropy": entropy_T.detach(),  # a figure: only the bonus above is differentiated
         }
         return loss_T, metrics
 
@@ -232,29 +257,35 @@ def policy_gradient(
     loss_agg_mode: str = "token-mean",
     loss_scale_factor: float | None = None,
     temperature: float = 1.0,
+    **head: object,
 ) -> PolicyGradient:
     """PPO/GRPO clipped surrogate on ``ratio = exp(logp - old_logprobs)``, dual-clipped for
     negative advantages, plus ``kl_loss_coef`` x KL to ``ref_logprobs`` and minus
     ``entropy_coeff`` x entropy; ``clip_ratio_high > clip_ratio_low`` is DAPO's clip-higher.
     Extras: ``advantages``, ``old_logprobs`` (and ``ref_logprobs`` when ``kl_loss_coef != 0``).
-    ``temperature`` divides the logits, as it did when the rollouts were sampled."""
+    ``temperature`` divides the logits, as it did when the rollouts were sampled; ``head``:
+    ``head``/``token_chunk``/``vocab_chunk`` as in ``TokenLoss``."""
     return PolicyGradient(
         loss_agg_mode=loss_agg_mode, loss_scale_factor=loss_scale_factor, temperature=temperature,
         clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high, clip_ratio_c=clip_ratio_c,
-        kl_loss_coef=kl_loss_coef, kl_loss_type=kl_loss_type, entropy_coeff=entropy_coeff,
+        kl_loss_coef=kl_loss_coef, kl_loss_type=kl_loss_type, entropy_coeff=entropy_coeff, **head,
     )
 
 
 @dataclass(frozen=True)
 class LogProbs:
     """Not a loss: in its microbatches the head returns per-token ``[logp_T (, entropy_T)]``
-    (``odcfn.log_probs``' forward-only pass)."""
+    (``odcfn.log_probs``' forward-only pass; position ``t`` holds the log-prob of label ``t``,
+    the sample's token ``t + 1``, and 0 after each sample's last token)."""
 
     temperature: float = 1.0
     entropy: bool = False
+    head: str = "fused"
+    token_chunk: int | None = None
+    vocab_chunk: int | None = None
 
     def __post_init__(self) -> None:
-        check_number(self.temperature, "temperature", positive=True, want="> 0 (a finite number)")
+        _check_head(self)
 
     def weights(self, batch: Batch) -> None:
         return None
@@ -272,16 +303,41 @@ def check_loss(loss: object) -> object:
     return loss
 
 
-def head_stats(logits_TxV: torch.Tensor, mb: Microbatch) -> torch.Tensor:
-    """What a head unit returns when its microbatch carries a loss: the fp32 vector
-    ``[sum(weight * loss_T), *metric sums]`` (metrics detached; only entry 0 is differentiated),
-    or, under ``LogProbs``, the ``[k, T]`` per-token log-probs (and entropies)."""
+def _head(loss: object, h_TxD: torch.Tensor, w_VxD: torch.Tensor, labels_T: torch.Tensor,
+          entropy: bool, logits: bool = False):
+    """``(logp_T, entropy_T or None, logits_TxV or None)`` by the loss's head settings."""
+    t = getattr(loss, "temperature", 1.0)
+    if logits or getattr(loss, "head", "fused") == "unfused":
+        return unfused_head(h_TxD, w_VxD, labels_T, temperature=t, entropy=entropy, logits=logits)
+    tc, vc = getattr(loss, "token_chunk", None), getattr(loss, "vocab_chunk", None)
+    out = fused_head(h_TxD, w_VxD, labels_T, temperature=t, entropy=entropy, token_chunk=tc, vocab_chunk=vc)
+    return (*out, None) if entropy else (out, None, None)
+
+
+def head_stats(h_TxD: torch.Tensor, w_VxD: torch.Tensor, mb: Microbatch) -> torch.Tensor:
+    """What a head unit returns, from its final hidden states ``h_TxD`` and head weight ``w_VxD``
+    (logits ``h Wᵀ / temperature``, never materialised unless the loss asks for them):
+
+    - under a loss object, the fp32 vector ``[sum(weight * loss_T), *metric sums]`` (metrics
+      detached; only entry 0 is differentiated); only loss tokens are targets,
+    - under ``LogProbs``, the ``[k, T]`` per-token log-probs (and entropies) of every label
+      inside a sample (0 after each sample's last token),
+    - without a loss (``mb.loss`` None: a bare ``pack``, the model's own contract), the summed
+      cross-entropy of the loss tokens."""
     loss = mb.loss
-    logits = logits_TxV.float() / loss.temperature if loss.temperature != 1.0 else logits_TxV.float()
-    logp_T = -F.cross_entropy(logits, mb.labels_T, reduction="none")
     if isinstance(loss, LogProbs):
-        return torch.stack([logp_T, token_entropy(logits)] if loss.entropy else [logp_T])
-    loss_T, metrics = loss.per_token(logp_T, logits, mb.extras)
+        labels_T = mb.labels_T.clone()
+        labels_T[torch.tensor(mb.seqlens, device=labels_T.device).cumsum(0) - 1] = IGNORE
+        logp_T, ent_T, _ = _head(loss, h_TxD, w_VxD, labels_T, loss.entropy)
+        return torch.stack([logp_T, ent_T] if loss.entropy else [logp_T])
+    labels_T = mb.labels_T.masked_fill(mb.loss_mask_T == 0, IGNORE)
+    if loss is None:
+        return -_head(None, h_TxD, w_VxD, labels_T, False)[0].sum()
+    want_logits = bool(getattr(loss, "needs_logits", False))
+    logp_T, ent_T, logits = _head(loss, h_TxD, w_VxD, labels_T, bool(getattr(loss, "needs_entropy", False)),
+                                  want_logits)
+    kw = {"logits_TxV": logits} if want_logits else {}
+    loss_T, metrics = loss.per_token(logp_T, ent_T, mb.extras, **kw)
     w, m = mb.weight_T, mb.loss_mask_T
     out = [(loss_T * w).sum()]
     for k in loss.metric_names:
@@ -292,7 +348,5 @@ def head_stats(logits_TxV: torch.Tensor, mb: Microbatch) -> torch.Tensor:
 def loss_metrics(loss: object, sums: tuple[float, ...], num_loss_tokens: int) -> dict[str, float]:
     """The synced metric sums as figures: ``mean_metrics`` over the loss tokens, the others as
     aggregated (by the loss's weights)."""
-    if loss is None:
-        return {}
     mean = getattr(loss, "mean_metrics", frozenset())
     return {k: v / num_loss_tokens if k in mean else v for k, v in zip(loss.metric_names, sums)}

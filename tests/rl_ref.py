@@ -32,6 +32,16 @@ def hf_logits_fn(cfg, params, dtype=torch.float32):
     return lambda tokens: torch.func.functional_call(model, sd, (tokens[None],)).logits[0]
 
 
+def hf_hidden_fn(cfg, params, dtype=torch.float32):
+    """``tokens_L -> h_LxD``: transformers' final hidden states (after its last norm), the input
+    of the LM head, on odcfn's ``params``."""
+    model = _hf_model(cfg, dtype)
+    sd = {hf_name(u, p): t for u, sub in params.items() for p, t in tree_named_leaves(sub)}
+    kw = {"output_hidden_states": True}
+    call = lambda tokens: torch.func.functional_call(model, sd, (tokens[None],), kw)
+    return lambda tokens: call(tokens).hidden_states[-1][0]
+
+
 def rollout_batch(lengths, prompt_lens, vocab, *, seed=0, kl=True, spread=0.3):
     """Samples with a prompt (no loss) and a response, per-token advantages and old/ref
     log-probs near a plausible value (so ratios cross the clip range both ways)."""

@@ -26,7 +26,7 @@ from gpu_check_ranks import PhaseError, Ranks  # noqa: E402
 def test_sections_run_in_order_of_value():
     names = G.section_names([2, 4])
     assert names == [
-        "env", "kernels", "ipc_w2_grads", "ipc_w2_bandwidth", "kernel_bandwidth",
+        "env", "kernels", "fused_head", "ipc_w2_grads", "ipc_w2_bandwidth", "kernel_bandwidth",
         "ipc_w4_grads", "ipc_w4_bandwidth", "nvshmem_w1_kernels", "nvshmem_w2_transport",
     ]  # fmt: skip
 
@@ -112,7 +112,7 @@ def test_cpu_dry_run_passes_and_writes_every_section(tmp_path):
     assert "=== gpu_check summary" in log and "gpu_check: exit 0" in log
     s = json.loads((out / "gpu_check.json").read_text())["sections"]
     assert list(s) == G.section_names([2])
-    for name in ("env", "kernels", "ipc_w2_grads", "ipc_w2_bandwidth", "kernel_bandwidth"):
+    for name in ("env", "kernels", "fused_head", "ipc_w2_grads", "ipc_w2_bandwidth", "kernel_bandwidth"):
         assert s[name]["status"] == "pass", (name, s[name])
     for name in ("nvshmem_w1_kernels", "nvshmem_w2_transport"):
         assert s[name]["status"] == "skip" and "needs CUDA" in s[name]["detail"]

@@ -16,7 +16,7 @@ import odcfn
 from odcfn import losses
 from odcfn.models import QwenConfig, init_params
 from odcfn.reference import reference_rl_loss
-from tests.rl_ref import hf_logits_fn, rollout_batch
+from tests.rl_ref import hf_hidden_fn, hf_logits_fn, rollout_batch
 
 pytest.importorskip("transformers")
 
@@ -46,15 +46,17 @@ def loss_configs(draw):
 
 
 def _odcfn_value_and_grad(params, batch, loss, split):
-    """head_stats over ``split`` microbatches, logits of each packed sample from transformers."""
+    """head_stats over ``split`` microbatches, the final hidden states of each packed sample from
+    transformers (the head weight: odcfn's, tied or not)."""
     leaves = odcfn.tree.tree_leaves(params)
-    fn = hf_logits_fn(CFG, params)
+    fn = hf_hidden_fn(CFG, params)
+    w_VxD = params["head"]["lm_head"]["weight"]
     weights = loss.weights(batch)
     total = None
     for ids in split:
         mb = odcfn.pack(batch, ids, loss=loss, weights=weights)
-        logits = torch.cat([fn(batch.samples[i].tokens.long()) for i in ids])
-        y = losses.head_stats(logits, mb)
+        h = torch.cat([fn(batch.samples[i].tokens.long()) for i in ids])
+        y = losses.head_stats(h, w_VxD, mb)
         total = y if total is None else total + y
     grads = torch.autograd.grad(total[0], leaves)
     return total.detach(), grads

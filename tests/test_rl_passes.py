@@ -69,10 +69,12 @@ def test_log_probs_equal_transformers(checkpoint, world, comm, balance, temperat
     for lp, (lp2, ent), counters in odcfn.run_local(fn, world, **mesh):
         assert len(lp) == len(batch)
         for i, s in enumerate(batch.samples):
-            assert lp[i].shape == (s.length - 1,) and lp[i].dtype == torch.float32
-            torch.testing.assert_close(lp[i].double(), want_lp[i], rtol=0, atol=1e-5)
+            # one value per token, aligned like extras and loss_mask: [t] is token t's, [0] = 0
+            assert lp[i].shape == (s.length,) and lp[i].dtype == torch.float32
+            assert ent[i].shape == (s.length,) and lp[i][0] == 0 and ent[i][0] == 0
+            torch.testing.assert_close(lp[i][1:].double(), want_lp[i], rtol=0, atol=1e-5)
             torch.testing.assert_close(lp2[i], lp[i], rtol=0, atol=0)
-            torch.testing.assert_close(ent[i].double(), want_ent[i], rtol=0, atol=1e-5)
+            torch.testing.assert_close(ent[i][1:].double(), want_ent[i], rtol=0, atol=1e-5)
         assert counters.syncs == 1 and counters.scatters == 0
         units = len(model.units) + sum(len(u.uses) for u in model.units)  # tied: the head reads embed
         if comm == "odc":

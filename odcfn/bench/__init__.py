@@ -39,6 +39,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sizes-mib", type=int, nargs="+", default=None,
                    help="primitive sizes (default 1 4 16 64; --quick: 1 16)")
     p.add_argument("--out", type=Path, default=None, help="also write the JSON here")
+    p.add_argument("--memory", action="store_true",
+                   help="instead of the sections: peak step memory vs tokens at V=151,936 (fused head, "
+                        "unfused head, transformers' Qwen2); each point a fresh process")
+    p.add_argument("--memory-tokens", type=int, nargs="+", default=None,
+                   help="--memory: tokens per point (default 1K..32K; --quick: 1K 4K 16K)")
+    p.add_argument("--memory-budget-gib", type=float, default=16.0,
+                   help="--memory: what one step may add (each child's address-space cap)")
+    p.add_argument("--memory-grpo-tokens", type=int, nargs="*", default=None,
+                   help="--memory: tokens of the GRPO points (default: --memory-tokens)")
+    p.add_argument("--memory-contenders", nargs="+", choices=("fused", "unfused", "transformers"),
+                   default=None, help="--memory: run only these (default: all three)")
+    p.add_argument("--plot", type=Path, default=None, help="--memory: write the PNG plot here")
     p.add_argument("--cost", choices=("calibrated", "default"), default="calibrated",
                    help="balancers' cost model: fitted to this machine's measured unit times "
                         "(default) or the schedule layer's FLOPs-based default")
@@ -63,6 +75,8 @@ def machine() -> dict:
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.memory:
+        return memory_main(args)
     from odcfn.bench import lora_section as LS
     from odcfn.bench import rl_section as RL
     from odcfn.bench import sections as S
@@ -141,6 +155,33 @@ def main(args: argparse.Namespace) -> int:
         print(S.render(report) + LS.render(report.get("lora")))
     # a section that crashed (not one skipped for want of processes) fails the command
     return 1 if any(isinstance(report.get(n), dict) and "error" in report[n] for n in sections) else 0
+
+
+def memory_main(args: argparse.Namespace) -> int:
+    from odcfn.bench import memory as M
+
+    if args.memory_budget_gib <= 0:
+        raise ValueError(f"--memory-budget-gib must be > 0, got {args.memory_budget_gib}")
+    if args.memory_tokens and min(args.memory_tokens) < 2:
+        raise ValueError(f"--memory-tokens must be >= 2, got {args.memory_tokens}")
+    tokens = tuple(args.memory_tokens or ((1024, 4096, 16384) if args.quick else
+                                          (1024, 2048, 4096, 8192, 16384, 32768)))
+    t0 = time.perf_counter()
+    _log(f"== memory: tokens {list(tokens)}")
+    report = {"schema": SCHEMA, "machine": machine(), "config": {"tokens": list(tokens), "shape": M.SHAPE},
+              "memory": M.memory_bench(
+                  tokens, budget=int(args.memory_budget_gib * M.GIB), log=_log,
+                  grpo_tokens=None if args.memory_grpo_tokens is None else tuple(args.memory_grpo_tokens),
+                  contenders=tuple(args.memory_contenders or M.CONTENDERS))}
+    report["elapsed_s"] = time.perf_counter() - t0
+    text = json.dumps(report, indent=1, default=_jsonable)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text)
+    if args.plot:
+        M.plot(report["memory"], str(args.plot))
+    print(text if args.json else M.render(report["memory"]))
+    return 1 if any(p["status"] == "error" for p in report["memory"]["points"]) else 0
 
 
 def _jsonable(x):

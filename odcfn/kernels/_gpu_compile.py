@@ -155,6 +155,7 @@ def _table(arch: int) -> list[tuple[str, object, dict, dict, tuple, dict | None]
                 None,
             )
         )
+    rows += _fused_head_rows()
     try:
         libs = {"libnvshmem_device": nv.device_bitcode(arch)}
     except RuntimeError as e:  # no nvidia-nvshmem wheel: say so, compile the rest
@@ -165,6 +166,36 @@ def _table(arch: int) -> list[tuple[str, object, dict, dict, tuple, dict | None]
     return rows
 
 
+def _fused_head_rows() -> list:
+    """The fused head's forward/backward kernels with the tiles and flags the launchers pass."""
+    from odcfn.kernels import fused_head_triton as F
+
+    def blocks(kind: str, half: bool) -> dict:
+        b = F.GPU_BLOCKS[kind, half]
+        return {"BLOCK_T": b["block_t"], "BLOCK_V": b["block_v"], "BLOCK_D": b["block_d"]}
+
+    rows = []
+    for dt, prec in (("bf16", None), ("fp32", "ieee")):
+        half = dt == "bf16"
+        ints = {"T": "i32", "V": "i32", "D": "i32"}
+        fwd = {n: f"*{dt}" for n in ("h_ptr", "w_ptr")} | {"y_ptr": "*i64"}
+        fwd |= {n: "*fp32" for n in ("m_ptr", "s_ptr", "u_ptr", "tgt_ptr")}
+        fwd |= ints | {"v_per_split": "i32", "inv_tau": "fp32"}
+        consts = ("BLOCK_T", "BLOCK_V", "BLOCK_D", "PRECISION", "UPCAST")
+        fwd |= {k: "constexpr" for k in (*consts, "WANT_ENTROPY")}
+        bwd = {n: f"*{dt}" for n in ("h_ptr", "w_ptr")} | {"y_ptr": "*i64"}
+        bwd |= {n: "*fp32" for n in ("lse_ptr", "ent_ptr", "gl_ptr", "gh_ptr", "dh_ptr", "dw_ptr")}
+        bwd |= ints | {"inv_tau": "fp32"}
+        bwd |= {k: "constexpr" for k in (*consts, "WITH_ENTROPY")}
+        flags = {"PRECISION": prec, "UPCAST": False}
+        div = ("h_ptr", "w_ptr", "D")
+        for kind, fn, sig, flag in (("fwd", F._head_fwd_kernel, fwd, "WANT_ENTROPY"),
+                                    ("bwd", F._head_bwd_kernel, bwd, "WITH_ENTROPY")):
+            cx = {**blocks(kind, half), **flags, flag: True}
+            rows.append((f"fused_head_{kind}[{dt}]", fn, sig, cx, div, None, F.GPU_BLOCKS[kind, half]))
+    return rows
+
+
 def kernel_names(arch: int = 90) -> list[str]:
     return [row[0] for row in _table(arch)]
 
@@ -172,10 +203,11 @@ def kernel_names(arch: int = 90) -> list[str]:
 def compile_all(arch: int = 90, names: list[str] | None = None) -> list[PtxStats]:
     """Compile the kernels called ``names`` (all by default) and summarise their PTX."""
     out = []
-    for name, fn, sig, cx, div, libs in _table(arch):
+    for name, fn, sig, cx, div, libs, *launch in _table(arch):
         if names is not None and name not in names:
             continue
-        k = compile_kernel(fn, sig, cx, div, arch=arch, extern_libs=libs)
+        warps = launch[0]["num_warps"] if launch else 4  # the fused head's rows carry their launch
+        k = compile_kernel(fn, sig, cx, div, arch=arch, num_warps=warps, extern_libs=libs)
         out.append(ptx_stats(name, k.asm["ptx"], k.asm["cubin"]))
     return out
 

@@ -1,7 +1,7 @@
 """A Qwen2/Qwen3/Llama-style decoder over packed variable-length sequences, as pure unit functions.
 
 Units: ``embed`` (token embedding), ``layers.{i}`` (RMSNorm -> GQA attention with RoPE ->
-RMSNorm -> SwiGLU, both residual) and ``head`` (final RMSNorm, LM head, summed cross-entropy).
+RMSNorm -> SwiGLU, both residual) and ``head`` (final RMSNorm, LM head and loss, fused).
 Qwen3's per-head q/k RMSNorm, Llama's o_proj bias and RoPE scalings (``models.rope``) are
 config switches; see docs/models.md.
 Parameter names follow Hugging Face's Qwen2 layout below the unit name, so that
@@ -143,6 +143,21 @@ def linear(x: torch.Tensor, p: dict) -> torch.Tensor:
     return y
 
 
+def causal_attention(q_HxTxK: torch.Tensor, k_GxTxK: torch.Tensor, v_GxTxK: torch.Tensor) -> torch.Tensor:
+    """Causal GQA attention of one sample through a kernel whose memory is O(T), never the
+    T x T scores. SDPA picks flash / memory-efficient kernels only for batched 4-D inputs (3-D
+    ones take the math kernel, O(T^2): 3.1 GB at 8K tokens on CPU). On CPU the flash kernel
+    takes grouped kv heads (``enable_gqa``) in every dtype; on CUDA GQA reaches only flash
+    (fp16/bf16) and math, so other dtypes get kv heads repeated (O(T)) for the memory-efficient
+    kernel."""
+    q, k, v = q_HxTxK[None], k_GxTxK[None], v_GxTxK[None]
+    gqa = q.shape[1] != k.shape[1]
+    if gqa and q.is_cuda and q.dtype not in (torch.float16, torch.bfloat16):
+        rep = q.shape[1] // k.shape[1]  # query head h reads kv head h // rep, as enable_gqa does
+        k, v, gqa = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1), False
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)[0]
+
+
 def attention(p: dict, x_TxD: torch.Tensor, mb: Microbatch, cfg: QwenConfig) -> torch.Tensor:
     hd = cfg.head_dim
     q_HxTxK = rearrange(linear(x_TxD, p["q_proj"]), "t (h k) -> h t k", k=hd)
@@ -153,14 +168,15 @@ def attention(p: dict, x_TxD: torch.Tensor, mb: Microbatch, cfg: QwenConfig) -> 
         k_GxTxK = rms_norm(k_GxTxK, p["k_norm"]["weight"], cfg.rms_eps)
     q_HxTxK = apply_rope(q_HxTxK, mb.positions_T, cfg.rope_theta, cfg.rope_scaling)
     k_GxTxK = apply_rope(k_GxTxK, mb.positions_T, cfg.rope_theta, cfg.rope_scaling)
-    outs = []
     # one causal attention per packed sample: nothing attends across a sample boundary
-    for q, k, v in zip(
-        q_HxTxK.split(mb.seqlens, dim=1),
-        k_GxTxK.split(mb.seqlens, dim=1),
-        v_GxTxK.split(mb.seqlens, dim=1),
-    ):
-        outs.append(F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
+    outs = [
+        causal_attention(q, k, v)
+        for q, k, v in zip(
+            q_HxTxK.split(mb.seqlens, dim=1),
+            k_GxTxK.split(mb.seqlens, dim=1),
+            v_GxTxK.split(mb.seqlens, dim=1),
+        )
+    ]
     o_HxTxK = torch.cat(outs, dim=1)
     return linear(rearrange(o_HxTxK, "h t k -> t (h k)"), p["o_proj"])
 
@@ -179,14 +195,11 @@ def block_fwd(p: dict, x_TxD: torch.Tensor, mb: Microbatch, *, cfg: QwenConfig) 
 
 
 def head_fwd(p: dict, x_TxD: torch.Tensor, mb: Microbatch, *, cfg: QwenConfig) -> torch.Tensor:
-    """Summed cross-entropy over the microbatch's loss tokens (fp32 logits). Tied: the LM head
-    is the embedding matrix (``p["embed"]``, the used unit's subtree)."""
+    """The final norm, then the loss seam (``odcfn.losses.head_stats``: the fused head, never a
+    T×V tensor). Tied: the LM head is the embedding matrix (``p["embed"]``, the used unit's
+    subtree)."""
     w_VxD = p["embed"]["embed_tokens"]["weight"] if cfg.tie_embeddings else p["lm_head"]["weight"]
-    logits_TxV = F.linear(rms_norm(x_TxD, p["norm"]["weight"], cfg.rms_eps), w_VxD).float()
-    if mb.loss is not None:  # the loss seam: weighted per-token loss and its metrics (odcfn.losses)
-        return head_stats(logits_TxV, mb)
-    nll_T = F.cross_entropy(logits_TxV, mb.labels_T, reduction="none")
-    return (nll_T * mb.loss_mask_T).sum()
+    return head_stats(rms_norm(x_TxD, p["norm"]["weight"], cfg.rms_eps), w_VxD, mb)
 
 
 def qwen_model(cfg: QwenConfig, *, dtype: torch.dtype = torch.float32) -> Model:

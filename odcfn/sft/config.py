@@ -113,6 +113,7 @@ class TrainSection:
     balance: str | None = None  # None: "lb_mini" for ODC, "lb_micro" for collective
     max_tokens_per_microbatch: int | None = None
     compute_dtype: str = "float32"
+    remat: bool = False  # recompute every unit in its backward (StepConfig.remat): O(T) activations
     world_size: int | None = None  # None: default_world_size(), the local ranks that fit
     backend: str = "threads"
     timeout: float = 120.0
@@ -307,8 +308,11 @@ def model_config(cfg: SFTConfig) -> Any:
     return QwenConfig(**{f.name: getattr(m, f.name) for f in fields(QwenConfig) if hasattr(m, f.name)})
 
 
-# what may change when a run resumes: how long, on how many ranks, how it logs and checkpoints
-_RESUMABLE = {"train.steps", "train.world_size", "train.backend", "train.timeout", "train.max_restarts"}
+# what may change when a run resumes: how long, on how many ranks, how it logs and checkpoints,
+# whether it recomputes activations (the same math)
+_RESUMABLE = {
+    "train.steps", "train.world_size", "train.backend", "train.timeout", "train.max_restarts", "train.remat"
+}
 _RESUMABLE_SECTIONS = {"log", "checkpoint"}
 
 

@@ -32,6 +32,7 @@ Config (TOML or JSON), every key optional except ``data.path`` and ``train.steps
     world_size = one per CPU core up to 4, backend = "threads" | "processes"
     deterministic = false  # bit-identical reruns/restarts (StepConfig.deterministic)
     max_restarts = 0       # processes backend: restart all ranks after a failure (as torchrun)
+    remat = false          # true: recompute every unit in its backward (O(T) activations)
     [checkpoint]
     every = 100, keep = 3, export_hf = "path"  # (and after the last step); HF copy of the final weights
     async_save = true      # disk checkpoints written in the background
@@ -158,7 +159,7 @@ def _setup(cfg: SFTConfig, rank: int, transport, data: PreparedData | None = Non
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[t.compute_dtype]
     step_config = odcfn.StepConfig(
         comm=t.comm, balance=t.balance, max_tokens_per_microbatch=t.max_tokens_per_microbatch,
-        compute_dtype=dtype, max_grad_norm=t.max_grad_norm, deterministic=t.deterministic,
+        compute_dtype=dtype, max_grad_norm=t.max_grad_norm, deterministic=t.deterministic, remat=t.remat,
     )
     start, resumed = 0, None
     data_sha = sha256(Path(cfg.data.path))

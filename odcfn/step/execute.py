@@ -43,7 +43,7 @@ __all__ = ["ExecResult", "execute"]
 
 @dataclass
 class ExecResult:
-    loss_sum: float  # global, after the sync (with a loss object: the weighted, i.e. final, loss)
+    loss_sum: float  # global, after the sync: the weighted, i.e. final, loss
     grad_norm: float  # global L2 norm of the unclipped gradient of the normalised loss
     events: list[Event] = field(default_factory=list)
     riders: torch.Tensor | None = None  # the summed extra stats the caller had ride the sync
@@ -67,7 +67,7 @@ class Executor:
         transport: Transport,
         compute_dtype: torch.dtype,
         device: torch.device,
-        loss: Any = None,
+        loss: Any,
     ) -> None:
         self.model, self.layout, self.batch = model, layout, batch
         self.t, self.dtype, self.device = transport, compute_dtype, device
@@ -94,12 +94,11 @@ class Executor:
         # unit -> gradient of its uses by later units (tied weights), added to its own backward's
         self.shared: dict[str, torch.Tensor] = {}
         # a loss object (odcfn.losses): the head returns [weighted loss, metric sums...], the
-        # weights (from the whole minibatch) already normalise it; None: the summed token loss
+        # weights (from the whole minibatch) already normalise it
         self.loss = loss
-        self.weights = None if loss is None else loss.weights(batch)
+        self.weights = loss.weights(batch)
         n = 1 + len(getattr(loss, "metric_names", ()))
-        self.loss_sum = torch.zeros(n if loss is not None else (), dtype=torch.float64, device=device)
-        self.scale = 1.0 if loss is not None else 1.0 / batch.num_loss_tokens
+        self.loss_sum = torch.zeros(n, dtype=torch.float64, device=device)
         # deterministic mode: this rank's gradient sums (fp32, padded full), pushed in rank order
         self.local: dict[str, torch.Tensor] | None = None
 
@@ -196,9 +195,8 @@ class Executor:
                 self._wait(u)
         gy = self.grad_out.pop(mb, None)
         if gy is None:
-            gy = torch.full_like(y, self.scale)
-            if y.dim():  # [loss, metrics...]: only the loss is differentiated
-                gy[1:] = 0.0
+            gy = torch.zeros_like(y)  # [loss, metrics...]: only the loss is differentiated
+            gy[0] = 1.0
         own = s.unit not in self.frozen
         trained_uses = [(v, f) for v, f in zip(s.uses, used) if v not in self.frozen]
         inputs = ([flat] if own else []) + [f for _, f in trained_uses]
@@ -358,7 +356,7 @@ def execute(
     comm: str = "odc",
     device: torch.device | str = "cpu",
     riders: torch.Tensor | None = None,
-    loss: Any = None,
+    loss: Any,
     deterministic: bool = False,
 ) -> tuple[ExecResult, Plan]:
     """Run a rank's program (``odcfn.schedule.policy.prepare_program``: a static plan is one
@@ -383,7 +381,7 @@ def execute(
     if stats is None:
         raise ValueError("the program has no Sync step")
     plan = assemble_plan(ex.rank, comm, model.unit_names, ran)
-    m = len(getattr(loss, "metric_names", ())) if loss is not None else 0
+    m = len(loss.metric_names)
     extra = tuple(float(x) for x in stats[2:2 + m])
     result = ExecResult(float(stats[0]), float(stats[1].clamp_min(0).sqrt()), events, stats[2 + m:], extra)
     return result, plan

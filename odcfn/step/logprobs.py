@@ -58,17 +58,21 @@ class _ForwardOnly(Executor):
 
 
 def log_probs(
-    state: TrainState, batch: Batch, *, temperature: float = 1.0, entropy: bool = False
+    state: TrainState, batch: Batch, *, temperature: float = 1.0, entropy: bool = False, head: str = "fused"
 ) -> tuple[torch.Tensor, ...] | tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
-    """Every sample's per-token log-prob of its own next tokens (``len - 1`` values, fp32; the
-    value at ``t`` is the log-prob of token ``t + 1``), on every rank. With ``entropy=True``:
-    ``(log_probs, entropies)``, the entropy of each position's next-token distribution.
+    """Every sample's per-token log-probs (fp32, on every rank), aligned like ``Sample.extras``
+    and ``loss_mask``: one value per token, ``[t]`` the log-prob of token ``t`` given tokens
+    ``< t``, ``[0] = 0`` (nothing predicts the first token). So the result goes straight back as
+    ``extras["old_logprobs"]`` / ``["ref_logprobs"]``. With ``entropy=True``:
+    ``(log_probs, entropies)``, ``[t]`` the entropy of the distribution token ``t`` was drawn
+    from (``[0] = 0``). The head is fused: no T×V tensor at any vocabulary (``head="unfused"``:
+    the full-logits reference).
 
     Balanced like ``state.config`` says (work stealing falls back to LB-Mini's static lists; the
     forward-only cost is the training cost scaled, so the same partition); exactly one sync.
     """
     layout = check_inputs(state, batch)
-    head = LogProbs(temperature=temperature, entropy=entropy)  # checks temperature
+    head = LogProbs(temperature=temperature, entropy=entropy, head=head)  # checks temperature
     cfg, model, transport, mesh = state.config, state.model, state.transport, state.mesh
     cap = cfg.max_tokens_per_microbatch or max(batch.lengths)
     info = policy_info(cfg.balance)
@@ -80,9 +84,8 @@ def log_probs(
     dtype = cfg.compute_dtype or model.dtype
     device = next(iter(state.params.values())).device
     k = 2 if entropy else 1
-    sizes = [n - 1 for n in batch.lengths]
     offsets = [0]
-    for n in sizes:
+    for n in batch.lengths:
         offsets.append(offsets[-1] + n)
 
     transport.begin_step(layout, state.params, dtype)
@@ -95,7 +98,7 @@ def log_probs(
     for mb, y in ex.head_out.items():
         at = 0
         for i, n in zip(plan.microbatches[mb], ex.packed[mb].seqlens):
-            out[:, offsets[i]: offsets[i + 1]] = y[:, at: at + n - 1].double()
+            out[:, offsets[i] + 1: offsets[i + 1]] = y[:, at: at + n - 1].double()  # [0] stays 0
             at += n
     transport.flush()
     total = transport.sync(out.reshape(-1)).view(k, -1).float()

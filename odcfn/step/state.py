@@ -17,7 +17,7 @@ import torch
 
 from odcfn._check import check_int, check_number
 from odcfn.kernels.base import Counters, Transport
-from odcfn.losses import check_loss
+from odcfn.losses import check_loss, cross_entropy
 from odcfn.model import Model, check_params
 from odcfn.optim import Optimizer
 from odcfn.schedule.cost import CostModel
@@ -42,9 +42,12 @@ class StepConfig:
     longest sample of each minibatch). ``compute_dtype``: what gathers deliver and units compute
     in (master shards and accumulators stay fp32). ``max_grad_norm``: clip by the global norm the
     one sync carries. ``cost``: the cost model balancers use. ``loss``: the per-token loss the
-    head unit applies (None: token cross-entropy). ``nonfinite``: a minibatch whose loss or
-    gradient norm is NaN/inf raises ``FloatingPointError`` on every rank ("raise"), or is skipped
-    ("skip": params, optimizer state and step unchanged, ``metrics.extra["skipped_nonfinite"]``).
+    head unit applies (default ``cross_entropy()``; None means the same). ``nonfinite``: a
+    minibatch whose loss or gradient norm is NaN/inf raises ``FloatingPointError`` on every rank
+    ("raise"), or is skipped ("skip": params, optimizer state and step unchanged,
+    ``metrics.extra["skipped_nonfinite"]``). ``remat``: True recomputes every unit's forward
+    inside its backward (only each unit's input is kept between them: activation memory O(T)
+    per unit, about 1/3 more compute); ``options.remat`` names units one by one instead.
     ``deterministic``: ODC gradients reduced in a fixed order, so equal inputs give bit-identical
     results run after run (restarts, debugging): each rank sums its microbatches' gradients
     locally (an unsharded fp32 gradient per rank: memory), then the ranks push their sums into
@@ -60,9 +63,10 @@ class StepConfig:
     compute_dtype: torch.dtype | None = None
     max_grad_norm: float | None = None
     cost: CostModel | None = None
-    loss: Any = None
+    loss: Any = field(default_factory=cross_entropy)
     nonfinite: str = "raise"
     deterministic: bool = False
+    remat: bool = False
 
     def __post_init__(self) -> None:
         if self.comm not in ("odc", "collective"):
@@ -83,6 +87,11 @@ class StepConfig:
         check_number(self.max_grad_norm, "StepConfig.max_grad_norm", positive=True, none_ok=True)
         if self.nonfinite not in ("raise", "skip"):
             raise ValueError(f"StepConfig.nonfinite must be 'raise' or 'skip', got {self.nonfinite!r}")
+        if not isinstance(self.remat, bool):
+            got = f"{type(self.remat).__name__} {self.remat!r}"
+            raise TypeError(f"StepConfig.remat must be a bool (True: every unit), got {got}")
+        if self.loss is None:  # the one place None means anything: the default loss
+            object.__setattr__(self, "loss", cross_entropy())
         if not isinstance(self.deterministic, bool):
             got = type(self.deterministic).__name__
             raise TypeError(f"StepConfig.deterministic must be a bool, got {got}")
@@ -91,8 +100,7 @@ class StepConfig:
                 "StepConfig(deterministic=True) cannot use work stealing: which rank runs which "
                 "microbatch is decided at run time, so the summation order is not fixed"
             )
-        if self.loss is not None:
-            check_loss(self.loss)  # a TypeError naming what a non-loss lacks, at construction
+        check_loss(self.loss)  # a TypeError naming what a non-loss lacks, at construction
         if self.cost is not None and not callable(self.cost):
             raise TypeError(
                 f"StepConfig.cost must be a cost model (length -> cost), got {type(self.cost).__name__}"

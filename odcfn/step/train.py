@@ -54,9 +54,12 @@ def check_inputs(state: TrainState, batch: Batch) -> Layout:
     return layout
 
 
-def schedule_options(options: ScheduleOptions | None, model: Model) -> ScheduleOptions:
-    """The schedule options with the model's tied-weight uses, which the plan must gather."""
+def schedule_options(options: ScheduleOptions | None, model: Model, remat: bool = False) -> ScheduleOptions:
+    """The schedule options with the model's tied-weight uses, which the plan must gather, and
+    every unit rematerialised when ``remat`` (``StepConfig.remat``)."""
     options = options or ScheduleOptions()
+    if remat:
+        options = replace(options, remat=frozenset(model.unit_names))
     if options.uses and options.uses != model.uses:
         raise ValueError(f"ScheduleOptions.uses={options.uses} differs from the model's {model.uses}")
     if options.frozen and options.frozen != frozenset(model.frozen):
@@ -105,14 +108,13 @@ def _grads(state: TrainState, batch: Batch) -> tuple[dict[str, torch.Tensor], St
     t0 = time.perf_counter()
     layout = check_inputs(state, batch)
     cfg, model, transport, mesh = state.config, state.model, state.transport, state.mesh
-    if cfg.loss is not None:  # the extras the loss needs, on every rank, before any communication
-        check_loss(cfg.loss).validate(batch)
+    check_loss(cfg.loss).validate(batch)  # the extras it needs, on every rank, before any communication
     cap = cfg.max_tokens_per_microbatch or max(batch.lengths)
     seen: list = []
     program = prepare_program(
         _recording(cfg.balance, seen), batch.lengths, units=model.unit_names, world_size=mesh.world_size,
         rank=mesh.rank,
-        max_tokens=cap, comm=cfg.comm, options=schedule_options(cfg.options, model), cost=cfg.cost,
+        max_tokens=cap, comm=cfg.comm, options=schedule_options(cfg.options, model, cfg.remat), cost=cfg.cost,
         fetch_add=getattr(transport, "fetch_add", None),
         max_counters=getattr(transport, "max_counters", None),
     )
@@ -136,7 +138,7 @@ def _grads(state: TrainState, batch: Batch) -> tuple[dict[str, torch.Tensor], St
             "StepConfig(nonfinite='skip') skips such steps instead)"
         )
     metrics = StepMetrics(
-        loss=result.loss_sum if cfg.loss is not None else result.loss_sum / batch.num_loss_tokens,
+        loss=result.loss_sum,
         grad_norm=result.grad_norm,
         num_samples=len(batch),
         num_tokens=sum(batch.lengths),

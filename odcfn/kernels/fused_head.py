@@ -1,0 +1,348 @@
+"""A linear head that never holds T×V: per-token log-probs (and entropies) of the targets.
+
+For hidden states ``h`` (after the final norm), head weight ``W`` (V×D; tied: the embedding
+matrix), temperature ``τ`` and logits ``z = h Wᵀ / τ``:
+
+    logp_t = z_{t,y_t} − lse_t          H_t = lse_t − Σ_v p_{t,v} z_{t,v}
+
+The forward walks tiles of ``token_chunk`` tokens × ``vocab_chunk`` vocabulary entries keeping,
+per token, a running max ``m``, ``s = Σ e^{z−m}`` and ``u = Σ e^{z−m}(z−m)`` (so
+``H = log s − u/s``: two non-negative terms, no cancellation) plus the target's logit. It saves
+only O(T) things (h, labels, lse, H). The backward recomputes each tile's logits:
+
+    dz = g_logp·(onehot − p) − g_H·p·(log p + H);   dh += dz W / τ;   dW += dzᵀ h / τ
+
+with dW accumulated into ONE fp32 V×D buffer, slice by slice. Peak extra memory is a few
+``token_chunk × vocab_chunk`` fp32 tiles. Math is fp32 whatever the compute dtype (bf16 GEMMs
+produce bf16 logits that are widened, as the unfused ``F.linear(...).float()`` does).
+
+Labels equal to ``IGNORE`` (-100) are not targets: their logp and entropy are 0 and they get no
+gradient (their rows are skipped entirely, which is what makes RL prompts cost nothing here).
+
+``head_forward`` / ``head_backward`` are the torch path (CPU, and the reference for the Triton
+kernel in ``fused_head_triton``, which has the same two signatures and is used on CUDA when it
+imports). ``fused_head`` is the differentiable op; ``unfused_head`` the full-logits reference
+head (O(T×V): for comparison and for losses that ask for logits).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "IGNORE",
+    "check_chunk",
+    "check_temperature",
+    "default_chunks",
+    "fused_head",
+    "head_backward",
+    "head_forward",
+    "unfused_head",
+]
+
+IGNORE = -100
+# fp32 elements of one logits tile (32 MiB; a few live at once): big enough that the tile GEMMs
+# run at the full-matrix rate on the CPUs this was tuned on, small against any T×V
+_TILE_ELEMS = 1 << 23
+_VOCAB_CHUNK = 8192
+
+
+def check_temperature(temperature: object, name: str = "temperature") -> float:
+    t = temperature
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < math.inf:
+        raise ValueError(f"{name} must be > 0 (a finite number), got {t!r}")
+    return float(t)
+
+
+def check_chunk(chunk: object, name: str) -> int | None:
+    if chunk is None:
+        return None
+    if isinstance(chunk, bool) or not isinstance(chunk, int):
+        raise TypeError(f"{name} must be an int >= 1 or None, got {type(chunk).__name__}")
+    if chunk < 1:
+        raise ValueError(f"{name} must be >= 1, got {chunk}")
+    return chunk
+
+
+def default_chunks(T: int, V: int) -> tuple[int, int]:
+    """``(token_chunk, vocab_chunk)`` from the shapes: the whole vocabulary per tile when it is
+    small (no running rescale), else ``_VOCAB_CHUNK``-entry slices; tiles of ``_TILE_ELEMS``."""
+    vc = V if V <= 2 * _VOCAB_CHUNK else _VOCAB_CHUNK
+    return max(1, min(T, _TILE_ELEMS // vc)), vc
+
+
+def _check_labels(labels_T: torch.Tensor, T: int, V: int) -> None:
+    if not isinstance(labels_T, torch.Tensor) or labels_T.dtype != torch.int64 or labels_T.shape != (T,):
+        is_t = isinstance(labels_T, torch.Tensor)
+        got = f"{tuple(labels_T.shape)} {labels_T.dtype}" if is_t else type(labels_T).__name__
+        raise ValueError(f"labels_T must be an int64 tensor of shape ({T},), got {got}")
+    if T:
+        lo, hi = int(labels_T.min()), int(labels_T.max())
+        bad = (lo < 0 and (lo != IGNORE or int(labels_T[labels_T < 0].max()) != IGNORE)) or hi >= V
+        if bad:
+            raise ValueError(
+                f"labels_T must lie in [0, vocab_size={V}) or equal {IGNORE} (not a target); "
+                f"got values in [{lo}, {hi}]"
+            )
+
+
+def _rows(labels_T: torch.Tensor) -> torch.Tensor | None:
+    """Indices of the target rows, or None when every row is a target."""
+    keep_T = labels_T != IGNORE
+    return None if bool(keep_T.all()) else keep_T.nonzero().squeeze(1)
+
+
+def _chunks(T: int, V: int, token_chunk: int | None, vocab_chunk: int | None) -> tuple[int, int]:
+    tc, vc = default_chunks(T, V)
+    return token_chunk or tc, min(vocab_chunk or vc, V)
+
+
+@torch.no_grad()
+def head_forward(
+    h_TxD: torch.Tensor,
+    w_VxD: torch.Tensor,
+    labels_T: torch.Tensor,
+    temperature: float,
+    want_entropy: bool,
+    *,
+    token_chunk: int | None = None,
+    vocab_chunk: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """``(logp_T, entropy_T or None, lse_T)``, fp32; 0 (lse: 0) where the label is IGNORE."""
+    T, V = h_TxD.shape[0], w_VxD.shape[0]
+    logp_T = torch.zeros(T, dtype=torch.float32, device=h_TxD.device)
+    ent_T = torch.zeros_like(logp_T) if want_entropy else None
+    lse_T = torch.zeros_like(logp_T)
+    rows = _rows(labels_T)
+    h, y = (h_TxD, labels_T) if rows is None else (h_TxD[rows], labels_T[rows])
+    n = h.shape[0]
+    tc, vc = _chunks(n, V, token_chunk, vocab_chunk)
+    inv_tau = 1.0 / temperature
+    lp_parts, ent_parts, lse_parts = [], [], []
+    for t0 in range(0, n, tc):
+        hc, yc = h[t0: t0 + tc], y[t0: t0 + tc]
+        m = s = u = None
+        tgt = torch.empty(hc.shape[0], dtype=torch.float32, device=h.device)
+        for v0 in range(0, V, vc):
+            z = F.linear(hc, w_VxD[v0: v0 + vc]).float()
+            if inv_tau != 1.0:
+                z.mul_(inv_tau)
+            inside = (yc >= v0) & (yc < v0 + z.shape[1])
+            if bool(inside.any()):
+                r = inside.nonzero().squeeze(1)
+                tgt[r] = z[r, yc[r] - v0]
+            mc = z.amax(1)
+            m_new = mc if m is None else torch.maximum(m, mc)
+            z.sub_(m_new[:, None])  # z - m <= 0
+            e = z.exp()
+            sc = e.sum(1)
+            uc = torch.linalg.vecdot(e, z) if want_entropy else None
+            del e, z
+            if m is None:
+                s, u = sc, uc
+            else:
+                d = m - m_new  # <= 0: the old sums re-expressed against the new max
+                a = d.exp()
+                if want_entropy:  # sum e^(z-m')(z-m') = a * (u + d * s) over the old entries
+                    u = a * (u + d * s) + uc
+                s = s * a + sc
+            m = m_new
+        log_s = s.log()
+        lse_parts.append(m + log_s)
+        lp_parts.append((tgt - m) - log_s)
+        if want_entropy:
+            ent_parts.append(log_s - u / s)
+    if n:
+        idx = slice(None) if rows is None else rows
+        logp_T[idx] = torch.cat(lp_parts)
+        lse_T[idx] = torch.cat(lse_parts)
+        if want_entropy:
+            ent_T[idx] = torch.cat(ent_parts)
+    return logp_T, ent_T, lse_T
+
+
+@torch.no_grad()
+def head_backward(
+    h_TxD: torch.Tensor,
+    w_VxD: torch.Tensor,
+    labels_T: torch.Tensor,
+    lse_T: torch.Tensor,
+    entropy_T: torch.Tensor | None,
+    g_logp_T: torch.Tensor,
+    g_entropy_T: torch.Tensor | None,
+    temperature: float,
+    *,
+    token_chunk: int | None = None,
+    vocab_chunk: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(dh_TxD in h's dtype, dw_VxD fp32)``: the gradients of ``Σ g_logp·logp + Σ g_H·H``.
+    ``entropy_T``/``g_entropy_T`` may be None (no entropy term)."""
+    V = w_VxD.shape[0]
+    dh_TxD = torch.zeros_like(h_TxD)
+    dw_VxD = torch.zeros(w_VxD.shape, dtype=torch.float32, device=w_VxD.device)
+    with_h = entropy_T is not None and g_entropy_T is not None
+    rows = _rows(labels_T)
+    pick = (lambda x: x) if rows is None else (lambda x: x[rows])
+    h, y, lse = pick(h_TxD), pick(labels_T), pick(lse_T)
+    inv_tau = 1.0 / temperature
+    # dz is linear in the upstream gradients: fold the 1/τ of dh and dW into them
+    gl = pick(g_logp_T).float() * inv_tau
+    gH, H = (pick(g_entropy_T).float() * inv_tau, pick(entropy_T)) if with_h else (None, None)
+    n = h.shape[0]
+    tc, vc = _chunks(n, V, token_chunk, vocab_chunk)
+    fp32 = w_VxD.dtype == torch.float32
+    dh_parts = []
+    for t0 in range(0, n, tc):
+        t1 = min(n, t0 + tc)
+        hc, yc, glc = h[t0:t1], y[t0:t1], gl[t0:t1]
+        hc32 = hc if fp32 else hc.float()
+        dh_c = torch.zeros(t1 - t0, h.shape[1], dtype=torch.float32, device=h.device)
+        for v0 in range(0, V, vc):
+            wv = w_VxD[v0: v0 + vc]
+            z = F.linear(hc, wv).float()
+            if inv_tau != 1.0:
+                z.mul_(inv_tau)
+            z.sub_(lse[t0:t1, None])  # log p
+            p = z.exp()
+            if with_h:  # dz = -p * (gl + gH * (log p + H)) + gl * onehot
+                coef = z.add_(H[t0:t1, None]).mul_(gH[t0:t1, None]).add_(glc[:, None])
+                dz = p.mul_(coef).neg_()
+            else:
+                dz = p.mul_(glc[:, None].neg())
+            del z
+            inside = (yc >= v0) & (yc < v0 + wv.shape[0])
+            if bool(inside.any()):
+                r = inside.nonzero().squeeze(1)
+                dz[r, yc[r] - v0] += glc[r]
+            if fp32:
+                dh_c.addmm_(dz, wv)
+                dw_VxD[v0: v0 + vc].addmm_(dz.T, hc32)
+            else:  # bf16 GEMM for dh (as autograd's unfused backward), fp32 for dW's accumulation
+                dh_c.add_(dz.to(wv.dtype) @ wv)
+                dw_VxD[v0: v0 + vc].addmm_(dz.T, hc32)
+        dh_parts.append(dh_c)
+    if n:
+        dh = torch.cat(dh_parts).to(h_TxD.dtype)
+        if rows is None:
+            dh_TxD = dh
+        else:
+            dh_TxD[rows] = dh
+    return dh_TxD, dw_VxD
+
+
+def _triton():
+    """The Triton kernel's two functions, or None where it cannot serve (no module, no CUDA)."""
+    try:
+        from odcfn.kernels import fused_head_triton as k
+    except Exception:  # not built here (CPU), or triton missing: the torch path serves
+        return None
+    return k
+
+
+class _FusedHead(torch.autograd.Function):
+    """``(logp_T, entropy_T (empty without entropy), lse_T)``; lse is not differentiable. Written
+    with ``setup_context`` so that ``torch.func`` transforms (the reference's ``grad``) work."""
+
+    @staticmethod
+    def forward(h_TxD, w_VxD, labels_T, temperature, want_entropy, token_chunk, vocab_chunk):
+        kern = _triton() if h_TxD.is_cuda else None
+        if kern is not None:
+            logp, ent, lse = kern.triton_head_forward(h_TxD, w_VxD, labels_T, temperature, want_entropy)
+        else:
+            logp, ent, lse = head_forward(h_TxD, w_VxD, labels_T, temperature, want_entropy,
+                                          token_chunk=token_chunk, vocab_chunk=vocab_chunk)
+        return logp, ent if want_entropy else logp.new_zeros(0), lse
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        h_TxD, w_VxD, labels_T, temperature, want_entropy, token_chunk, vocab_chunk = inputs
+        _, ent, lse = output
+        ctx.save_for_backward(h_TxD, w_VxD, labels_T, lse, ent if want_entropy else None)
+        ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)  # an unused entropy costs nothing in backward
+        ctx.args = (temperature, token_chunk, vocab_chunk)
+
+    @staticmethod
+    def backward(ctx, g_logp, g_ent, _g_lse):
+        h, w, labels, lse, ent = ctx.saved_tensors
+        temperature, tc, vc = ctx.args
+        if g_logp is None:
+            g_logp = torch.zeros_like(lse)
+        if ent is None:
+            g_ent = None
+        kern = _triton() if h.is_cuda else None
+        if kern is not None:
+            dh, dw = kern.triton_head_backward(h, w, labels, lse, ent, g_logp, g_ent, temperature)
+        else:
+            dh, dw = head_backward(h, w, labels, lse, ent, g_logp, g_ent, temperature,
+                                   token_chunk=tc, vocab_chunk=vc)
+        dh = dh if ctx.needs_input_grad[0] else None
+        dw = dw.to(w.dtype) if ctx.needs_input_grad[1] else None
+        return dh, dw, None, None, None, None, None
+
+
+def _check(h_TxD, w_VxD, labels_T, temperature, token_chunk, vocab_chunk) -> float:
+    for name, x in (("h_TxD", h_TxD), ("w_VxD", w_VxD)):
+        if not isinstance(x, torch.Tensor) or x.dim() != 2 or not x.is_floating_point():
+            raise ValueError(f"{name} must be a 2-D floating tensor, got {getattr(x, 'shape', type(x))}")
+    if h_TxD.shape[1] != w_VxD.shape[1] or h_TxD.dtype != w_VxD.dtype:
+        raise ValueError(
+            f"h_TxD {tuple(h_TxD.shape)} {h_TxD.dtype} and w_VxD {tuple(w_VxD.shape)} {w_VxD.dtype} "
+            "must share the hidden size and dtype"
+        )
+    check_chunk(token_chunk, "token_chunk")
+    check_chunk(vocab_chunk, "vocab_chunk")
+    _check_labels(labels_T, h_TxD.shape[0], w_VxD.shape[0])
+    return check_temperature(temperature)
+
+
+def fused_head(
+    h_TxD: torch.Tensor,
+    w_VxD: torch.Tensor,
+    labels_T: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    entropy: bool = False,
+    token_chunk: int | None = None,
+    vocab_chunk: int | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Differentiable ``logp_T`` (and ``entropy_T`` with ``entropy=True``), fp32, of the targets
+    ``labels_T`` (IGNORE: not a target, 0) under logits ``h Wᵀ / temperature``, never holding T×V.
+    Chunks: None chooses from the shapes (``default_chunks``)."""
+    t = _check(h_TxD, w_VxD, labels_T, temperature, token_chunk, vocab_chunk)
+    if not torch.is_grad_enabled() or not (h_TxD.requires_grad or w_VxD.requires_grad):
+        kern = _triton() if h_TxD.is_cuda else None
+        if kern is not None:
+            logp, ent, _ = kern.triton_head_forward(h_TxD, w_VxD, labels_T, t, entropy)
+        else:
+            logp, ent, _ = head_forward(h_TxD, w_VxD, labels_T, t, entropy,
+                                        token_chunk=token_chunk, vocab_chunk=vocab_chunk)
+        return (logp, ent) if entropy else logp
+    logp, ent, _ = _FusedHead.apply(h_TxD, w_VxD, labels_T, t, bool(entropy), token_chunk, vocab_chunk)
+    return (logp, ent) if entropy else logp
+
+
+def unfused_head(
+    h_TxD: torch.Tensor,
+    w_VxD: torch.Tensor,
+    labels_T: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    entropy: bool = False,
+    logits: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """The reference head through full fp32 logits (O(T×V) memory, plain autograd):
+    ``(logp_T, entropy_T or None, logits_TxV or None)``, IGNORE rows 0 like ``fused_head``."""
+    t = _check(h_TxD, w_VxD, labels_T, temperature, None, None)
+    z_TxV = F.linear(h_TxD, w_VxD).float()
+    if t != 1.0:
+        z_TxV = z_TxV / t
+    logp_T = -F.cross_entropy(z_TxV, labels_T, reduction="none", ignore_index=IGNORE)
+    ent_T = None
+    if entropy:
+        logq = z_TxV.log_softmax(-1)
+        ent_T = -(logq.exp() * logq).sum(-1) * (labels_T != IGNORE)
+    return logp_T, ent_T, z_TxV if logits else None

@@ -1,0 +1,336 @@
+"""The fused linear head as Triton kernels: per-token log-probs, entropies and their gradients
+without a T×V tensor (the GPU path of ``odcfn.kernels.fused_head``; same contract).
+
+For hidden states ``h`` (T×D), head weight ``W`` (V×D), temperature ``τ``, logits
+``z = h Wᵀ / τ``: ``logp_t = z_{t,y_t} − lse_t`` and ``H_t = lse_t − Σ_v p_{t,v} z_{t,v}``.
+
+Forward (``_head_fwd_kernel``): a program owns ``BLOCK_T`` tokens and one of ``splits`` slices
+of the vocabulary; it walks its slice in ``BLOCK_V`` tiles, each tile's logits a ``tl.dot``
+over ``BLOCK_D`` pieces of D, keeping per token a running max ``m``, ``s = Σ e^{z−m}``,
+``u = Σ e^{z−m}(z−m)`` and the target's logit. The slices' partial sums are combined in torch
+(O(T × splits)). Splitting the vocabulary lets a short sequence (T=2K: 32 token blocks) still
+fill every SM; one slice per program would leave most of an H200 idle.
+
+Backward (``_head_bwd_kernel``): a program owns one ``BLOCK_T × BLOCK_V`` tile: it recomputes
+the tile's logits, forms ``dz = g_logp·(onehot − p) − g_H·p·(log p + H)`` (``1/τ`` folded into
+the upstream gradients) and adds ``dz W`` into an fp32 T×D buffer and ``dzᵀ h`` into ONE fp32
+V×D buffer with atomic adds, D piece by D piece. Why atomics: a program that owned whole rows
+of dW would have to keep ``BLOCK_V × D`` fp32 accumulators (D up to 8192) or recompute the
+logits once per D piece; a split-and-reduce would need one fp32 V×D buffer per split (0.5 GiB
+each at V=151,936, D=896). Atomic adds keep one buffer and recompute each tile once — Apple's
+Cut Cross-Entropy makes the same choice. Programs are ordered token-block fastest, so the
+programs in flight share a vocabulary tile of W (read from memory once, then from L2). The
+price: the summation order of dW/dh varies run to run (fp32 rounding only).
+
+Labels equal to -100 are not targets: their rows are dropped before the kernels (logp, entropy
+and lse 0, no gradient). fp32 inputs use full-precision dots (``ieee``, as torch's fp32 GEMMs
+when TF32 is off); bf16/fp16 inputs use tensor-core dots with fp32 accumulation, ``dz`` cast to
+the input dtype for the two gradient dots (what autograd's unfused bf16 backward does).
+
+Importing this module needs ``triton``. The launchers take CUDA tensors, or CPU tensors when
+``TRITON_INTERPRET=1`` was set before triton was imported (how the CPU tests run them).
+Not yet run on GPU hardware: compiled for sm_90 in the tests, correct under the interpreter.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["interpreting", "triton_head_backward", "triton_head_forward"]
+
+IGNORE = -100
+# the running max before any logit: finite, so exp(m_old - m_new) * s is 0, not NaN
+_NEG = tl.constexpr(-1.0e30)
+# tiles for the compiled kernels, by (kernel, 16-bit inputs?). 16-bit: a 64 x 128 fp32 logit tile
+# on tensor cores (the backward holds dz beside it, so thinner D pieces and 8 warps); fp32 dots
+# run on FMA units and hold their operands in registers: smaller tiles. Chosen so ptxas spills
+# little on sm_90 (tests/test_fused_head_triton.py reports it); not tuned on hardware yet.
+GPU_BLOCKS = {
+    ("fwd", True): {"block_t": 64, "block_v": 128, "block_d": 64, "num_warps": 4},
+    ("bwd", True): {"block_t": 64, "block_v": 128, "block_d": 32, "num_warps": 8},
+    ("fwd", False): {"block_t": 32, "block_v": 64, "block_d": 32, "num_warps": 4},
+    ("bwd", False): {"block_t": 32, "block_v": 64, "block_d": 16, "num_warps": 4},
+}
+# the interpreter runs a program in ~1-2 ms whatever its size: the smallest tl.dot tiles
+INTERPRETER_BLOCKS = {"block_t": 16, "block_v": 16, "block_d": 16, "num_warps": 1}
+_INTERPRETER_LOCK = threading.Lock()  # the interpreter patches module state while it runs
+
+
+# The kernels call triton builtins only (not tl.sum/tl.max/tl.zeros: those are jit functions
+# of triton's own library, interpreted only if triton was imported while TRITON_INTERPRET=1,
+# which a test session that also compiles kernels cannot promise). The reductions name the
+# library's own combine functions, which the interpreter runs as numpy sums/maxima.
+_sum_combine = tl.standard._sum_combine
+_max_combine = tl.standard._elementwise_max
+
+
+@triton.jit
+def _rowsum(x):
+    return tl.reduce(x, 1, _sum_combine)
+
+
+@triton.jit
+def _rowmax(x):
+    return tl.reduce(x, 1, _max_combine)
+
+
+@triton.jit
+def _head_fwd_kernel(
+    h_ptr, w_ptr, y_ptr, m_ptr, s_ptr, u_ptr, tgt_ptr,
+    T, V, D, v_per_split, inv_tau,
+    BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+    WANT_ENTROPY: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    """Partial (m, s, u, target logit) of BLOCK_T tokens over one vocabulary slice."""
+    pid_t = tl.program_id(0)
+    split = tl.program_id(1)
+    rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_ok = rows < T
+    y = tl.load(y_ptr + rows, mask=row_ok, other=-1)
+    h_row = h_ptr + rows.to(tl.int64)[:, None] * D
+    m = tl.full((BLOCK_T,), _NEG, tl.float32)
+    s = tl.full((BLOCK_T,), 0.0, tl.float32)
+    u = tl.full((BLOCK_T,), 0.0, tl.float32)
+    tgt = tl.full((BLOCK_T,), 0.0, tl.float32)
+    v_lo = split * v_per_split
+    v_hi = tl.minimum(v_lo + v_per_split, V)
+    for v0 in range(v_lo, v_hi, BLOCK_V):
+        cols = v0 + tl.arange(0, BLOCK_V)
+        col_ok = cols < v_hi
+        w_row = w_ptr + cols.to(tl.int64)[:, None] * D
+        acc = tl.full((BLOCK_T, BLOCK_V), 0.0, tl.float32)
+        for d0 in range(0, D, BLOCK_D):
+            ds = d0 + tl.arange(0, BLOCK_D)
+            d_ok = ds < D
+            h = tl.load(h_row + ds[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+            w = tl.load(w_row + ds[None, :], mask=col_ok[:, None] & d_ok[None, :], other=0.0)
+            if UPCAST:
+                h, w = h.to(tl.float32), w.to(tl.float32)
+            acc = tl.dot(h, tl.trans(w), acc, input_precision=PRECISION)
+        z = acc * inv_tau
+        tgt += _rowsum(tl.where(cols[None, :] == y[:, None], z, 0.0))
+        z = tl.where(col_ok[None, :], z, -float("inf"))
+        m_new = tl.maximum(m, _rowmax(z))
+        zc = z - m_new[:, None]  # <= 0; -inf on padding columns
+        e = tl.exp(zc)
+        a = tl.exp(m - m_new)  # old sums re-expressed against the new max
+        if WANT_ENTROPY:
+            u = a * (u + (m - m_new) * s) + _rowsum(e * tl.where(col_ok[None, :], zc, 0.0))
+        s = a * s + _rowsum(e)
+        m = m_new
+    out = split * T + rows
+    tl.store(m_ptr + out, m, mask=row_ok)
+    tl.store(s_ptr + out, s, mask=row_ok)
+    tl.store(tgt_ptr + out, tgt, mask=row_ok)
+    if WANT_ENTROPY:
+        tl.store(u_ptr + out, u, mask=row_ok)
+
+
+@triton.jit
+def _head_bwd_kernel(
+    h_ptr, w_ptr, y_ptr, lse_ptr, ent_ptr, gl_ptr, gh_ptr, dh_ptr, dw_ptr,
+    T, V, D, inv_tau,
+    BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+    WITH_ENTROPY: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    """dh (T×D fp32) and dW (V×D fp32) += this tile's share, by atomic adds. ``gl``/``gh`` are
+    the upstream gradients already multiplied by 1/τ (the logits' scale)."""
+    pid_t = tl.program_id(0)
+    pid_v = tl.program_id(1)
+    rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    row_ok = rows < T
+    col_ok = cols < V
+    h_row = h_ptr + rows.to(tl.int64)[:, None] * D
+    w_row = w_ptr + cols.to(tl.int64)[:, None] * D
+    acc = tl.full((BLOCK_T, BLOCK_V), 0.0, tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        ds = d0 + tl.arange(0, BLOCK_D)
+        d_ok = ds < D
+        h = tl.load(h_row + ds[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        w = tl.load(w_row + ds[None, :], mask=col_ok[:, None] & d_ok[None, :], other=0.0)
+        if UPCAST:
+            h, w = h.to(tl.float32), w.to(tl.float32)
+        acc = tl.dot(h, tl.trans(w), acc, input_precision=PRECISION)
+    y = tl.load(y_ptr + rows, mask=row_ok, other=-1)
+    lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
+    gl = tl.load(gl_ptr + rows, mask=row_ok, other=0.0)
+    logp = acc * inv_tau - lse[:, None]
+    p = tl.exp(logp)
+    if WITH_ENTROPY:
+        ent = tl.load(ent_ptr + rows, mask=row_ok, other=0.0)
+        gh = tl.load(gh_ptr + rows, mask=row_ok, other=0.0)
+        dz = -p * (gl[:, None] + gh[:, None] * (logp + ent[:, None]))
+    else:
+        dz = -p * gl[:, None]
+    dz += tl.where(cols[None, :] == y[:, None], gl[:, None], 0.0)
+    dz = tl.where(row_ok[:, None] & col_ok[None, :], dz, 0.0)
+    dz_c = dz.to(h_ptr.dtype.element_ty)  # as autograd's bf16 backward rounds the logits' grad
+    if UPCAST:
+        dz_c = dz_c.to(tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        ds = d0 + tl.arange(0, BLOCK_D)
+        d_ok = ds < D
+        h = tl.load(h_row + ds[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        w = tl.load(w_row + ds[None, :], mask=col_ok[:, None] & d_ok[None, :], other=0.0)
+        if UPCAST:
+            h, w = h.to(tl.float32), w.to(tl.float32)
+        dh = tl.dot(dz_c, w, input_precision=PRECISION)  # BLOCK_T × BLOCK_D
+        tl.atomic_add(dh_ptr + rows.to(tl.int64)[:, None] * D + ds[None, :], dh,
+                      mask=row_ok[:, None] & d_ok[None, :], sem="relaxed")
+        dw = tl.dot(tl.trans(dz_c), h, input_precision=PRECISION)  # BLOCK_V × BLOCK_D
+        tl.atomic_add(dw_ptr + cols.to(tl.int64)[:, None] * D + ds[None, :], dw,
+                      mask=col_ok[:, None] & d_ok[None, :], sem="relaxed")
+
+
+# --- launchers ---------------------------------------------------------------------------------
+
+
+def interpreting() -> bool:
+    """True when the kernels run on the CPU through triton's interpreter."""
+    return type(_head_fwd_kernel).__name__ == "InterpretedFunction"
+
+
+def _blocks(kind: str, dtype: torch.dtype, overrides: dict) -> dict:
+    b = dict(INTERPRETER_BLOCKS if interpreting() else GPU_BLOCKS[kind, dtype != torch.float32])
+    for k, v in overrides.items():
+        if v is not None:
+            b[k] = v
+    return b
+
+
+def _launch(kernel, grid, args: tuple, meta: dict) -> None:
+    if interpreting():
+        meta = {k: v for k, v in meta.items() if k != "num_warps"}
+        with _INTERPRETER_LOCK:
+            kernel[grid](*args, **meta)
+    else:
+        kernel[grid](*args, **meta)
+
+
+def _dot_meta(dtype: torch.dtype) -> dict:
+    """fp32: exact fp32 products (TF32 would cost ~3 decimal digits); 16-bit: tensor cores.
+    The interpreter's ``tl.dot`` mistakes bf16 (stored as uint16) for integers, so there 16-bit
+    tiles are widened first: a bf16 x bf16 product is exact in fp32, so the result is the
+    tensor-core dot's up to the order of the fp32 sums."""
+    up = interpreting() and dtype != torch.float32
+    return {"PRECISION": "ieee" if dtype == torch.float32 or up else None, "UPCAST": up}
+
+
+def _rows(labels_T: torch.Tensor) -> torch.Tensor | None:
+    keep_T = labels_T != IGNORE
+    return None if bool(keep_T.all()) else keep_T.nonzero().squeeze(1)
+
+
+def _splits(n_tblocks: int, n_vblocks: int, device: torch.device) -> int:
+    """Vocabulary slices per token block: about four programs per SM in all."""
+    if device.type != "cuda":
+        return min(n_vblocks, 3)  # the interpreter: a few slices, so the combine is exercised
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(n_vblocks, triton.cdiv(4 * sms, n_tblocks)))
+
+
+@torch.no_grad()
+def triton_head_forward(
+    h_TxD: torch.Tensor,
+    w_VxD: torch.Tensor,
+    labels_T: torch.Tensor,
+    temperature: float,
+    want_entropy: bool,
+    *,
+    splits: int | None = None,
+    block_t: int | None = None,
+    block_v: int | None = None,
+    block_d: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """``(logp_T, entropy_T or None, lse_T)`` fp32, 0 where the label is -100: as
+    ``fused_head.head_forward``. ``splits``/``block_*``: tuning (None: from the shapes)."""
+    T, D = h_TxD.shape
+    V = w_VxD.shape[0]
+    dev = h_TxD.device
+    logp_T = torch.zeros(T, dtype=torch.float32, device=dev)
+    ent_T = torch.zeros_like(logp_T) if want_entropy else None
+    lse_T = torch.zeros_like(logp_T)
+    rows = _rows(labels_T)
+    h, y = (h_TxD, labels_T) if rows is None else (h_TxD[rows], labels_T[rows])
+    n = h.shape[0]
+    if n == 0:
+        return logp_T, ent_T, lse_T
+    h, w, y = h.contiguous(), w_VxD.contiguous(), y.contiguous()
+    b = _blocks("fwd", h.dtype, {"block_t": block_t, "block_v": block_v, "block_d": block_d})
+    n_t, n_v = triton.cdiv(n, b["block_t"]), triton.cdiv(V, b["block_v"])
+    k = max(1, min(splits or _splits(n_t, n_v, dev), n_v))
+    v_per_split = triton.cdiv(n_v, k) * b["block_v"]  # whole tiles per slice; none is empty
+    k = triton.cdiv(V, v_per_split)
+    m, s, u, tgt = (torch.empty(k, n, dtype=torch.float32, device=dev) for _ in range(4))
+    meta = {"BLOCK_T": b["block_t"], "BLOCK_V": b["block_v"], "BLOCK_D": b["block_d"],
+            "WANT_ENTROPY": bool(want_entropy), **_dot_meta(h.dtype), "num_warps": b["num_warps"]}
+    args = (h, w, y, m, s, u, tgt, n, V, D, v_per_split, 1.0 / temperature)
+    _launch(_head_fwd_kernel, (n_t, k), args, meta)
+    # combine the slices: sums re-expressed against the overall max
+    M = m.amax(0)
+    a = (m - M).exp()
+    S = (a * s).sum(0)
+    log_S = S.log()
+    idx = slice(None) if rows is None else rows
+    lse_T[idx] = M + log_S
+    logp_T[idx] = tgt.sum(0) - (M + log_S)
+    if want_entropy:
+        U = (a * (u + (m - M) * s)).sum(0)
+        ent_T[idx] = log_S - U / S
+    return logp_T, ent_T, lse_T
+
+
+@torch.no_grad()
+def triton_head_backward(
+    h_TxD: torch.Tensor,
+    w_VxD: torch.Tensor,
+    labels_T: torch.Tensor,
+    lse_T: torch.Tensor,
+    entropy_T: torch.Tensor | None,
+    g_logp_T: torch.Tensor,
+    g_entropy_T: torch.Tensor | None,
+    temperature: float,
+    *,
+    block_t: int | None = None,
+    block_v: int | None = None,
+    block_d: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(dh_TxD in h's dtype, dw_VxD fp32)``, the gradients of ``Σ g_logp·logp + Σ g_H·H``: as
+    ``fused_head.head_backward``. ``entropy_T``/``g_entropy_T`` may be None (no entropy term)."""
+    T, D = h_TxD.shape
+    V = w_VxD.shape[0]
+    dev = h_TxD.device
+    dw_VxD = torch.zeros(V, D, dtype=torch.float32, device=dev)
+    dh_TxD = torch.zeros_like(h_TxD)
+    rows = _rows(labels_T)
+    pick = (lambda x: x) if rows is None else (lambda x: x[rows])
+    h = pick(h_TxD).contiguous()
+    n = h.shape[0]
+    if n == 0:
+        return dh_TxD, dw_VxD
+    with_h = entropy_T is not None and g_entropy_T is not None
+    inv_tau = 1.0 / temperature
+    gl = (pick(g_logp_T).float() * inv_tau).contiguous()  # dz is linear in them: fold 1/τ in
+    if with_h:
+        gh = (pick(g_entropy_T).float() * inv_tau).contiguous()
+        ent = pick(entropy_T).float().contiguous()
+    else:
+        gh = ent = gl  # never read (WITH_ENTROPY is False)
+    y, lse = pick(labels_T).contiguous(), pick(lse_T).float().contiguous()
+    dh32 = torch.zeros(n, D, dtype=torch.float32, device=dev)
+    b = _blocks("bwd", h.dtype, {"block_t": block_t, "block_v": block_v, "block_d": block_d})
+    grid = (triton.cdiv(n, b["block_t"]), triton.cdiv(V, b["block_v"]))
+    meta = {"BLOCK_T": b["block_t"], "BLOCK_V": b["block_v"], "BLOCK_D": b["block_d"],
+            "WITH_ENTROPY": with_h, **_dot_meta(h.dtype), "num_warps": b["num_warps"]}
+    args = (h, w_VxD.contiguous(), y, lse, ent, gl, gh, dh32, dw_VxD, n, V, D, inv_tau)
+    _launch(_head_bwd_kernel, grid, args, meta)
+    if rows is None:
+        dh_TxD = dh32.to(h_TxD.dtype)
+    else:
+        dh_TxD[rows] = dh32.to(h_TxD.dtype)
+    return dh_TxD, dw_VxD
