@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from odcfn._check import is_int
+from odcfn._check import check_int, is_int
 from odcfn.batch import Batch, Sample
 from odcfn.data.dataset import TokenDataset
 
@@ -201,8 +201,7 @@ def batch_indices(
     drop_last: bool = True,
 ) -> list[int]:
     """The dataset indices of ``batch_at``'s minibatch (without building it)."""
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise ValueError(f"step must be an int >= 0, got {step!r}")
+    check_int(step, "step", at_least=0)
     per_epoch = steps_per_epoch(dataset, batch_size, drop_last=drop_last)
     epoch, i = divmod(step, per_epoch)
     order = epoch_order(len(dataset), epoch, seed, shuffle)

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from odcfn._check import check_int, check_number
 from odcfn.model import Model, Unit
 from odcfn.tree import PyTree, tree_flatten_with_path
 
@@ -99,21 +100,16 @@ class _AnyKey(set):
 
 
 def _check(rank: Any, alpha: Any, targets: Any, dropout: Any, use_rslora: Any, seed: Any) -> tuple[str, ...]:
-    if isinstance(rank, bool) or not isinstance(rank, int):
-        raise TypeError(f"lora.apply: rank must be an int >= 1, got {rank!r}")
-    if rank < 1:
-        raise ValueError(f"lora.apply: rank must be an int >= 1, got {rank!r}")
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
-        raise TypeError(f"lora.apply: alpha must be a number > 0, got {alpha!r}")
-    if not 0 < alpha < math.inf:
-        raise ValueError(f"lora.apply: alpha must be a finite number > 0, got {alpha!r}")
+    check_int(rank, "lora.apply: rank", at_least=1)
+    check_number(alpha, "lora.apply: alpha", positive=True)
     if isinstance(targets, str):
         targets = (targets,)
     if not isinstance(targets, Sequence) or not targets or not all(isinstance(t, str) for t in targets):
         raise TypeError(
             f"lora.apply: targets must be a non-empty sequence of projection names, got {targets!r}"
         )
-    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
+    check_number(dropout, "lora.apply: dropout", at_least=0.0, want="a number in [0, 1)")
+    if not dropout < 1:
         raise ValueError(f"lora.apply: dropout must be a number in [0, 1), got {dropout!r}")
     if dropout:
         raise ValueError(
@@ -122,8 +118,7 @@ def _check(rank: Any, alpha: Any, targets: Any, dropout: Any, use_rslora: Any, s
         )
     if not isinstance(use_rslora, bool):
         raise TypeError(f"lora.apply: use_rslora must be a bool, got {use_rslora!r}")
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise TypeError(f"lora.apply: seed must be an int, got {seed!r}")
+    check_int(seed, "lora.apply: seed")
     return tuple(dict.fromkeys(targets))
 
 
