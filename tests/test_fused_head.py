@@ -235,8 +235,8 @@ def test_peak_memory_stays_below_one_t_by_v_buffer():
     (dict(temperature=0.0), "temperature must be > 0"),
     (dict(temperature=float("nan")), "temperature must be > 0"),
     (dict(temperature=-1.0), "temperature must be > 0"),
-    (dict(token_chunk=0), "token_chunk must be >= 1"),
-    (dict(vocab_chunk=-3), "vocab_chunk must be >= 1"),
+    (dict(token_chunk=0), "token_chunk must be an int >= 1"),
+    (dict(vocab_chunk=-3), "vocab_chunk must be an int >= 1"),
 ])
 def test_bad_settings_are_named(kw, match):
     h, w, y = _problem(5, 7, 3, seed=0)
