@@ -27,6 +27,8 @@ head (O(T×V): for comparison and for losses that ask for logits).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -224,8 +226,10 @@ def head_backward(
     return dh_TxD, dw_VxD
 
 
+@functools.cache
 def _triton():
-    """The Triton kernel's two functions, or None where it cannot serve (no module, no CUDA)."""
+    """The Triton kernel's two functions, or None where it cannot serve (no module, no triton);
+    asked only for CUDA tensors, once."""
     try:
         from odcfn.kernels import fused_head_triton as k
     except Exception:  # not built here (CPU), or triton missing: the torch path serves
