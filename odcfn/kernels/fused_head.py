@@ -27,6 +27,8 @@ head (O(T×V): for comparison and for losses that ask for logits).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -55,7 +57,7 @@ def check_temperature(temperature: object, name: str = "temperature") -> float:
 
 
 def check_chunk(chunk: object, name: str) -> int | None:
-    return check_int(chunk, name, at_least=1, none_ok=True)
+    return check_int(chunk, name, at_least=1, none_ok=True, want="an int >= 1 or None")
 
 
 def default_chunks(T: int, V: int) -> tuple[int, int]:
@@ -224,8 +226,10 @@ def head_backward(
     return dh_TxD, dw_VxD
 
 
+@functools.cache
 def _triton():
-    """The Triton kernel's two functions, or None where it cannot serve (no module, no CUDA)."""
+    """The Triton kernel's two functions, or None where it cannot serve (no module, no triton);
+    asked only for CUDA tensors, once."""
     try:
         from odcfn.kernels import fused_head_triton as k
     except Exception:  # not built here (CPU), or triton missing: the torch path serves
