@@ -89,7 +89,13 @@ class _Executor:
         self.frozen = frozenset(model.frozen)
         first = first_trained(model.unit_names, self.frozen)
         self.no_grad = frozenset(model.unit_names[:first])
-        self.needs_dx = frozenset(model.unit_names[first + 1:])
+        # units whose fwd is x -> x and reads no own weights (ScheduleOptions.passthrough): their
+        # gradient arrives through the unit that uses them, not through the activations
+        self.passthrough = frozenset(u.name for u in model.units if getattr(u.fwd, "passthrough", False))
+        # the input gradient is needed after the first unit whose Backward yields a weight gradient
+        pulls = [i for i, u in enumerate(model.units) if (u.name not in self.frozen | self.passthrough)
+                 or any(v not in self.frozen for v in u.uses)]
+        self.needs_dx = frozenset(model.unit_names[pulls[0] + 1:] if pulls else ())
         self.prev = {u: (model.units[i - 1].name if i else None) for i, u in enumerate(model.unit_names)}
         self.bufs: dict[str, torch.Tensor] = {}
         self.wbufs: dict[str, torch.Tensor] = {}
@@ -167,6 +173,9 @@ class _Executor:
         if got is None:
             return
         data, x = got
+        if s.unit in self.passthrough:  # nothing to compute: its gradient comes from its users
+            self.outs[(s.unit, mb)] = x
+            return
         if isinstance(x, torch.Tensor) and x.is_floating_point() and s.unit in self.needs_dx:
             x = x.detach().requires_grad_()
         fwd = self.units[s.unit].fwd
@@ -190,6 +199,10 @@ class _Executor:
     def backward(self, s: Backward, mb: int) -> None:
         data = self._mb(mb)
         if data.empty:
+            if s.unit not in self.frozen:
+                self.grads[s.unit] = self.shared.pop(s.unit, None)
+            return
+        if s.unit in self.passthrough:  # the activation gradient passes through unchanged
             if s.unit not in self.frozen:
                 self.grads[s.unit] = self.shared.pop(s.unit, None)
             return
@@ -254,7 +267,7 @@ class _Executor:
                 if s.unit in self.frozen:
                     raise ValueError(f"plan step {s} pushes a gradient of frozen unit {s.unit!r}")
                 g = self.grads.pop(s.unit)
-                if g is None:  # an empty microbatch still joins the collective
+                if g is None:  # an empty microbatch (or an unused unit) still joins the collective
                     g = torch.zeros(self.layout[s.unit].padded_numel, dtype=self.dtype, device=self.device)
                 with torch.no_grad():
                     if isinstance(s, ScatterAccumulate):
