@@ -144,6 +144,8 @@ class _Executor:
     def _inputs(self, s: Forward | Backward) -> tuple[torch.Tensor, Any, tuple[torch.Tensor, ...]]:
         """``(own flat, what fwd receives, used units' flats)``; the plan must gather the uses."""
         unit = self.units[s.unit]
+        if s.unit in self.passthrough:  # reads no weights of its own; never gathered for itself
+            return None, {}, ()
         if s.uses != unit.uses:
             raise ValueError(f"plan step {s} does not gather what unit {s.unit!r} uses: {unit.uses}")
         flat, params = self._params(s.unit)
