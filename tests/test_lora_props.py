@@ -275,3 +275,33 @@ def test_odcfn_train_with_a_lora_section(tmp_path):
         merged_a["layers.0"]["self_attn"]["k_proj"]["weight"],
         base["layers.0"]["self_attn"]["k_proj"]["weight"],
     )
+
+
+@pytest.mark.parametrize("comm", ["odc", "collective"])
+def test_log_probs_and_remat_of_a_lora_state_equal_the_merged_base(comm):
+    from odcfn.schedule.plan import ScheduleOptions
+
+    model, params = _lora(seed=3, targets=("q_proj", "down_proj"))
+    base, merged = lora.base_model(model), lora.merge(model, params)
+    batch = odcfn.random_batch([5, 7, 3, 9, 4], CFG.vocab_size, seed=3)
+    remat = ScheduleOptions(remat={"layers.0", "lora.layers.1"})
+
+    def fn(r, t):
+        st = odcfn.TrainState.create(
+            params=params,
+            model=model,
+            optimizer=odcfn.sgd(0.0),
+            transport=t,
+            config=odcfn.StepConfig(comm=comm, options=remat),
+        )
+        return odcfn.log_probs(st, batch), odcfn.grad_step(st, batch)[1].loss
+
+    def fn_base(r, t):
+        st = odcfn.TrainState.create(params=merged, model=base, optimizer=odcfn.sgd(0.0), transport=t)
+        return odcfn.log_probs(st, batch)
+
+    want = odcfn.run_local(fn_base, 1, timeout=60)[0]
+    out = odcfn.run_local(fn, 3, timeout=60)
+    for a, b in zip(out[1][0], want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert out[0][1] == pytest.approx(float(odcfn.reference_loss(base, merged, batch)), rel=1e-5)

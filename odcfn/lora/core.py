@@ -33,8 +33,10 @@ class LoraSpec:
 
 @dataclass(frozen=True)
 class _Passthrough:
-    """The adapter unit's fwd: x unchanged (its weights are read by the unit it serves)."""
+    """The adapter unit's fwd: x unchanged (its weights are read by the unit it serves). The
+    plan never gathers the unit for its own steps (``passthrough``)."""
 
+    passthrough = True  # a class attribute, not a field
     spec: LoraSpec
     base: str  # the unit whose projections the adapters extend
     paths: tuple[str, ...]  # the projections' paths inside that unit ("self_attn.q_proj")

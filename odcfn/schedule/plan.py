@@ -109,12 +109,16 @@ class ScheduleOptions:
     # units not trained (``Model.frozen``, filled by train_step): no push ever; no Backward
     # before the first trained unit (nothing upstream needs the activation gradient)
     frozen: frozenset[str] = field(default_factory=frozenset)
+    # units whose fwd reads none of their own parameters and returns x (LoRA's adapter units,
+    # read by the layer after them): never gathered for their own Forward/Backward
+    passthrough: frozenset[str] = field(default_factory=frozenset)
 
     def __post_init__(self) -> None:
         if not isinstance(self.prefetch, int) or self.prefetch < 0:
             raise ValueError(f"ScheduleOptions.prefetch must be an int >= 0, got {self.prefetch!r}")
         object.__setattr__(self, "remat", frozenset(self.remat))
         object.__setattr__(self, "frozen", frozenset(self.frozen))
+        object.__setattr__(self, "passthrough", frozenset(self.passthrough))
         object.__setattr__(self, "uses", tuple((str(u), tuple(vs)) for u, vs in self.uses))
 
 
@@ -172,12 +176,16 @@ def microbatch_steps(units: Sequence[str], mb: int, comm: Comm, options: Schedul
         return fresh
 
     def drop(names: Sequence[str]) -> None:
+        names = [n for n in names if n in held]
         steps.extend(Release(n) for n in names)
         held.difference_update(names)
 
+    def own(u: str) -> list[str]:
+        return [] if u in options.passthrough else [u]
+
     first = first_trained(units, options.frozen)
     for i, u in enumerate(units):
-        get([u])
+        get(own(u))
         extra = get(uses.get(u, ()))
         steps.append(Forward(u, mb, remat=u in options.remat, uses=uses.get(u, ())))
         if (reshard and i < last) or i < first:  # the last unit's backward follows at once: keep it
@@ -186,7 +194,7 @@ def microbatch_steps(units: Sequence[str], mb: int, comm: Comm, options: Schedul
             borrowed[u] = extra
     for i in range(last, first - 1, -1):
         u = units[i]
-        get([u])
+        get(own(u))
         extra = borrowed.pop(u, []) + get(uses.get(u, ()))
         steps.append(Backward(u, mb, uses=uses.get(u, ())))
         if u not in options.frozen:
@@ -310,7 +318,8 @@ def compile_forward_plan(
     steps: list[Step] = []
     if mbs or comm == "collective":
         for u in units:
-            held = (u, *uses.get(u, ()))  # tied weights: the units it reads are gathered with it
+            # tied weights: the units it reads are gathered with it
+            held = (*([] if u in options.passthrough else [u]), *uses.get(u, ()))
             steps += [gather(n) for n in held]
             steps += [Forward(u, i, uses=uses.get(u, ())) for i in range(len(mbs))]
             steps += [Release(n) for n in held]

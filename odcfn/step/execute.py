@@ -79,7 +79,13 @@ class Executor:
         self.frozen = frozenset(model.frozen)
         first = first_trained(model.unit_names, self.frozen)
         self.no_grad = frozenset(model.unit_names[:first])
-        self.needs_dx = frozenset(model.unit_names[first + 1:])
+        # units whose fwd is x -> x and reads no own weights (ScheduleOptions.passthrough): their
+        # gradient arrives through the unit that uses them, not through the activations
+        self.passthrough = frozenset(u.name for u in model.units if getattr(u.fwd, "passthrough", False))
+        # the input gradient is needed after the first unit whose Backward yields a weight gradient
+        pulls = [i for i, u in enumerate(model.units) if (u.name not in self.frozen | self.passthrough)
+                 or any(v not in self.frozen for v in u.uses)]
+        self.needs_dx = frozenset(model.unit_names[pulls[0] + 1:] if pulls else ())
         self.prev = {u: (model.units[i - 1].name if i else None) for i, u in enumerate(model.unit_names)}
         self.bufs: dict[str, torch.Tensor] = {}
         self.wbufs: dict[str, torch.Tensor] = {}
@@ -129,6 +135,8 @@ class Executor:
     def _inputs(self, s: Forward | Backward) -> tuple[torch.Tensor, Any, tuple[torch.Tensor, ...]]:
         """``(own flat, what fwd receives, used units' flats)``; the plan must gather the uses."""
         unit = self.units[s.unit]
+        if s.unit in self.passthrough:  # reads no weights of its own; never gathered for itself
+            return None, {}, ()
         if s.uses != unit.uses:
             raise ValueError(f"plan step {s} does not gather what unit {s.unit!r} uses: {unit.uses}")
         flat, params = self._params(s.unit)
@@ -158,6 +166,9 @@ class Executor:
         if got is None:
             return
         data, x = got
+        if s.unit in self.passthrough:  # nothing to compute: its gradient comes from its users
+            self.outs[(s.unit, mb)] = x
+            return
         if isinstance(x, torch.Tensor) and x.is_floating_point() and s.unit in self.needs_dx:
             x = x.detach().requires_grad_()
         fwd = self.units[s.unit].fwd
@@ -181,6 +192,10 @@ class Executor:
     def backward(self, s: Backward, mb: int) -> None:
         data = self._mb(mb)
         if data.empty:
+            if s.unit not in self.frozen:
+                self.grads[s.unit] = self.shared.pop(s.unit, None)
+            return
+        if s.unit in self.passthrough:  # the activation gradient passes through unchanged
             if s.unit not in self.frozen:
                 self.grads[s.unit] = self.shared.pop(s.unit, None)
             return

@@ -67,6 +67,13 @@ def schedule_options(options: ScheduleOptions | None, model: Model, remat: bool 
             f"ScheduleOptions.frozen={sorted(options.frozen)} differs from the model's {model.frozen}"
         )
     options = replace(options, uses=model.uses) if model.uses else options
+    passthrough = frozenset(u.name for u in model.units if getattr(u.fwd, "passthrough", False))
+    if options.passthrough and options.passthrough != passthrough:
+        raise ValueError(
+            f"ScheduleOptions.passthrough={sorted(options.passthrough)} differs from the model's"
+        )
+    if passthrough:
+        options = replace(options, passthrough=passthrough)
     return replace(options, frozen=frozenset(model.frozen)) if model.frozen else options
 
 
