@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 SCHEMA = "odcfn.bench/1"
-SECTIONS = ("end_to_end", "balanced", "fsdp2", "primitives", "simulator", "straggler", "rl")
+SECTIONS = ("end_to_end", "balanced", "fsdp2", "primitives", "simulator", "straggler", "rl", "recovery")
 E2E_POLICIES = ("collective+lb-micro", "odc+lb-mini", "odc+work-stealing")
 STRAGGLER_SLOWDOWN = 1.5
 
@@ -64,6 +64,7 @@ def machine() -> dict:
 
 
 def main(args: argparse.Namespace) -> int:
+    from odcfn.bench import recovery
     from odcfn.bench import rl_section as RL
     from odcfn.bench import sections as S
     from odcfn.bench.runner import pick_backend
@@ -118,6 +119,7 @@ def main(args: argparse.Namespace) -> int:
         "straggler": lambda: S.straggler(ctx, STRAGGLER_SLOWDOWN),
         "simulator": lambda: S.simulator(ctx, report),
         "rl": lambda: RL.section(ctx, (8,) if args.quick else (8, 64, 1024)),
+        "recovery": lambda: recovery.section(ctx),
     }
     # the simulator replays end_to_end's plans, so it runs after it
     for name in sorted(sections, key=lambda s: s == "simulator"):
