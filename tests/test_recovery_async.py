@@ -129,3 +129,14 @@ def test_a_failure_nobody_collected_is_reported_at_exit(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert "returned normally" in proc.stdout
     assert proc.returncode == 1 and "odcfn: the background save of checkpoint" in proc.stderr, proc.stderr
+
+
+def test_an_async_save_over_a_committed_checkpoint_fails_at_the_call(tmp_path):
+    def fn(rank, tr):
+        state = _state(tr)
+        odcfn.save(tmp_path / "c", state)
+        with pytest.raises(FileExistsError, match="pass overwrite=True"):
+            odcfn.save(tmp_path / "c", state, blocking=False)
+        return odcfn.save(tmp_path / "c", state, blocking=False, overwrite=True).wait()
+
+    assert odcfn.run_local(fn, 2) == [tmp_path / "c"] * 2

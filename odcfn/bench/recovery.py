@@ -182,8 +182,7 @@ def section(ctx: Any) -> dict:
 
     w = ctx.workload
     rounds = max(2, ctx.steps)
-    # short samples: a step of ~1 s on an idle 2-core machine, so the section stays within minutes
-    lengths = [128, 192, 256, 160, 224, 144, 176, 208][: 4 * w.world_size]
+    lengths = [256, 384, 512, 320, 448, 288, 352, 416][: 4 * w.world_size]
     shm_root = os.environ.get("ODCFN_SHM_DIR", "/dev/shm")
     ctx.log(f"   saves: {rounds} rounds per mode on the bench model, {w.world_size} processes")
     where = tempfile.mkdtemp(prefix="odcfn-bench-save-")
