@@ -77,7 +77,8 @@ def _config(tmp_path, **train):
         "out_dir": str(tmp_path / "out"),
         "model": {"vocab_size": 40, "d_model": 16, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "d_ff": 24},
         "data": {"path": str(tmp_path / "train.jsonl"), "batch_size": 6},
-        "train": {"steps": 8, "lr": 1e-2, "world_size": 2, "max_tokens_per_microbatch": 20, **train},
+        "train": {"steps": 8, "lr": 1e-2, "world_size": 2, "max_tokens_per_microbatch": 20,
+                  "deterministic": True, **train},
         "checkpoint": {"every": 4, "memory_every": 1},
         "log": {"progress": False},
     }

@@ -160,4 +160,5 @@ def _finish_at_exit() -> None:
             failed = True
             print(f"odcfn: {e}", file=sys.stderr, flush=True)
     if failed:
+        sys.stdout.flush()
         os._exit(1)  # noqa: SLF001 - the process would otherwise exit 0 with a lost checkpoint
