@@ -105,3 +105,38 @@ def test_wait_raises_once_and_blocking_save_waits_first(tmp_path):
 
 def test_launch_error_type_is_public():
     assert issubclass(LaunchError, RuntimeError)
+
+
+EXIT_SCRIPT = """
+import odcfn, sys
+from odcfn.models import QwenConfig, init_params, qwen_model
+cfg = QwenConfig(vocab_size=37, d_model=16, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=24)
+def fn(rank, tr):
+    state = odcfn.TrainState.create(params=init_params(cfg, seed=0), model=qwen_model(cfg),
+                                    optimizer=odcfn.sgd(0.1), transport=tr)
+    odcfn.save(sys.argv[1] + "/ck", state, blocking=False)  # its parent is a file: it will fail
+odcfn.run_local(fn, 1)
+print("returned normally")
+"""
+
+
+def test_a_failure_nobody_collected_is_reported_at_exit(tmp_path):
+    import subprocess
+    import sys
+
+    (tmp_path / "afile").write_text("not a directory")
+    proc = subprocess.run([sys.executable, "-c", EXIT_SCRIPT, str(tmp_path / "afile")],
+                          capture_output=True, text=True, timeout=120)
+    assert "returned normally" in proc.stdout
+    assert proc.returncode == 1 and "odcfn: the background save of checkpoint" in proc.stderr, proc.stderr
+
+
+def test_an_async_save_over_a_committed_checkpoint_fails_at_the_call(tmp_path):
+    def fn(rank, tr):
+        state = _state(tr)
+        odcfn.save(tmp_path / "c", state)
+        with pytest.raises(FileExistsError, match="pass overwrite=True"):
+            odcfn.save(tmp_path / "c", state, blocking=False)
+        return odcfn.save(tmp_path / "c", state, blocking=False, overwrite=True).wait()
+
+    assert odcfn.run_local(fn, 2) == [tmp_path / "c"] * 2

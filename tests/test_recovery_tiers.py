@@ -105,3 +105,31 @@ def test_a_run_resumed_on_another_number_of_ranks_continues_the_trajectory(tmp_p
     assert [r["loss"] for r in la[:4]] == [r["loss"] for r in lb[:4]]
     torch.testing.assert_close([r["loss"] for r in lb[4:]], [r["loss"] for r in la[4:]], rtol=1e-5, atol=0)
     assert not any((tmp_path / "shm").iterdir())  # the memory tier is gone at a normal end
+
+
+def test_resaving_a_path_whose_save_a_kill_interrupted_works(tmp_path, monkeypatch):
+    """The previous incarnation (restart count 0) was killed mid-save: its staging directory
+    is left with a dead rank's liveness file and the survivor's abort note (the launcher killed
+    the survivor before it could remove the directory). The restarted job saves the same path."""
+    import socket
+
+    from odcfn.checkpoint import sharded
+
+    root = tmp_path / "step-00000003"
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    monkeypatch.setattr(sharded, "_SAVES", {})
+    old = root.with_name(f".{root.name}.tmp-{sharded._attempt(root, 0, 3)}")
+    old.mkdir(parents=True)
+    (old / ".alive-1").write_text(f"{socket.gethostname()} 999999999")  # a pid that is gone
+    (old / ".abort-0").write_text("CheckpointError: rank 1 (pid 999999999) died during the save")
+    monkeypatch.setattr(sharded, "_SAVES", {})  # a new process
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    model = qwen_model(CFG)
+
+    def fn(rank, tr):
+        state = odcfn.TrainState.create(params=init_params(CFG, seed=0), model=model,
+                                        optimizer=odcfn.sgd(0.1), transport=tr, step=3)
+        return odcfn.save(root, state)
+
+    assert odcfn.run_local(fn, 2) == [root, root]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [root.name]  # the leftover is gone

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 SCHEMA = "odcfn.bench/1"
-SECTIONS = ("end_to_end", "balanced", "fsdp2", "primitives", "simulator", "straggler", "rl", "lora")
+SECTIONS = ("end_to_end", "balanced", "fsdp2", "primitives", "simulator", "straggler", "rl", "lora", "recovery")
 STRAGGLER_SLOWDOWN = 1.5
 
 
@@ -78,6 +78,7 @@ def main(args: argparse.Namespace) -> int:
     if args.memory:
         return memory_main(args)
     from odcfn.bench import lora_section as LS
+    from odcfn.bench import recovery
     from odcfn.bench import rl_section as RL
     from odcfn.bench import sections as S
     from odcfn.bench.runner import pick_backend
@@ -134,6 +135,7 @@ def main(args: argparse.Namespace) -> int:
         "simulator": lambda: S.simulator(ctx, report),
         "rl": lambda: RL.section(ctx, (8,) if args.quick else (8, 64, 1024)),
         "lora": lambda: LS.section(ctx, args.quick),
+        "recovery": lambda: recovery.section(ctx),
     }
     # the simulator replays end_to_end's plans, so it runs after it
     for name in sorted(sections, key=lambda s: s == "simulator"):

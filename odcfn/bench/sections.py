@@ -340,6 +340,22 @@ def render(report: dict) -> str:
                 table(rows, ["impl", "samples/s", "tokens/s", "x torch FSDP2"])]
     elif f:
         out += ["", f"3. torch FSDP2: {f.get('skipped') or f.get('error')}"]
+    rc = report.get("recovery") or {}
+    if "recovery" in rc:
+        b = rc["blocked_per_save_s"]
+        out += ["", f"8. saving and recovery ({rc['checkpoint_bytes_per_rank']} bytes per rank file)",
+                f"   blocked per save: blocking {b['blocking']:.4f}s, async {b['async']:.4f}s "
+                f"({rc['async_over_blocking']:.3f}x); step {rc['step_s']:.3f}s",
+                f"   memory-tier snapshot every step: step-time overhead "
+                f"{100 * rc['memory_tier_every_step']['overhead']:.1f}%; deterministic accumulation: "
+                f"{100 * rc['deterministic_step_overhead']:.1f}%"]
+        rows = [[r["tier"], r["killed_after_step"], r["resumed_at_step"], r["lost_steps"],
+                 r["kill_to_next_step_s"], r["kill_to_progress_s"], *r["breakdown_s"].values()]
+                for r in rc["recovery"]]
+        hdr = ["tier", "killed after", "resumed at", "lost steps", "kill->step s", "->past s"]
+        out.append(table(rows, [*hdr, *rc["recovery"][0]["breakdown_s"]]))
+    elif rc:
+        out += ["", f"8. saving and recovery: {rc.get('error')}"]
     p = report.get("primitives") or {}
     if "gbps" in p:
         rows = [[name, *vals] for name, vals in p["gbps"].items()]

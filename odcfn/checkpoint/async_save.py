@@ -89,6 +89,10 @@ class AsyncSaver:
 
         t0 = time.perf_counter()
         self.wait()  # one in flight; an earlier failure surfaces here
+        root = Path(path)
+        if root.exists() and not overwrite and (not root.is_dir() or any(root.iterdir())):
+            # bad input fails at the call, not in the background
+            raise FileExistsError(f"checkpoint: {root} exists; pass overwrite=True to replace it")
         snap_params = snapshot_tree(dict(params))
         snap_opt = snapshot_tree(opt_state)
         extra = dict(extra or {})
@@ -156,4 +160,5 @@ def _finish_at_exit() -> None:
             failed = True
             print(f"odcfn: {e}", file=sys.stderr, flush=True)
     if failed:
+        sys.stdout.flush()
         os._exit(1)  # noqa: SLF001 - the process would otherwise exit 0 with a lost checkpoint
