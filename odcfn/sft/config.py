@@ -268,8 +268,9 @@ def model_config(cfg: SFTConfig) -> Any:
     return QwenConfig(**{f.name: getattr(m, f.name) for f in fields(QwenConfig) if hasattr(m, f.name)})
 
 
-# what may change when a run resumes: how long, on how many ranks, how it logs and checkpoints
-_RESUMABLE = {"train.steps", "train.world_size", "train.backend", "train.timeout"}
+# what may change when a run resumes: how long, on how many ranks, how it logs and checkpoints,
+# how samples are balanced over ranks (the loss and gradient do not depend on it)
+_RESUMABLE = {"train.steps", "train.world_size", "train.backend", "train.timeout", "train.balance"}
 _RESUMABLE_SECTIONS = {"log", "checkpoint"}
 
 
