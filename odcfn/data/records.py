@@ -201,7 +201,7 @@ def batch_indices(
     drop_last: bool = True,
 ) -> list[int]:
     """The dataset indices of ``batch_at``'s minibatch (without building it)."""
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+    if not is_int(step) or step < 0:
         raise ValueError(f"step must be an int >= 0, got {step!r}")
     per_epoch = steps_per_epoch(dataset, batch_size, drop_last=drop_last)
     epoch, i = divmod(step, per_epoch)
