@@ -222,7 +222,11 @@ def config_from_dict(doc: dict[str, Any], *, base_dir: str | os.PathLike = ".") 
         known = {f.name for f in fields(cls)}
         bad = sorted(set(section) - known)
         if bad:
-            raise ValueError(f"config: unknown keys {bad} in [{name}]; known: {sorted(known)}")
+            import difflib
+
+            close = {k: difflib.get_close_matches(k, known, n=1) for k in bad}
+            hint = "".join(f" ({k!r}: did you mean {c[0]!r}?)" for k, c in close.items() if c)
+            raise ValueError(f"config: unknown keys {bad} in [{name}]{hint}; known: {sorted(known)}")
         for key in section:
             if (name, key) in _PATH_KEYS and section[key] is not None:
                 section[key] = str(base / section[key])
