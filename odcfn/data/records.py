@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from odcfn._check import is_int
 from odcfn.batch import Batch, Sample
 from odcfn.data.dataset import TokenDataset
 
@@ -52,7 +53,7 @@ def _record_to_sample(rec: Any, where: str, vocab_size: int | None, max_length: 
     ids = rec.get("input_ids")
     if not isinstance(ids, (list, tuple)) or not ids:
         raise ValueError(f"{where}: 'input_ids' must be a non-empty list of token ids")
-    if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+    if not all(is_int(t) for t in ids):
         raise ValueError(f"{where}: 'input_ids' must hold integers only")
     lo, hi = min(ids), max(ids)
     if lo < 0 or (vocab_size is not None and hi >= vocab_size):
@@ -200,7 +201,7 @@ def batch_indices(
     drop_last: bool = True,
 ) -> list[int]:
     """The dataset indices of ``batch_at``'s minibatch (without building it)."""
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+    if not is_int(step) or step < 0:
         raise ValueError(f"step must be an int >= 0, got {step!r}")
     per_epoch = steps_per_epoch(dataset, batch_size, drop_last=drop_last)
     epoch, i = divmod(step, per_epoch)
