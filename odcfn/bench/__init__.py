@@ -16,7 +16,9 @@ import time
 from pathlib import Path
 
 SCHEMA = "odcfn.bench/1"
-SECTIONS = ("end_to_end", "balanced", "fsdp2", "primitives", "simulator", "straggler", "rl", "lora", "recovery")
+SECTIONS = (
+    "end_to_end", "balanced", "fsdp2", "primitives", "simulator", "straggler", "rl", "lora", "recovery"
+)
 STRAGGLER_SLOWDOWN = 1.5
 
 

@@ -256,7 +256,11 @@ def config_from_dict(doc: dict[str, Any], *, base_dir: str | os.PathLike = ".") 
         known = {f.name for f in fields(cls)}
         bad = sorted(set(section) - known)
         if bad:
-            raise ValueError(f"config: unknown keys {bad} in [{name}]; known: {sorted(known)}")
+            import difflib
+
+            close = {k: difflib.get_close_matches(k, known, n=1) for k in bad}
+            hint = "".join(f" ({k!r}: did you mean {c[0]!r}?)" for k, c in close.items() if c)
+            raise ValueError(f"config: unknown keys {bad} in [{name}]{hint}; known: {sorted(known)}")
         for key in section:
             if (name, key) in _PATH_KEYS and section[key] is not None:
                 section[key] = str(base / section[key])
@@ -309,9 +313,11 @@ def model_config(cfg: SFTConfig) -> Any:
 
 
 # what may change when a run resumes: how long, on how many ranks, how it logs and checkpoints,
-# whether it recomputes activations (the same math)
+# whether it recomputes activations (the same math), how samples are balanced over ranks (the
+# loss and gradient do not depend on it)
 _RESUMABLE = {
-    "train.steps", "train.world_size", "train.backend", "train.timeout", "train.max_restarts", "train.remat"
+    "train.steps", "train.world_size", "train.backend", "train.timeout", "train.max_restarts", "train.remat",
+    "train.balance",
 }
 _RESUMABLE_SECTIONS = {"log", "checkpoint"}
 
