@@ -122,8 +122,10 @@ def test_loss_seam_fused_equals_unfused_float64(kind, tied):
     cfg = QwenConfig(vocab_size=301, d_model=24, n_layers=0, n_heads=2, n_kv_heads=1, d_ff=8,
                      tie_embeddings=tied)
     batch = rollout_batch([40, 7, 95, 2, 60], [5, 1, 30, 0, 10], cfg.vocab_size, seed=3)
-    loss = {"ce": losses.cross_entropy("seq-mean-token-mean", temperature=0.8),
-            "pg": losses.policy_gradient(clip_ratio_high=0.28, loss_agg_mode="seq-mean-token-sum"),
+    # chunks given: the tiled path (a problem this small would otherwise run as one tile)
+    loss = {"ce": losses.cross_entropy("seq-mean-token-mean", temperature=0.8, vocab_chunk=128),
+            "pg": losses.policy_gradient(clip_ratio_high=0.28, loss_agg_mode="seq-mean-token-sum",
+                                         token_chunk=50),
             "pg_entropy_kl": losses.policy_gradient(kl_loss_coef=0.3, kl_loss_type="mse", entropy_coeff=0.1,
                                                     temperature=1.3, token_chunk=17, vocab_chunk=64)}[kind]
     model = qwen_model(cfg, dtype=torch.float64)
@@ -184,14 +186,14 @@ def test_torch_contract_functions_match_the_op():
     lp, ent, lse = head_forward(h, w, y, 0.9, True)
     assert lse.dtype == torch.float32 and (lse[y == IGNORE] == 0).all()
     hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
-    a, b = fused_head(hh, ww, y, temperature=0.9, entropy=True)
+    a, b = fused_head(hh, ww, y, temperature=0.9, entropy=True, vocab_chunk=90)  # chunked: not one tile
     torch.testing.assert_close((a, b), (lp, ent), rtol=0, atol=0)
     want = torch.autograd.grad((a * gl).sum() + (b * ge).sum(), (hh, ww))
     got = head_backward(h, w, y, lse, ent, gl, ge, 0.9)
     assert got[0].dtype == h.dtype and got[1].dtype == torch.float32
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     no_ent = head_backward(h, w, y, lse, None, gl, None, 0.9)
-    want = torch.autograd.grad((fused_head(hh, ww, y, temperature=0.9) * gl).sum(), (hh, ww))
+    want = torch.autograd.grad((fused_head(hh, ww, y, temperature=0.9, vocab_chunk=90) * gl).sum(), (hh, ww))
     torch.testing.assert_close(no_ent, want, rtol=0, atol=0)
 
 

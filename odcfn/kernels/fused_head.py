@@ -50,6 +50,8 @@ IGNORE = -100
 # run at the full-matrix rate on the CPUs this was tuned on, small against any T×V
 _TILE_ELEMS = 1 << 23
 _VOCAB_CHUNK = 8192
+# below this many logits (4 MiB fp32) fused_head runs the whole problem as one autograd tile
+_SMALL = 1 << 20
 
 
 def check_temperature(temperature: object, name: str = "temperature") -> float:
@@ -306,8 +308,15 @@ def fused_head(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Differentiable ``logp_T`` (and ``entropy_T`` with ``entropy=True``), fp32, of the targets
     ``labels_T`` (IGNORE: not a target, 0) under logits ``h Wᵀ / temperature``, never holding T×V.
-    Chunks: None chooses from the shapes (``default_chunks``)."""
+    Chunks: None chooses from the shapes (``default_chunks``); a problem of at most ``_SMALL``
+    logits with no chunk given runs as one plain-autograd tile."""
     t = _check(h_TxD, w_VxD, labels_T, temperature, token_chunk, vocab_chunk)
+    small = h_TxD.shape[0] * w_VxD.shape[0] <= _SMALL and token_chunk is None and vocab_chunk is None
+    if small and not (h_TxD.is_cuda and _triton() is not None):
+        # the whole problem is smaller than one tile: plain autograd over it is the same tile
+        # math in a third of the operations (what tiny models and short samples pay per call)
+        logp, ent, _ = unfused_head(h_TxD, w_VxD, labels_T, temperature=t, entropy=entropy)
+        return (logp, ent) if entropy else logp
     if not torch.is_grad_enabled() or not (h_TxD.requires_grad or w_VxD.requires_grad):
         kern = _triton() if h_TxD.is_cuda else None
         if kern is not None:
