@@ -37,7 +37,7 @@ from pathlib import Path
 from odcfn.checkpoint.commit import CheckpointError, fsync_path
 from odcfn.checkpoint.sharded import MANIFEST, read_manifest
 from odcfn.checkpoint.verify import check_files, sha256
-from odcfn.kernels._shm_sync import shm_dir
+from odcfn.kernels.shm_sync import shm_dir
 
 __all__ = ["MemoryTier", "committed", "newest_verified", "remove_stale", "verify_all"]
 

@@ -31,6 +31,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from odcfn._check import check_int
 from odcfn.checkpoint.commit import CheckpointError, Staging, fsync_path
 from odcfn.checkpoint.verify import check_files, check_units, open_verified, rank_file, sha256
 from odcfn.model import Model
@@ -176,8 +177,7 @@ def write_shards(
     stage = Staging(root, _attempt(root, mesh.rank, step), mesh.rank, timeout)
     attempt = stage.attempt
     try:
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise ValueError(f"checkpoint step must be an int >= 0, got {step!r}")
+        check_int(step, "checkpoint step", at_least=0)
         layout = make_layout(model, mesh)
         check_shards(params, layout, model.dtype)
         writers = _writers(mesh)

@@ -1,6 +1,6 @@
 """Hostile train steps: ranks given different minibatches or configs, non-finite losses and
 gradients, token ids outside the vocabulary, and params/checkpoints of a model of another config
-with the same shapes (issue 13: silent wrong results). Every case is refused on every rank,
+with the same shapes. Every case is refused on every rank,
 before the optimizer step, with the one sync per minibatch unchanged."""
 
 from __future__ import annotations
