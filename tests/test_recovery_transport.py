@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import uuid
+from datetime import timedelta
 
 import pytest
 import torch
@@ -50,6 +51,23 @@ def test_fifty_transports_in_a_row(mp_pool, agent_store):  # noqa: F811
     finally:
         del store
     assert out[0] == out[1] == [100.0 * i + 1 for i in range(50)]
+
+
+def after_failed_init_worker() -> list[float]:
+    """Rank 1's first default group fails half-way (its peer never comes): later groups must
+    still meet rank 0's (torch's group counter, left at 1 by the failure, is reset)."""
+    import torch.distributed as dist
+
+    if odcfn.Mesh.from_env().rank == 1:
+        with pytest.raises(Exception):  # noqa: B017 - torch's store timeout error type varies
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=2,
+                                    timeout=timedelta(seconds=1))
+        assert not dist.is_initialized()
+    return rounds_worker(3, None)
+
+
+def test_a_failed_init_does_not_poison_the_process(mp_pool):  # noqa: F811
+    assert mp_pool.run(after_failed_init_worker, 2, timeout=120) == [[1.0, 101.0, 201.0]] * 2
 
 
 def dtype_worker() -> None:

@@ -57,10 +57,22 @@ def ensure_process_group(mesh: Mesh, timeout: float, backend: str) -> bool:
             "(run under odcfn.launch or torchrun, or call dist.init_process_group yourself)"
         )
     td = timedelta(seconds=timeout)
+    _forget_failed_init()
     dist.init_process_group(
         backend, store=_fresh_store(mesh, td), rank=mesh.rank, world_size=mesh.world_size, timeout=td
     )
     return True
+
+
+def _forget_failed_init() -> None:
+    """torch names the default group after a process-wide group counter that only destroying
+    the default group resets; an ``init_process_group`` that failed half-way (a peer died
+    during the rendezvous) leaves it at 1, and every later default group of this process would
+    then look for its peers under another name and time out. With no default group there is no
+    group at all, so the counter must be 0 (private torch state: guarded)."""
+    world = getattr(dist.distributed_c10d, "_world", None)
+    if not dist.is_initialized() and getattr(world, "group_count", 0):
+        world.group_count = 0
 
 
 # the job's store client (rank 0: also its server when no launcher hosts it), kept for the
