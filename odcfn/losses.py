@@ -27,12 +27,12 @@ The head unit calls ``head_stats`` (fp32 whatever the compute dtype).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
+from odcfn._check import check_number
 from odcfn.batch import Batch, Microbatch
 from odcfn.kernels.fused_head import IGNORE, check_chunk, check_temperature, fused_head, unfused_head
 
@@ -203,9 +203,8 @@ class PolicyGradient(TokenLoss):
     def __post_init__(self) -> None:
         super().__post_init__()
         for name in ("clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "kl_loss_coef", "entropy_coeff"):
-            v = getattr(self, name)  # a NaN/inf coefficient would only surface as a NaN loss mid-step
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-                raise ValueError(f"policy_gradient: {name} must be a finite number, got {v!r}")
+            # a NaN/inf coefficient would only surface as a NaN loss mid-step
+            check_number(getattr(self, name), f"policy_gradient: {name}")
         if self.kl_loss_type not in KL_TYPES:
             raise ValueError(
                 f"kl_loss_type={self.kl_loss_type!r} does not exist; expected one of {sorted(KL_TYPES)}"

@@ -36,8 +36,8 @@ def hf_hidden_fn(cfg, params, dtype=torch.float32):
     of the LM head, on odcfn's ``params``."""
     model = _hf_model(cfg, dtype)
     sd = {hf_name(u, p): t for u, sub in params.items() for p, t in tree_named_leaves(sub)}
-    call = lambda tokens: torch.func.functional_call(model, sd, (tokens[None],), {"output_hidden_states": True})
-    return lambda tokens: call(tokens).hidden_states[-1][0]
+    kw = {"output_hidden_states": True}
+    return lambda tokens: torch.func.functional_call(model, sd, (tokens[None],), kw).hidden_states[-1][0]
 
 
 def rollout_batch(lengths, prompt_lens, vocab, *, seed=0, kl=True, spread=0.3):

@@ -24,7 +24,7 @@ def save(
     A committed checkpoint at ``path`` is replaced only with ``overwrite=True``, atomically."""
     if not isinstance(state, TrainState):
         raise TypeError(f"odcfn.save(path, state): state must be a TrainState, got {type(state).__name__}")
-    return sharded.save(
+    return sharded.write_shards(
         path, state.params, state.opt_state, state.step, model=state.model, mesh=state.mesh,
         extra=extra, overwrite=overwrite, timeout=timeout,
     )
@@ -35,7 +35,7 @@ def load(path: str | os.PathLike, state: TrainState) -> TrainState:
     this state's mesh (the checkpoint may come from another world size or sharding)."""
     if not isinstance(state, TrainState):
         raise TypeError(f"odcfn.load(path, state): state must be a TrainState, got {type(state).__name__}")
-    params, opt_state, step = sharded.load(path, model=state.model, mesh=state.mesh)
+    params, opt_state, step = sharded.read_shards(path, model=state.model, mesh=state.mesh)
     # a checkpoint of another optimizer (SGD's into AdamW's state) would fail only in the update
     check_opt_state(opt_state, state.opt_state, f"odcfn.load: the opt_state of checkpoint {os.fspath(path)}")
     return state.replace(params=params, opt_state=opt_state, step=step)

@@ -27,10 +27,12 @@ head (O(T×V): for comparison and for losses that ask for logits).
 
 from __future__ import annotations
 
-import math
+import functools
 
 import torch
 import torch.nn.functional as F
+
+from odcfn._check import check_int, check_number
 
 __all__ = [
     "IGNORE",
@@ -51,20 +53,11 @@ _VOCAB_CHUNK = 8192
 
 
 def check_temperature(temperature: object, name: str = "temperature") -> float:
-    t = temperature
-    if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < math.inf:
-        raise ValueError(f"{name} must be > 0 (a finite number), got {t!r}")
-    return float(t)
+    return check_number(temperature, name, positive=True, want="> 0 (a finite number)")
 
 
 def check_chunk(chunk: object, name: str) -> int | None:
-    if chunk is None:
-        return None
-    if isinstance(chunk, bool) or not isinstance(chunk, int):
-        raise TypeError(f"{name} must be an int >= 1 or None, got {type(chunk).__name__}")
-    if chunk < 1:
-        raise ValueError(f"{name} must be >= 1, got {chunk}")
-    return chunk
+    return check_int(chunk, name, at_least=1, none_ok=True, want="an int >= 1 or None")
 
 
 def default_chunks(T: int, V: int) -> tuple[int, int]:
@@ -233,8 +226,10 @@ def head_backward(
     return dh_TxD, dw_VxD
 
 
+@functools.cache
 def _triton():
-    """The Triton kernel's two functions, or None where it cannot serve (no module, no CUDA)."""
+    """The Triton kernel's two functions, or None where it cannot serve (no module, no triton);
+    asked only for CUDA tensors, once."""
     try:
         from odcfn.kernels import fused_head_triton as k
     except Exception:  # not built here (CPU), or triton missing: the torch path serves
