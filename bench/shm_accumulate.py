@@ -30,7 +30,7 @@ import uuid
 import numpy as np
 import torch
 
-from odcfn.kernels._shm_sync import RangeLock, Segment, shm_dir
+from odcfn.kernels.shm_sync import RangeLock, Segment, shm_dir
 
 
 def _layout(p: int, numel: int, chunk: int, slots: int) -> tuple[int, int, int]:

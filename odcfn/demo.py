@@ -12,7 +12,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-DEMO_POLICIES = ("collective+lb-micro", "odc+lb-mini", "odc+work-stealing")
+from odcfn.schedule.policy import HEADLINE
+
 BASELINE = "collective+lb-micro"
 
 
@@ -75,11 +76,11 @@ def main(args: argparse.Namespace) -> int:
         else:
             print(f"  balancers' cost model, calibrated on this machine: {cost.a:.3g} s x len^2 "
                   f"+ {cost.b:.3g} s x len (fitted at lengths {calib['lengths']})")
-    spec = RunSpec(w, DEMO_POLICIES, steps=args.steps, warmup=args.warmup,
+    spec = RunSpec(w, HEADLINE, steps=args.steps, warmup=args.warmup,
                    progress=not args.no_progress, cost=cost)
     per_rank = run(spec, backend)
 
-    sums = [policy_summary(per_rank, p) for p in DEMO_POLICIES]
+    sums = [policy_summary(per_rank, p) for p in HEADLINE]
     base = sums[0]["samples_per_s"]
     rows = [
         [s["policy"], s["samples_per_s"],
@@ -99,10 +100,10 @@ def main(args: argparse.Namespace) -> int:
           + ", ".join(f"{x:.4f}" for x in sums[0]["losses"]))
 
     last = args.warmup + args.steps - 1
-    trace = write_chrome_trace(args.out_dir / "demo_trace.json", per_rank, DEMO_POLICIES, last)
+    trace = write_chrome_trace(args.out_dir / "demo_trace.json", per_rank, HEADLINE, last)
     print(f"Chrome trace of minibatch {last} (open in https://ui.perfetto.dev): {trace}")
     try:
-        png = write_timeline_png(args.out_dir / "demo_timeline.png", per_rank, DEMO_POLICIES, last)
+        png = write_timeline_png(args.out_dir / "demo_timeline.png", per_rank, HEADLINE, last)
     except Exception as e:  # a broken plotting install must not cost the user the results
         png, why = None, f"{type(e).__name__}: {e}"
     else:

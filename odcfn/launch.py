@@ -38,7 +38,8 @@ from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from odcfn.kernels._shm_sync import shm_dir
+from odcfn._check import check_int, check_number
+from odcfn.kernels.shm_sync import shm_dir
 
 __all__ = ["LaunchError", "check_job_store", "free_port", "host_store", "launch", "rank_env", "sweep_shm"]
 
@@ -169,16 +170,13 @@ def launch(
     """
     if not callable(fn):
         raise TypeError(f"fn must be callable, got {type(fn).__name__}")
-    for name, v in (("world_size", world_size), ("nodes", nodes)):
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise ValueError(f"{name} must be a positive int, got {v!r}")
+    check_int(world_size, "world_size", at_least=1, want="a positive int")
+    check_int(nodes, "nodes", at_least=1, want="a positive int")
     if world_size % nodes:
         raise ValueError(f"world_size={world_size} is not a multiple of nodes={nodes}")
-    for name, v in (("timeout", timeout), ("deadline", deadline)):
-        if (v is not None or name == "timeout") and (
-            not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0
-        ):
-            raise ValueError(f"{name} must be a positive number of seconds, got {v!r}")
+    seconds = "a positive number of seconds"
+    check_number(timeout, "timeout", positive=True, finite=False, want=seconds)
+    check_number(deadline, "deadline", positive=True, finite=False, none_ok=True, want=seconds)
     extra = dict(env or {})
     bad = [k for k, v in extra.items() if not isinstance(k, str) or not isinstance(v, str)]
     if bad:

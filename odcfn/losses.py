@@ -20,13 +20,13 @@ The head unit calls ``head_stats`` (fp32 whatever the compute dtype).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from odcfn._check import check_number
 from odcfn.batch import Batch, Microbatch
 
 __all__ = [
@@ -106,9 +106,7 @@ class TokenLoss:
 
     def __post_init__(self) -> None:
         _check_mode(self.loss_agg_mode, self.loss_scale_factor)
-        t = self.temperature
-        if isinstance(t, bool) or not (isinstance(t, (int, float)) and 0 < t < math.inf):
-            raise ValueError(f"temperature must be > 0 (a finite number), got {t!r}")
+        check_number(self.temperature, "temperature", positive=True, want="> 0 (a finite number)")
 
     def required_extras(self) -> tuple[str, ...]:
         return ()
@@ -178,9 +176,8 @@ class PolicyGradient(TokenLoss):
     def __post_init__(self) -> None:
         super().__post_init__()
         for name in ("clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "kl_loss_coef", "entropy_coeff"):
-            v = getattr(self, name)  # a NaN/inf coefficient would only surface as a NaN loss mid-step
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-                raise ValueError(f"policy_gradient: {name} must be a finite number, got {v!r}")
+            # a NaN/inf coefficient would only surface as a NaN loss mid-step
+            check_number(getattr(self, name), f"policy_gradient: {name}")
         if self.kl_loss_type not in KL_TYPES:
             raise ValueError(
                 f"kl_loss_type={self.kl_loss_type!r} does not exist; expected one of {sorted(KL_TYPES)}"
@@ -257,9 +254,7 @@ class LogProbs:
     entropy: bool = False
 
     def __post_init__(self) -> None:
-        t = self.temperature
-        if isinstance(t, bool) or not (isinstance(t, (int, float)) and 0 < t < float("inf")):
-            raise ValueError(f"temperature must be > 0 (a finite number), got {self.temperature!r}")
+        check_number(self.temperature, "temperature", positive=True, want="> 0 (a finite number)")
 
     def weights(self, batch: Batch) -> None:
         return None

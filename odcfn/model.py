@@ -14,8 +14,9 @@ from typing import Any
 
 import torch
 
+from odcfn._check import check_int
 from odcfn.batch import Batch, Microbatch, pack
-from odcfn.tree import PyTree, tree_flatten_with_path, tree_map
+from odcfn.tree import PyTree, tree_flatten_with_path
 
 __all__ = ["Model", "Unit", "check_params", "reference_loss", "unit_inputs"]
 
@@ -57,8 +58,7 @@ class Model:
 
     def __post_init__(self) -> None:
         v = self.vocab_size
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-            raise ValueError(f"Model.vocab_size must be a positive int or None, got {v!r}")
+        check_int(v, "Model.vocab_size", at_least=1, none_ok=True, want="a positive int or None")
         names = [u.name for u in self.units]
         if len(set(names)) != len(names):
             raise ValueError(f"Model unit names must be unique, got {names}")
@@ -147,7 +147,3 @@ def reference_loss(model: Model, params: Mapping[str, PyTree], batch: Batch) -> 
         s = model.apply(params, pack(batch, [i]))
         total = s if total is None else total + s
     return total / batch.num_loss_tokens
-
-
-def zeros_like_shapes(shapes: PyTree, dtype: torch.dtype = torch.float32) -> PyTree:
-    return tree_map(lambda s: torch.zeros(tuple(s), dtype=dtype), shapes)

@@ -1,15 +1,14 @@
-"""Balancers, cost models and synthetic length samplers (pure Python, no ranks)."""
+"""Balancers (pure Python, no ranks): every sample once under the cap, against verl-style
+packing, brute-force optima and the paper's reference; plus the simulator's quality report."""
 
 from __future__ import annotations
 
 import itertools
-import statistics
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from odcfn.bench.slow import slow_model
 from odcfn.schedule.balance import (
     BALANCERS,
     _lpt,
@@ -25,18 +24,12 @@ from odcfn.schedule.balance import (
 )
 from odcfn.schedule.cost import (
     DEFAULT_COST,
-    QWEN25_7B,
-    ModelShape,
     QuadraticCost,
     TokenCost,
-    fit_quadratic,
-    flops_cost,
     microbatch_cost,
 )
-from odcfn.schedule.lengths import DATASETS, aime_rl, get_dataset, longalign
 from odcfn.schedule.refine import refine_loads
 from tests.mp_pool import mp_pool  # noqa: F401 - the session fixture (multi-process test)
-from tests.util import make_state
 
 COSTS = [DEFAULT_COST, TokenCost(), QuadraticCost(1.0, 0.0)]
 
@@ -251,257 +244,6 @@ def test_errors_name_the_culprit():
         get_balancer("nope")
     with pytest.raises(ValueError, match="dynamic"):
         get_balancer("work_stealing")
-
-
-# --- cost models ------------------------------------------------------------------------------
-
-
-def test_quadratic_and_microbatch_cost():
-    c = QuadraticCost(a=2.0, b=3.0)
-    assert c(10) == 2 * 100 + 3 * 10
-    assert microbatch_cost(c, [1, 2]) == (2 + 3) + (8 + 6)  # sum over samples, not (1+2)^2
-    assert c.scaled(0.5)(10) == 115.0
-    with pytest.raises(ValueError, match="QuadraticCost.a"):
-        QuadraticCost(-1.0, 1.0)
-    with pytest.raises(ValueError, match="a > 0 or b > 0"):
-        QuadraticCost(0.0, 0.0)
-
-
-def test_flops_cost_by_hand():
-    m = ModelShape(d_model=8, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=16, vocab_size=10)
-    # per layer: q 64 + k 32 + v 32 + o 64 = 192, mlp 3*8*16 = 384; head 80
-    assert m.matmul_params == 2 * (192 + 384) + 80
-    c = flops_cost(m)
-    assert c.b == 6 * m.matmul_params
-    assert c.a == 6 * 8 * 2
-    # Qwen2.5-7B: ~6.5B matmul params; attention matches the linear part at ~65K tokens
-    assert 6.0e9 < QWEN25_7B.matmul_params < 7.6e9
-    assert 50_000 < flops_cost(QWEN25_7B).b / flops_cost(QWEN25_7B).a < 80_000
-    assert DEFAULT_COST(1) == pytest.approx(1.0, rel=1e-4)
-
-
-def test_fit_quadratic_recovers_coefficients():
-    lengths = [64, 128, 256, 512, 1024]
-    times = [3e-9 * s * s + 2e-6 * s for s in lengths]
-    fit = fit_quadratic(lengths, times)
-    assert fit.a == pytest.approx(3e-9, rel=1e-6)
-    assert fit.b == pytest.approx(2e-6, rel=1e-6)
-    linear = fit_quadratic(lengths, [-1e-9 * s * s + 1e-3 * s for s in lengths])
-    assert linear.a == 0.0 and linear.b > 0  # constrained to non-negative coefficients
-    with pytest.raises(ValueError, match="distinct lengths"):
-        fit_quadratic([5, 5], [1.0, 1.0])
-
-
-def test_calibrate_on_the_real_model_is_positive_and_grows_with_length():
-    from odcfn.measure import calibrate
-    from odcfn.models import QwenConfig, init_params, qwen_model
-
-    cfg = QwenConfig(vocab_size=37, d_model=16, n_layers=1, n_heads=4, n_kv_heads=2, d_ff=24)
-    cost, fwd = calibrate(qwen_model(cfg), init_params(cfg), (32, 64, 128), vocab_size=37, repeats=1)
-    assert cost(128) > cost(32) > 0
-    assert 0.0 < fwd < 1.0
-
-
-# --- synthetic lengths ------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("name", sorted(DATASETS))
-def test_samplers_match_the_paper_means_and_are_deterministic(name):
-    ds = get_dataset(name)
-    lengths = ds.sample(20_000, seed=3)
-    assert statistics.mean(lengths) == pytest.approx(ds.paper_mean, rel=0.05)
-    assert max(lengths) <= ds.max_tokens
-    assert ds.sample(50, seed=1) == ds.sample(50, seed=1) != ds.sample(50, seed=2)
-
-
-def test_longalign_range_and_tail():
-    lengths = longalign(20_000, seed=0)
-    assert min(lengths) >= 8192 and max(lengths) <= 65536
-    assert statistics.median(lengths) < statistics.mean(lengths)  # right-skewed: a long tail
-
-
-def test_aime_wrong_answers_longer_and_truncation_spike():
-    right = statistics.mean(aime_rl(10_000, seed=0, p_correct=1.0))
-    wrong = statistics.mean(aime_rl(10_000, seed=0, p_correct=0.0))
-    assert 2.4 < wrong / right < 3.2
-    lengths = aime_rl(20_000, seed=0)
-    at_cap = sum(n >= 20480 + 100 for n in lengths) / len(lengths)
-    assert at_cap > 0.03  # the truncation spike: prompt + a response clipped at the cap
-    assert longalign(4, seed=0, scale=1 / 16) == tuple(round(n / 16) for n in longalign(4, seed=0))
-    with pytest.raises(ValueError, match="scale"):
-        longalign(3, scale=2.0)
-    with pytest.raises(ValueError, match="unknown dataset"):
-        get_dataset("c4")
-
-
-# --- work stealing in the real runtime (in-process ranks) ------------------------------------
-
-
-def _ws_grad_steps(world, lengths, steps=2, ranks_per_node=None, sharding="full", slowdown_of=None, **kw):
-    import torch
-
-    import odcfn
-    from odcfn.models import QwenConfig, init_params, qwen_model
-
-    cfg = QwenConfig(vocab_size=37, d_model=16, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=24)
-    model, full = qwen_model(cfg), init_params(cfg, seed=0)
-    batch = odcfn.random_batch(lengths, cfg.vocab_size, seed=1)
-
-    def fn(rank, tr):
-        torch.set_num_threads(1)
-        mesh = odcfn.Mesh(world, rank, ranks_per_node, sharding)
-        p = odcfn.shard(full, model, mesh)
-        out = []
-        mine = model if slowdown_of is None else slow_model(model, slowdown_of(rank))  # per thread
-        for _ in range(steps):  # the counters are fresh every step
-            g, m = odcfn.grad_step(make_state(p, mine, tr, **kw), batch)
-            out.append(({k: v.clone() for k, v in g.items()}, m))
-        return out
-
-    run = odcfn.run_local(fn, world, ranks_per_node=ranks_per_node, sharding=sharding, timeout=30)
-    return model, full, batch, run
-
-
-@pytest.mark.parametrize(
-    "world, lengths, rpn, sharding",
-    [
-        (1, [5, 9, 3, 7, 4, 11, 2], None, "full"),
-        (3, [5, 9, 3, 7, 4, 11, 2], None, "full"),
-        (4, [6, 10], 2, "hybrid"),  # two ranks never get a sample: they still meet at the sync
-    ],
-)
-@pytest.mark.parametrize("packed", [False, True])
-def test_runtime_work_stealing_matches_the_reference_and_runs_each_sample_once(
-    world, lengths, rpn, sharding, packed
-):
-    import math
-
-    import odcfn
-
-    # packed: LB-Mini's microbatches and no helping; else the default (sample by sample)
-    policy = odcfn.WorkStealing(split_cost=math.inf, tolerance=None) if packed else "work_stealing"
-    model, full, batch, out = _ws_grad_steps(
-        world,
-        lengths,
-        ranks_per_node=rpn,
-        sharding=sharding,
-        balance=policy,
-        max_tokens_per_microbatch=12,
-    )
-    loss_ref, g_ref = odcfn.reference_value_and_grad(model, full, batch)
-    mesh = odcfn.Mesh(world, 0, rpn, sharding)
-    for step in range(2):
-        plans = [out[r][step][1].plan for r in range(world)]
-        claimed = sorted(i for p in plans for mb in p.microbatches for i in mb)
-        assert claimed == list(range(len(lengths))), "every sample exactly once"
-        for r in range(world):
-            g, m = out[r][step]
-            # nothing collective but the replica all-reduce of hybrid sharding, inside the sync
-            assert m.counters.syncs == 1 and m.counters.collectives == (sharding == "hybrid")
-            assert m.loss == pytest.approx(float(loss_ref), rel=1e-5)
-            assert m.plan.count(type(m.plan.steps[-1])) == 1  # one Sync, at the end
-            odcfn.tree_assert_allclose(g, odcfn.shard(g_ref, model, mesh.with_rank(r)), rtol=1e-5, atol=1e-7)
-            fwd = {e.mb for e in m.events if e.kind == "forward"}
-            assert fwd == set(range(len(m.plan.microbatches)))
-
-
-def test_runtime_work_stealing_takes_work_from_a_slow_rank():
-    """Rank 1 computes 8x slower: rank 0 helps with rank 1's list (or steals it once its own is
-    done), the slow rank runs less than its LB-Mini list, and the gradients do not change."""
-    import odcfn
-    from odcfn.schedule import steal_plan
-
-    lengths = [9, 8, 7, 6, 5, 4, 3, 2]
-    kw = dict(balance="work_stealing", max_tokens_per_microbatch=9)
-
-    def slow(rank: int) -> float:
-        return 8.0 if rank == 1 else 1.0
-
-    model, full, batch, out = _ws_grad_steps(2, lengths, steps=1, slowdown_of=slow, **kw)
-    own = steal_plan(lengths, 2, 9, cost=odcfn.schedule.cost.DEFAULT_COST).lists
-    ran = [{i for mb in out[r][0][1].plan.microbatches for i in mb} for r in range(2)]
-    planned = [{i for mb in own[r] for i in mb} for r in range(2)]
-    assert ran[0] | ran[1] == set(range(len(lengths))) and not ran[0] & ran[1]
-    assert ran[0] & planned[1], "rank 0 ran some of the slow rank's samples"
-    assert ran[1] < planned[1]
-    loss_ref, g_ref = odcfn.reference_value_and_grad(model, full, batch)
-    for r in range(2):
-        g, m = out[r][0]
-        assert m.loss == pytest.approx(float(loss_ref), rel=1e-5)
-        odcfn.tree_assert_allclose(g, odcfn.shard(g_ref, model, odcfn.Mesh(2, r)), rtol=1e-5, atol=1e-7)
-
-
-def test_runtime_work_stealing_rejects_collective_and_oversized_samples():
-    with pytest.raises(ValueError, match="work_stealing.*comm='odc'"):
-        _ws_grad_steps(2, [3, 4], steps=1, balance="work_stealing", comm="collective")
-    with pytest.raises(ValueError, match="sample 1 has 9 tokens"):
-        _ws_grad_steps(2, [3, 9], steps=1, balance="work_stealing", max_tokens_per_microbatch=8)
-    import odcfn
-
-    def too_few_counters(rank, tr):
-        tr.max_counters = 5  # a transport with room for fewer counters than 2 ranks x 3 samples need
-        mesh = odcfn.Mesh(2, rank)
-        p = odcfn.shard(init_params(cfg, seed=0), model, mesh)
-        batch = odcfn.random_batch([3, 4, 5], cfg.vocab_size, seed=1)
-        before = tr.counters.copy()
-        with pytest.raises(ValueError, match="needs 11 shared counters.*has 5"):
-            odcfn.grad_step(make_state(p, model, tr, balance="work_stealing"), batch)
-        return (tr.counters - before).as_dict()
-
-    from odcfn.models import QwenConfig, init_params, qwen_model
-
-    cfg = QwenConfig(vocab_size=37, d_model=16, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=24)
-    model = qwen_model(cfg)
-    assert all(not any(c.values()) for c in odcfn.run_local(too_few_counters, 2, timeout=30))
-    with pytest.raises(ValueError, match="WorkStealing.tolerance"):
-        odcfn.WorkStealing(tolerance=-1.0)
-    with pytest.raises(ValueError, match="WorkStealing.split_cost"):
-        odcfn.WorkStealing(split_cost=float("nan"))
-
-
-def shm_stealing_worker(lengths, cap, slow_rank):
-    """Two work-stealing grad_steps on a ShmTransport (multi-process, counters in /dev/shm)."""
-    import odcfn
-    from odcfn.kernels.shm import ShmTransport
-    from odcfn.models import QwenConfig, init_params, qwen_model
-
-    cfg = QwenConfig(vocab_size=37, d_model=16, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=24)
-    model, full = qwen_model(cfg), init_params(cfg, seed=0)
-    batch = odcfn.random_batch(lengths, cfg.vocab_size, seed=1)
-    mesh = odcfn.Mesh.from_env()
-    out = []
-    with ShmTransport(mesh, timeout=30) as tr:
-        for _ in range(2):
-            mine = slow_model(model, 2.0 if mesh.rank == slow_rank else 1.0)
-            state = make_state(full, mine, tr, balance="work_stealing", max_tokens_per_microbatch=cap)
-            g, m = odcfn.grad_step(state, batch)
-            grads = {k: v.detach().clone().numpy() for k, v in g.items()}
-            out.append((grads, m.loss, m.plan.microbatches, m.counters.syncs))
-    return out
-
-
-def test_shm_work_stealing_across_processes(mp_pool):  # noqa: F811
-    import torch
-
-    import odcfn
-    from odcfn.models import QwenConfig, init_params, qwen_model
-
-    lengths, world = [5, 9, 3, 7, 4, 11, 2, 6], 2
-    out = mp_pool.run(shm_stealing_worker, world, args=(lengths, 12, 1))
-    cfg = QwenConfig(vocab_size=37, d_model=16, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=24)
-    model, full = qwen_model(cfg), init_params(cfg, seed=0)
-    loss, g_ref = odcfn.reference_value_and_grad(model, full, odcfn.random_batch(lengths, 37, seed=1))
-    mesh = odcfn.Mesh(world, 0)
-    for step in range(2):
-        claimed = sorted(i for r in range(world) for mb in out[r][step][2] for i in mb)
-        assert claimed == list(range(len(lengths)))
-        for r in range(world):
-            grads, got_loss, _, syncs = out[r][step]
-            assert syncs == 1 and got_loss == pytest.approx(float(loss), rel=1e-5)
-            want = odcfn.shard(g_ref, model, mesh.with_rank(r))
-            odcfn.tree_assert_allclose(
-                {k: torch.from_numpy(v) for k, v in grads.items()}, want, rtol=1e-5, atol=1e-7
-            )
 
 
 def test_simulate_quality_reports_both_balancers_over_the_bound(capsys):

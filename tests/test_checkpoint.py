@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import odcfn
-from odcfn.checkpoint.sharded import latest, load, read_manifest, save
+from odcfn.checkpoint.sharded import latest, read_manifest, read_shards, write_shards
 from odcfn.models import QwenConfig, init_params, qwen_model
 
 # 2 layers, odd sizes so shards need padding for W = 2, 3, 4
@@ -56,7 +56,7 @@ def _full(states, W, which):
 def _save_all(path, states, W, step, extra=None):
     def fn(rank, tr):
         p, o = states[rank]
-        return save(path, p, o, step, model=MODEL, mesh=odcfn.Mesh(W, rank), extra=extra)
+        return write_shards(path, p, o, step, model=MODEL, mesh=odcfn.Mesh(W, rank), extra=extra)
 
     odcfn.run_local(fn, W)
 
@@ -73,7 +73,7 @@ def test_round_trip_same_world_is_exact(tmp_path):
     doc = read_manifest(tmp_path / "ck")
     assert doc["step"] == 2 and doc["extra"] == {"epoch": 0, "cursor": 4}
     for r in range(W):
-        p, o, step = load(tmp_path / "ck", model=MODEL, mesh=odcfn.Mesh(W, r))
+        p, o, step = read_shards(tmp_path / "ck", model=MODEL, mesh=odcfn.Mesh(W, r))
         assert step == 2
         assert o["count"] == states[r][1]["count"] == 2
         for k in p:
@@ -87,7 +87,7 @@ def test_reshard_on_load(tmp_path, W_new):
     W = 2
     states = _trained_state(W, steps=1)
     _save_all(tmp_path / "ck", states, W, step=1)
-    loaded = [load(tmp_path / "ck", model=MODEL, mesh=odcfn.Mesh(W_new, r)) for r in range(W_new)]
+    loaded = [read_shards(tmp_path / "ck", model=MODEL, mesh=odcfn.Mesh(W_new, r)) for r in range(W_new)]
     for which in (None, "mu", "nu"):
         want = _full(states, W, which)
         got = odcfn.unshard(
@@ -109,7 +109,7 @@ def test_hybrid_mesh_saves_node0_and_loads_full(tmp_path):
         mesh = odcfn.Mesh(4, rank, 2, "hybrid")
         p = odcfn.shard(FULL, MODEL, mesh)
         p, o = _train_h(p, rank, tr, mesh)
-        save(tmp_path / "h", p, o, 1, model=MODEL, mesh=mesh)
+        write_shards(tmp_path / "h", p, o, 1, model=MODEL, mesh=mesh)
         return p
 
     out = odcfn.run_local(fn, 4, ranks_per_node=2, sharding="hybrid")
@@ -119,7 +119,7 @@ def test_hybrid_mesh_saves_node0_and_loads_full(tmp_path):
     ]
     want = odcfn.unshard(out[:2], MODEL, odcfn.Mesh(4, 0, 2, "hybrid"))
     got = odcfn.unshard(
-        [load(tmp_path / "h", model=MODEL, mesh=odcfn.Mesh(3, r))[0] for r in range(3)],
+        [read_shards(tmp_path / "h", model=MODEL, mesh=odcfn.Mesh(3, r))[0] for r in range(3)],
         MODEL,
         odcfn.Mesh(3),
     )
@@ -146,10 +146,10 @@ def test_resume_is_bit_identical(tmp_path, comm):
     def first_half(rank, tr):
         p = odcfn.shard(FULL, MODEL, odcfn.Mesh(W, rank))
         p, o = _train(p, odcfn.adamw(1e-2).init(p), range(cut), rank, tr, W, comm)
-        save(tmp_path / "ck", p, o, cut, model=MODEL, mesh=odcfn.Mesh(W, rank))
+        write_shards(tmp_path / "ck", p, o, cut, model=MODEL, mesh=odcfn.Mesh(W, rank))
 
     def second_half(rank, tr):  # a fresh "process": state only from disk
-        p, o, step = load(tmp_path / "ck", model=MODEL, mesh=odcfn.Mesh(W, rank))
+        p, o, step = read_shards(tmp_path / "ck", model=MODEL, mesh=odcfn.Mesh(W, rank))
         return _train(p, o, range(step, total), rank, tr, W, comm)
 
     ref = odcfn.run_local(uninterrupted, W)
@@ -169,14 +169,14 @@ def test_uncommitted_checkpoint_is_rejected_and_latest_skips_it(tmp_path):
     W = 1
     p = odcfn.shard(FULL, MODEL, odcfn.Mesh(1))
     o = odcfn.sgd(0.1, momentum=0.9).init(p)
-    save(tmp_path / "step-1", p, o, 1, model=MODEL, mesh=odcfn.Mesh(W))
-    save(tmp_path / "step-3", p, o, 3, model=MODEL, mesh=odcfn.Mesh(W))
-    save(tmp_path / "step-2", p, o, 2, model=MODEL, mesh=odcfn.Mesh(W))
+    write_shards(tmp_path / "step-1", p, o, 1, model=MODEL, mesh=odcfn.Mesh(W))
+    write_shards(tmp_path / "step-3", p, o, 3, model=MODEL, mesh=odcfn.Mesh(W))
+    write_shards(tmp_path / "step-2", p, o, 2, model=MODEL, mesh=odcfn.Mesh(W))
     assert latest(tmp_path).name == "step-3"
     (tmp_path / "step-3" / "manifest.json").unlink()  # as if rank 0 died before committing
     assert latest(tmp_path).name == "step-2"
     with pytest.raises(FileNotFoundError, match="not a committed odcfn checkpoint"):
-        load(tmp_path / "step-3", model=MODEL, mesh=odcfn.Mesh(W))
+        read_shards(tmp_path / "step-3", model=MODEL, mesh=odcfn.Mesh(W))
     assert latest(tmp_path / "nothing-here") is None
     # no temp files left behind by the atomic writes
     assert not [f for f in tmp_path.rglob(".*tmp*")]
@@ -185,7 +185,7 @@ def test_uncommitted_checkpoint_is_rejected_and_latest_skips_it(tmp_path):
 def test_missing_rank_file_times_out_with_a_clear_error(tmp_path):
     p = odcfn.shard(FULL, MODEL, odcfn.Mesh(2, 0))
     with pytest.raises(TimeoutError, match=r"files of ranks \[1\] for step 1"):
-        save(tmp_path / "ck", p, {}, 1, model=MODEL, mesh=odcfn.Mesh(2, 0), timeout=0.2)
+        write_shards(tmp_path / "ck", p, {}, 1, model=MODEL, mesh=odcfn.Mesh(2, 0), timeout=0.2)
     assert list(tmp_path.iterdir()) == []  # neither the checkpoint nor its staging directory
 
 
@@ -197,38 +197,40 @@ def test_overwriting_needs_consent_and_a_failed_overwrite_keeps_the_old_checkpoi
     before = {f.name: f.read_bytes() for f in (tmp_path / "ck").iterdir()}
     p, o = states[0]
     with pytest.raises(FileExistsError, match="overwrite=True"):
-        save(tmp_path / "ck", p, o, 2, model=MODEL, mesh=odcfn.Mesh(2, 0))
+        write_shards(tmp_path / "ck", p, o, 2, model=MODEL, mesh=odcfn.Mesh(2, 0))
     with pytest.raises(TimeoutError, match=r"files of ranks \[1\] for step 2"):
-        save(tmp_path / "ck", p, o, 2, model=MODEL, mesh=odcfn.Mesh(2, 0), timeout=0.2, overwrite=True)
+        write_shards(
+            tmp_path / "ck", p, o, 2, model=MODEL, mesh=odcfn.Mesh(2, 0), timeout=0.2, overwrite=True
+        )
     assert {f.name: f.read_bytes() for f in (tmp_path / "ck").iterdir()} == before
-    assert load(tmp_path / "ck", model=MODEL, mesh=odcfn.Mesh(2, 0))[2] == 1
+    assert read_shards(tmp_path / "ck", model=MODEL, mesh=odcfn.Mesh(2, 0))[2] == 1
     assert [f.name for f in tmp_path.iterdir()] == ["ck"]  # no staging directory left
 
 
 def test_load_rejects_a_different_model(tmp_path):
     p = odcfn.shard(FULL, MODEL, odcfn.Mesh(1))
-    save(tmp_path / "ck", p, {}, 0, model=MODEL, mesh=odcfn.Mesh(1))
+    write_shards(tmp_path / "ck", p, {}, 0, model=MODEL, mesh=odcfn.Mesh(1))
     other = qwen_model(QwenConfig(vocab_size=37, d_model=16, n_layers=3, n_heads=4, n_kv_heads=2, d_ff=24))
     with pytest.raises(ValueError, match="units"):
-        load(tmp_path / "ck", model=other, mesh=odcfn.Mesh(1))
+        read_shards(tmp_path / "ck", model=other, mesh=odcfn.Mesh(1))
     wider = qwen_model(QwenConfig(vocab_size=38, d_model=16, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=24))
     with pytest.raises(ValueError, match="unit 'embed'"):
-        load(tmp_path / "ck", model=wider, mesh=odcfn.Mesh(1))
+        read_shards(tmp_path / "ck", model=wider, mesh=odcfn.Mesh(1))
     doc = json.loads((tmp_path / "ck" / "manifest.json").read_text())
     doc["format"] = "something-else"
     (tmp_path / "ck" / "manifest.json").write_text(json.dumps(doc))
     with pytest.raises(ValueError, match="not an odcfn checkpoint"):
-        load(tmp_path / "ck", model=MODEL, mesh=odcfn.Mesh(1))
+        read_shards(tmp_path / "ck", model=MODEL, mesh=odcfn.Mesh(1))
 
 
 def test_save_rejects_bad_input(tmp_path):
     p = odcfn.shard(FULL, MODEL, odcfn.Mesh(1))
     with pytest.raises(ValueError, match="step"):
-        save(tmp_path / "a", p, {}, -1, model=MODEL, mesh=odcfn.Mesh(1))
+        write_shards(tmp_path / "a", p, {}, -1, model=MODEL, mesh=odcfn.Mesh(1))
     with pytest.raises(ValueError, match="shape"):
-        save(tmp_path / "b", p, {}, 0, model=MODEL, mesh=odcfn.Mesh(2, 0))
+        write_shards(tmp_path / "b", p, {}, 0, model=MODEL, mesh=odcfn.Mesh(2, 0))
     with pytest.raises(TypeError, match="cannot save a set"):
-        save(tmp_path / "c", p, {"odd": {1, 2}}, 0, model=MODEL, mesh=odcfn.Mesh(1))
+        write_shards(tmp_path / "c", p, {"odd": {1, 2}}, 0, model=MODEL, mesh=odcfn.Mesh(1))
 
 
 def test_replicated_tensors_and_nested_state_round_trip(tmp_path):
@@ -241,8 +243,8 @@ def test_replicated_tensors_and_nested_state_round_trip(tmp_path):
         "scale": torch.tensor([2.0, 3.0]),
         "inner": ({"m": {k: v * 2 for k, v in p.items()}}, [1, 2]),
     }
-    save(tmp_path / "ck", p, state, 5, model=MODEL, mesh=odcfn.Mesh(1))
-    _, o, step = load(tmp_path / "ck", model=MODEL, mesh=odcfn.Mesh(2, 1))
+    write_shards(tmp_path / "ck", p, state, 5, model=MODEL, mesh=odcfn.Mesh(1))
+    _, o, step = read_shards(tmp_path / "ck", model=MODEL, mesh=odcfn.Mesh(2, 1))
     assert step == 5 and o["count"] == 7 and o["lr"] == 0.5 and o["name"] == "x" and o["flag"] is None
     assert torch.equal(o["scale"], state["scale"])
     assert isinstance(o["inner"], tuple) and o["inner"][1] == [1, 2]
@@ -271,12 +273,12 @@ def test_reshard_property(w_old, w_new, vocab, layers, seed):
         def fn(rank, tr):
             mesh = odcfn.Mesh(w_old, rank)
             p, m = odcfn.shard(full, model, mesh), odcfn.shard(moment, model, mesh)
-            save(d, p, {"count": 3, "m": m}, 3, model=model, mesh=mesh)
+            write_shards(d, p, {"count": 3, "m": m}, 3, model=model, mesh=mesh)
 
         odcfn.run_local(fn, w_old)
         for r in range(w_new):
             mesh = odcfn.Mesh(w_new, r)
-            p, o, step = load(d, model=model, mesh=mesh)
+            p, o, step = read_shards(d, model=model, mesh=mesh)
             assert step == 3 and o["count"] == 3
             odcfn.tree_assert_allclose(p, odcfn.shard(full, model, mesh), rtol=0, atol=0)
             odcfn.tree_assert_allclose(o["m"], odcfn.shard(moment, model, mesh), rtol=0, atol=0)

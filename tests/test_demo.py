@@ -9,6 +9,7 @@ import json
 import pytest
 
 from odcfn import demo
+from odcfn.schedule.policy import HEADLINE
 
 TINY = ["--d-model", "16", "--n-layers", "1", "--length-scale", "1024", "--samples-per-rank", "2",
         "--steps", "1", "--warmup", "0", "--no-progress"]
@@ -23,12 +24,12 @@ def _run(argv):
 def test_demo_prints_the_table_and_writes_trace_and_png(tmp_path, capsys):
     assert _run([*TINY, "--backend", "thread", "--out-dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    for policy in demo.DEMO_POLICIES:
+    for policy in HEADLINE:
         assert policy in out
     assert "losses match across the three runs: yes" in out
     trace = json.loads((tmp_path / "demo_trace.json").read_text())
     procs = {e["args"]["name"] for e in trace["traceEvents"] if e.get("name") == "process_name"}
-    assert procs == {f"{p} / rank {r}" for p in demo.DEMO_POLICIES for r in (0, 1)}
+    assert procs == {f"{p} / rank {r}" for p in HEADLINE for r in (0, 1)}
     kinds = {e["cat"] for e in trace["traceEvents"] if e["ph"] == "X"}
     assert {"forward", "backward", "sync"} <= kinds
     assert str(tmp_path / "demo_trace.json") in out

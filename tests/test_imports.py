@@ -76,3 +76,47 @@ def test_no_import_circles():
 def test_the_checker_finds_a_circle():
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _cycle({"a": {"b"}, "b": set()}) is None
+
+
+def _private_reaches(mods: dict[str, Path]) -> list[str]:
+    """Imports of a private name (``_x``) from another module, or of a private module from
+    outside the package that holds it: what a second file needs should be public, or both users
+    should live in one package."""
+
+    def private(seg: str) -> bool:
+        return seg.startswith("_") and not seg.startswith("__")
+
+    bad = []
+    for mod, path in mods.items():
+        pkg = mod if path.name == "__init__.py" else mod.rsplit(".", 1)[0]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, ast.ImportFrom) or not (node.module or "").startswith("odcfn"):
+                continue
+            segs = node.module.split(".")
+            # a private module is private to the package that holds it (and its subpackages)
+            if any(private(s) and not mod.startswith(".".join(segs[:i]) + ".") for i, s in enumerate(segs)):
+                bad.append(f"{mod} imports {node.module}")
+                continue
+            for a in node.names:
+                sub = f"{node.module}.{a.name}"
+                if private(a.name) and not (sub in mods and node.module == pkg):
+                    bad.append(f"{mod} imports {sub}")
+    return sorted(set(bad))
+
+
+def test_no_private_names_cross_files():
+    assert _private_reaches(_modules()) == []
+
+
+def test_the_private_checker_finds_a_reach(tmp_path):
+    pkg = tmp_path / "odcfn"
+    (pkg / "a").mkdir(parents=True)
+    (pkg / "a" / "m.py").write_text("def _x(): ...\n")
+    (pkg / "a" / "_p.py").write_text("")
+    (pkg / "a" / "n.py").write_text("from odcfn.a import _p\n")  # same package: fine
+    (pkg / "b.py").write_text("from odcfn.a.m import _x\nfrom odcfn.a._p import y\n")
+    (pkg / "a" / "s").mkdir()
+    (pkg / "a" / "s" / "k.py").write_text("from odcfn.a._p import y\n")  # a subpackage: fine
+    mods = {"odcfn.a.m": pkg / "a" / "m.py", "odcfn.a._p": pkg / "a" / "_p.py",
+            "odcfn.a.n": pkg / "a" / "n.py", "odcfn.b": pkg / "b.py", "odcfn.a.s.k": pkg / "a" / "s" / "k.py"}
+    assert _private_reaches(mods) == ["odcfn.b imports odcfn.a._p", "odcfn.b imports odcfn.a.m._x"]

@@ -13,7 +13,7 @@ import torch
 
 import odcfn
 from odcfn import cli
-from odcfn.checkpoint.sharded import load, read_manifest
+from odcfn.checkpoint.sharded import read_manifest, read_shards
 from odcfn.data.records import synthetic_records, write_jsonl
 from odcfn.models import QwenConfig, qwen_model
 from odcfn.sft.config import config_from_dict, load_config
@@ -70,7 +70,9 @@ def _final_params(tmp_path, world=2):
     model = qwen_model(QCFG)
     ck = tmp_path / "out" / "checkpoints" / "step-00000006"
     return odcfn.unshard(
-        [load(ck, model=model, mesh=odcfn.Mesh(world, r))[0] for r in range(world)], model, odcfn.Mesh(world)
+        [read_shards(ck, model=model, mesh=odcfn.Mesh(world, r))[0] for r in range(world)],
+        model,
+        odcfn.Mesh(world),
     )
 
 
@@ -149,7 +151,7 @@ def test_export_hf_and_json_config(tmp_path):
     assert qcfg == QCFG
     model = qwen_model(QCFG)
     ck = tmp_path / "out" / "checkpoints" / "step-00000002"
-    want = odcfn.unshard([load(ck, model=model, mesh=odcfn.Mesh(1))[0]], model, odcfn.Mesh(1))
+    want = odcfn.unshard([read_shards(ck, model=model, mesh=odcfn.Mesh(1))[0]], model, odcfn.Mesh(1))
     odcfn.tree_assert_allclose(params, want, rtol=0, atol=0)
 
 
@@ -215,7 +217,7 @@ def test_processes_backend(tmp_path):
     model = qwen_model(QCFG)
     ck = tmp_path / "out" / "checkpoints" / "step-00000002"
     want = odcfn.unshard(
-        [load(ck, model=model, mesh=odcfn.Mesh(2, r))[0] for r in range(2)], model, odcfn.Mesh(2)
+        [read_shards(ck, model=model, mesh=odcfn.Mesh(2, r))[0] for r in range(2)], model, odcfn.Mesh(2)
     )
     odcfn.tree_assert_allclose(from_hf(tmp_path / "hf-out")[1], want, rtol=0, atol=0)
     # and it matches the in-process run of the same config step for step

@@ -15,10 +15,10 @@ import pytest
 import torch
 
 import odcfn
-from odcfn.kernels._shm_sync import RangeLock, Segment, pid_alive, shm_dir, wait_until
 from odcfn.kernels.base import TransportError, supports_odc
 from odcfn.kernels.collective import CollectiveTransport, TorchCollectives
 from odcfn.kernels.shm import ShmTransport
+from odcfn.kernels.shm_sync import RangeLock, Segment, pid_alive, shm_dir, wait_until
 from odcfn.launch import LaunchError, launch
 from odcfn.model import Model, Unit
 from odcfn.sharding import make_layout

@@ -17,7 +17,6 @@ from pathlib import Path
 
 SCHEMA = "odcfn.bench/1"
 SECTIONS = ("end_to_end", "balanced", "fsdp2", "primitives", "simulator", "straggler", "rl", "lora")
-E2E_POLICIES = ("collective+lb-micro", "odc+lb-mini", "odc+work-stealing")
 STRAGGLER_SLOWDOWN = 1.5
 
 

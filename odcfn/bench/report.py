@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from odcfn.bench.runner import step_records
-from odcfn.bench.workload import POLICIES
+from odcfn.schedule.policy import SCHEDULES
 from odcfn.trace import Event, bubble_rate
 
 __all__ = [
@@ -50,7 +50,7 @@ def policy_summary(per_rank: Sequence[Sequence[dict]], policy: str) -> dict:
                if e[0] in ("forward", "backward"))
     return {
         "policy": policy,
-        "comm": POLICIES[policy].comm,
+        "comm": SCHEDULES[policy].comm,
         "balancer": steps[-1][0]["balancer"],
         "minibatches": len(steps),
         "samples": samples,

@@ -84,14 +84,14 @@ def log_prob_cost(w, steps: int, warmup: int, cost, backend: str) -> dict:
 def section(ctx, sim_devices=(8, 64, 1024)) -> dict:
     """GRPO updates on AIME-RL-like rollouts: the three contenders side by side, the log-prob
     pass against a train step on the same minibatches, and the simulator at scale."""
-    from odcfn.bench.sections import _compare
+    from odcfn.bench.sections import compare_policies
 
     w = ctx.workload.with_(dataset="aime-rl", length_scale=max(1, ctx.workload.length_scale // 2))
     ctx.log(f"   AIME-RL-like lengths / {w.length_scale}, groups of {w.group_size}, "
             f"{w.samples_per_rank} samples per rank, loss {rl_loss()}")
     from odcfn.bench.runner import step_records
 
-    res, per_rank = _compare(ctx, w, RL_POLICIES)
+    res, per_rank = compare_policies(ctx, w, RL_POLICIES)
     # verl's constraint, visible: samples each rank ran, per timed minibatch
     res["samples_per_rank_by_step"] = {
         p: [[sum(len(mb) for mb in r["microbatches"]) for r in recs] for recs in step_records(per_rank, p)]

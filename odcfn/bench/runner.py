@@ -19,9 +19,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from odcfn.bench.workload import POLICIES, Policy, Workload, make_batch
+from odcfn.bench.workload import Workload, make_batch
 from odcfn.models import init_params, qwen_model
 from odcfn.optim import adamw
+from odcfn.schedule.policy import SCHEDULES, Schedule
 from odcfn.sharding import Mesh, shard
 
 __all__ = ["RunSpec", "available_backends", "pick_backend", "run"]
@@ -30,7 +31,7 @@ __all__ = ["RunSpec", "available_backends", "pick_backend", "run"]
 @dataclass(frozen=True)
 class RunSpec:
     workload: Workload
-    policies: tuple[str, ...]  # keys of POLICIES
+    policies: tuple[str, ...]  # keys of SCHEDULES
     steps: int = 3  # timed minibatches per policy
     warmup: int = 1  # untimed minibatches per policy first (allocations, first-touch of shm)
     slowdown: tuple[float, ...] = ()  # per-rank compute slowdown (1.5 = a 1.5x slower device)
@@ -41,9 +42,9 @@ class RunSpec:
     cost: object | None = None  # a CostModel (picklable) for every balancer; None: the default
 
     def __post_init__(self) -> None:
-        unknown = [p for p in self.policies if p not in POLICIES]
+        unknown = [p for p in self.policies if p not in SCHEDULES]
         if unknown:
-            raise ValueError(f"unknown policies {unknown}; known: {sorted(POLICIES)}")
+            raise ValueError(f"unknown policies {unknown}; known: {sorted(SCHEDULES)}")
         if self.steps < 1 or self.warmup < 0:
             raise ValueError(
                 f"RunSpec needs steps >= 1 and warmup >= 0, got {self.steps}, {self.warmup}"
@@ -91,7 +92,7 @@ def _rank_loop(spec: RunSpec, mesh: Mesh, transport, barrier: Callable[[], None]
     full = init_params(w.model, seed=w.seed)
     state = {}
     for name in spec.policies:
-        pol = POLICIES[name]
+        pol = SCHEDULES[name]
         # every rank binds the same cost model, so every rank computes the same assignment
         # (static balancers) or the same work-stealing lists
         config = StepConfig(
@@ -109,7 +110,7 @@ def _rank_loop(spec: RunSpec, mesh: Mesh, transport, barrier: Callable[[], None]
         batch = make_batch(w, step)
         k = step % len(spec.policies)
         for name in spec.policies[k:] + spec.policies[:k]:
-            pol: Policy = POLICIES[name]
+            pol: Schedule = SCHEDULES[name]
             barrier()
             t0, c0 = time.perf_counter(), time.process_time()
             state[name], m = train.train_step(state[name], batch)

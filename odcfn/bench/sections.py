@@ -16,11 +16,11 @@ from odcfn.bench.report import (
 )
 from odcfn.bench.runner import RunSpec, run
 from odcfn.bench.workload import Workload
+from odcfn.schedule.policy import HEADLINE
 
 __all__ = ["Context", "balanced", "end_to_end", "fill_ratios", "fsdp2", "primitives",
            "render", "simulator", "straggler"]
 
-E2E = ("collective+lb-micro", "odc+lb-mini", "odc+work-stealing")
 BALANCED = ("collective+lb-micro", "odc+lb-mini")
 
 
@@ -41,7 +41,7 @@ class Context:
         return self.calibration[0] if self.calibration else None
 
 
-def _compare(ctx: Context, w: Workload, policies: Sequence[str], slowdown=()) -> tuple[dict, list]:
+def compare_policies(ctx: Context, w: Workload, policies: Sequence[str], slowdown=()) -> tuple[dict, list]:
     spec = RunSpec(w, tuple(policies), steps=ctx.steps, warmup=ctx.warmup, slowdown=tuple(slowdown),
                    progress=ctx.progress, cost=ctx.cost)
     per_rank = run(spec, ctx.backend)
@@ -56,14 +56,14 @@ def end_to_end(ctx: Context, samples_per_rank: Sequence[int]) -> dict:
     out = {}
     for n in samples_per_rank:
         ctx.log(f"   {n} samples per rank")
-        res, per_rank = _compare(ctx, ctx.workload.with_(samples_per_rank=n), E2E)
+        res, per_rank = compare_policies(ctx, ctx.workload.with_(samples_per_rank=n), HEADLINE)
         ctx.records[n] = per_rank
         out[str(n)] = res
     return {"by_samples_per_rank": out}
 
 
 def balanced(ctx: Context) -> dict:
-    res, _ = _compare(ctx, ctx.workload.with_(balanced=True), BALANCED)
+    res, _ = compare_policies(ctx, ctx.workload.with_(balanced=True), BALANCED)
     return res
 
 
@@ -72,7 +72,7 @@ def straggler(ctx: Context, factor: float) -> dict:
     slow = (1.0,) * (W - 1) + (factor,)
     ctx.log(f"   rank {W - 1} emulates a {factor}x slower device (odcfn.bench.slow_model): each unit's "
             f"forward and backward take {factor:g}x as long")
-    res, per_rank = _compare(ctx, ctx.workload, E2E, slow)
+    res, per_rank = compare_policies(ctx, ctx.workload, HEADLINE, slow)
     ctx.straggler_records = (per_rank, slow)
     res["slowdown_per_rank"] = list(slow)
     res["emulation"] = (f"rank {W - 1} runs odcfn.bench.slow_model(model, {factor:g}): every unit's forward "
@@ -114,11 +114,11 @@ def simulator(ctx: Context, report: dict) -> dict:
         return {"skipped": f"needs the end_to_end run at {n} samples per rank"}
     prim = report.get("primitives")
     prim = prim if isinstance(prim, dict) and "gbps" in prim else None
-    out = compare(ctx.records[n], ctx.workload, E2E, calibration=ctx.calibration, primitives=prim,
+    out = compare(ctx.records[n], ctx.workload, HEADLINE, calibration=ctx.calibration, primitives=prim,
                   run_cost=ctx.cost)
     if ctx.straggler_records is not None:  # the slowdown model, checked the same way
         per_rank, slow = ctx.straggler_records
-        st = compare(per_rank, ctx.workload, E2E, calibration=ctx.calibration, primitives=prim,
+        st = compare(per_rank, ctx.workload, HEADLINE, calibration=ctx.calibration, primitives=prim,
                      slowdown=slow, run_cost=ctx.cost, with_extrapolation=False)
         out["straggler"] = {k: st[k] for k in ("policies", "rows", "in_situ_fit",
                                                 "simulated_over_measured_step_time",

@@ -14,7 +14,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from odcfn.bench.runner import step_records
-from odcfn.bench.workload import POLICIES, Workload, make_lengths
+from odcfn.bench.workload import Workload, make_lengths
+from odcfn.schedule.policy import SCHEDULES
 
 __all__ = ["calibrate_cost", "compare", "extrapolate"]
 
@@ -105,7 +106,7 @@ def _simulate_step(recs, policy, cost, sim_w, comm, cap, slowdown=None, run_cost
             lengths, W, workload=sim_w, cost=cost, **_stealing(lengths, W, cap, run_cost),
             comm=comm, slowdown=slowdown, record=False).makespan
     assignment = tuple(tuple(tuple(mb) for mb in r["microbatches"]) for r in recs)
-    plans = [compile_plan(sim_w.units, assignment, r, POLICIES[policy].comm) for r in range(W)]
+    plans = [compile_plan(sim_w.units, assignment, r, SCHEDULES[policy].comm) for r in range(W)]
     return simulate(plans, lengths, workload=sim_w, cost=cost, comm=comm, slowdown=slowdown,
                     record=False).makespan
 
@@ -190,7 +191,7 @@ def compare(per_rank, w: Workload, policies: Sequence[str], *, primitives: dict 
     rows, per_policy = [], {}
     tot = {"in_situ": 0.0, "offline": 0.0, "measured": 0.0}
     for policy in policies:
-        comm = comms[POLICIES[policy].comm]
+        comm = comms[SCHEDULES[policy].comm]
         ins, off, meas = [], [], []
         for recs in steps[policy]:
             c, sw = fits[recs[0]["step"]]
@@ -236,7 +237,7 @@ def extrapolate(w: Workload, cost, sim_w, comms, devices=(2, 8, 16, 32), samples
             wd = w.with_(world_size=D, samples_per_rank=n)
             row = {"devices": D, "samples_per_device": n}
             for policy in ("collective+lb-micro", "odc+lb-mini", "odc+work-stealing"):
-                pol = POLICIES[policy]
+                pol = SCHEDULES[policy]
                 t = samples = 0.0
                 for step in range(minibatches):
                     lengths = make_lengths(wd, 1000 + step)

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from odcfn._check import check_number
 from odcfn.model import Model, Unit
 from odcfn.tree import tree_leaves, tree_map
 
@@ -69,8 +70,7 @@ def _slow_fwd(unit: Unit, factor: float):  # noqa: ANN202 - a UnitFn
 
 def slow_model(model: Model, factor: float) -> Model:
     """``model`` with every unit ``factor`` x slower in forward and backward (``factor >= 1``)."""
-    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor >= 1.0:
-        raise ValueError(f"slow_model: factor must be a number >= 1.0, got {factor!r}")
+    check_number(factor, "slow_model: factor", at_least=1.0, want="a number >= 1.0")
     if factor == 1.0:
         return model
     return replace(model, units=tuple(replace(u, fwd=_slow_fwd(u, float(factor))) for u in model.units))

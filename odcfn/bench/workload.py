@@ -7,17 +7,13 @@ Every rank builds the same minibatches from (seed, step) alone, so no data moves
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from odcfn.batch import Batch, random_batch
 from odcfn.models import QwenConfig
 from odcfn.schedule.lengths import LONGALIGN_MAX, longalign
-from odcfn.schedule.policy import SCHEDULES, Schedule
 
 __all__ = [
-    "POLICIES",
-    "Policy",
     "Workload",
     "make_batch",
     "make_lengths",
@@ -28,11 +24,6 @@ __all__ = [
 # LongAlign's SFT lengths span 8K-64K tokens with a mean of ~16.5K (the ODC paper's Table/Fig.);
 # divided by ``Workload.length_scale`` so a sample costs ~0.1-3 s of CPU per step.
 LONGALIGN_MEAN = 16500
-
-
-# The registry of (comm, balance) pairs lives in the schedule layer; the bench reads it.
-Policy = Schedule
-POLICIES = SCHEDULES
 
 
 def model_config(d_model: int = 128, n_layers: int = 4, vocab_size: int = 512) -> QwenConfig:
@@ -121,12 +112,3 @@ def make_batch(w: Workload, step: int) -> Batch:
         return rl_batch(w.samples_per_step, w.group_size, w.length_scale, w.model.vocab_size,
                         w.seed * 100_003 + step)
     return random_batch(make_lengths(w, step), w.model.vocab_size, seed=w.seed * 100_003 + step)
-
-
-def summarize_lengths(lengths: Sequence[int]) -> dict[str, float]:
-    return {
-        "min": min(lengths),
-        "max": max(lengths),
-        "mean": sum(lengths) / len(lengths),
-        "total": sum(lengths),
-    }

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from odcfn.kernels._shm_sync import pid_alive
+from odcfn.kernels.shm_sync import pid_alive
 
 __all__ = ["CheckpointError", "Staging"]
 

@@ -94,8 +94,8 @@ def load_parts(
     the checkpoint's trained units next to ``frozen_shards`` (this rank's base shards), after
     ``verify_base``; without, the checkpoint's params as they are."""
     if not model.frozen:
-        return sharded.load(path, model=model, mesh=mesh)
+        return sharded.read_shards(path, model=model, mesh=mesh)
     ref = sharded.read_manifest(path).get("extra", {}).get(KEY)
     verify_base(ref, model, Path(path), base)
-    params, opt_state, step = sharded.load(path, model=trained_model(model), mesh=mesh)
+    params, opt_state, step = sharded.read_shards(path, model=trained_model(model), mesh=mesh)
     return {**{k: frozen_shards[k] for k in model.frozen}, **params}, opt_state, step

@@ -6,12 +6,12 @@ Layout of a checkpoint directory::
     rank-00000.safetensors   rank 0's parameter shards, optimizer-state shards, replicated tensors
     rank-00001.safetensors   ...
 
-Every rank of one shard group calls ``save`` (under hybrid sharding the replicas on other nodes
+Every rank of one shard group calls ``write_shards`` (under hybrid sharding the replicas on other nodes
 hold identical shards, so only node 0 writes). Each rank writes its own file atomically; rank 0
 waits until every file of this step is on disk and then commits the manifest. There is no
-communication: the file system is the barrier, so ``save`` works the same on any transport.
+communication: the file system is the barrier, so ``write_shards`` works the same on any transport.
 
-``load`` reads the manifest and cuts the saved flat units into the shards of *any* mesh: each
+``read_shards`` reads the manifest and cuts the saved flat units into the shards of *any* mesh: each
 rank reads only the byte ranges of the old shards that overlap its new one. Optimizer states
 are pytrees of dicts/lists/tuples whose tensors are either per-unit shards (a dict keyed by
 exactly the model's unit names, like the params) or replicated; scalars go into the manifest.
@@ -31,13 +31,14 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from odcfn._check import check_int
 from odcfn.checkpoint.commit import CheckpointError, Staging, fsync_path
 from odcfn.checkpoint.verify import check_files, check_units, open_verified, rank_file, sha256
 from odcfn.model import Model
 from odcfn.sharding import Layout, Mesh, make_layout
 from odcfn.sharding.layout import check_shards
 
-__all__ = ["CheckpointError", "latest", "load", "read_manifest", "save"]
+__all__ = ["CheckpointError", "latest", "read_manifest", "read_shards", "write_shards"]
 
 FORMAT = "odcfn-checkpoint"
 VERSION = 2  # 2: per-file sha256/rank/bytes, the save's attempt id
@@ -143,7 +144,7 @@ def _attempt(root: Path, rank: int, step: int) -> str:
 _JOB_VARS = ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "ODCFN_JOB_SECRET", "ODCFN_SHM_PREFIX")
 
 
-def save(
+def write_shards(
     path: str | os.PathLike,
     params: Mapping[str, torch.Tensor],
     opt_state: Any,
@@ -173,8 +174,7 @@ def save(
     stage = Staging(root, _attempt(root, mesh.rank, step), mesh.rank, timeout)
     attempt = stage.attempt
     try:
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise ValueError(f"checkpoint step must be an int >= 0, got {step!r}")
+        check_int(step, "checkpoint step", at_least=0)
         layout = make_layout(model, mesh)
         check_shards(params, layout, model.dtype)
         writers = _writers(mesh)
@@ -290,7 +290,9 @@ def latest(root: str | os.PathLike) -> Path | None:
     return None if best is None else best[1]
 
 
-def load(path: str | os.PathLike, *, model: Model, mesh: Mesh) -> tuple[dict[str, torch.Tensor], Any, int]:
+def read_shards(
+    path: str | os.PathLike, *, model: Model, mesh: Mesh
+) -> tuple[dict[str, torch.Tensor], Any, int]:
     """This rank's ``(params, opt_state, step)`` from checkpoint ``path``, resharded for ``mesh``
     (which may have a different world size or sharding than the one that saved it). Every file
     this rank reads is checked against the manifest (sha256, rank, step, shapes); any problem is

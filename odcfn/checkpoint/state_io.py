@@ -32,7 +32,7 @@ def save(
     if model.frozen:  # the base never changes: keep only what does, and where the base came from
         extra = {**(extra or {}), frozen.KEY: frozen.base_reference(model, base)}
         params, model = split(model, params), frozen.trained_model(model)
-    return sharded.save(
+    return sharded.write_shards(
         path, params, state.opt_state, state.step, model=model, mesh=state.mesh,
         extra=extra, overwrite=overwrite, timeout=timeout,
     )

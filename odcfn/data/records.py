@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from odcfn._check import is_int
 from odcfn.batch import Batch, Sample
 from odcfn.data.dataset import TokenDataset
 
@@ -50,7 +51,7 @@ def _record_to_sample(rec: Any, where: str, vocab_size: int | None, max_length: 
     ids = rec.get("input_ids")
     if not isinstance(ids, (list, tuple)) or not ids:
         raise ValueError(f"{where}: 'input_ids' must be a non-empty list of token ids")
-    if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+    if not all(is_int(t) for t in ids):
         raise ValueError(f"{where}: 'input_ids' must hold integers only")
     lo, hi = min(ids), max(ids)
     if lo < 0 or (vocab_size is not None and hi >= vocab_size):

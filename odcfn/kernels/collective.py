@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from odcfn._check import check_number
 from odcfn.kernels.base import Counters, StepCollectives, TransportError, mesh_groups, world_group
 from odcfn.sharding import Layout, Mesh
 
@@ -78,8 +79,7 @@ class TorchCollectives:
     ) -> None:
         if not isinstance(mesh, Mesh):
             raise TypeError(f"mesh must be an odcfn.Mesh, got {type(mesh).__name__}")
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        check_number(timeout, "timeout", positive=True, finite=False, want="a positive number of seconds")
         if backend is None:
             cuda = torch.device(device).type == "cuda" if device is not None else torch.cuda.is_available()
             backend = "nccl" if cuda else "gloo"

@@ -42,7 +42,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from odcfn.kernels._shm_sync import RangeLock, Segment, shm_dir, wait_until
 from odcfn.kernels.base import (
     MAX_COUNTERS,
     Counters,
@@ -54,6 +53,7 @@ from odcfn.kernels.base import (
     world_group,
 )
 from odcfn.kernels.collective import TorchCollectives
+from odcfn.kernels.shm_sync import RangeLock, Segment, shm_dir, wait_until
 from odcfn.sharding import Layout, Mesh
 
 __all__ = ["ShmTransport"]

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
+from odcfn._check import check_int
 from odcfn.batch import Microbatch
 from odcfn.losses import head_stats
 from odcfn.model import Model, Unit
@@ -57,10 +58,7 @@ class QwenConfig:
         for name, least in (("vocab_size", 1), ("d_model", 1), ("n_layers", 0), ("n_heads", 1),
                             ("n_kv_heads", 1), ("d_ff", 1), ("head_dim", 1)):
             v = getattr(self, name)
-            if v is None and name == "head_dim":
-                continue
-            if isinstance(v, bool) or not isinstance(v, int) or v < least:
-                raise ValueError(f"QwenConfig.{name} must be an int >= {least}, got {v!r}")
+            check_int(v, f"QwenConfig.{name}", at_least=least, none_ok=name == "head_dim")
         if self.head_dim is None:
             if self.d_model % self.n_heads:
                 raise ValueError(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}")

@@ -22,10 +22,10 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Sequence
 from functools import partial
-from numbers import Integral
 from operator import itemgetter
 from typing import Any
 
+from odcfn._check import is_int
 from odcfn.schedule.cost import DEFAULT_COST, CostModel
 from odcfn.schedule.plan import Assignment
 from odcfn.schedule.refine import collective_time, level_pack, refine_loads, refine_slots
@@ -79,7 +79,7 @@ def check_assignment(assignment: Any, lengths: Sequence[int], world_size: int) -
     for r, mbs in enumerate(assignment):
         for j, mb in enumerate(mbs):
             for i in mb:
-                if isinstance(i, bool) or not isinstance(i, Integral) or not 0 <= i < len(lengths):
+                if not is_int(i) or not 0 <= i < len(lengths):
                     raise ValueError(
                         f"the balancer put {i!r} in rank {r}'s microbatch {j}: not a sample id in "
                         f"[0, {len(lengths)})"

@@ -225,7 +225,7 @@ def _keep_across_microbatches(steps: list[Step]) -> list[Step]:
     return out
 
 
-def _hoist_gathers(steps: list[Step], depth: int) -> list[Step]:
+def hoist_gathers(steps: list[Step], depth: int) -> list[Step]:
     """Move each gather up to ``depth`` compute steps earlier (prefetch), never above a step
     that still uses or frees the same unit's buffer, nor above another gather: gathers keep
     program order, so all-gathers pair up across ranks whose compute steps differ (a forward-only
@@ -248,7 +248,7 @@ def _hoist_gathers(steps: list[Step], depth: int) -> list[Step]:
     return out
 
 
-def _check_remat(units: Sequence[str], options: ScheduleOptions) -> None:
+def check_remat(units: Sequence[str], options: ScheduleOptions) -> None:
     unknown = sorted(options.remat - set(units))
     if unknown:
         raise ValueError(f"ScheduleOptions.remat names units the model does not have: {unknown}")
@@ -283,7 +283,7 @@ def compile_plan(
     empty ones, so that all ranks issue identical collectives.
     """
     options = _check_args(assignment, rank, comm, options)
-    _check_remat(units, options)
+    check_remat(units, options)
     mbs = tuple(tuple(m) for m in assignment[rank])
     if comm == "collective":
         n = max(len(a) for a in assignment)
@@ -291,7 +291,7 @@ def compile_plan(
     steps: list[Step] = []
     for i in range(len(mbs)):
         steps += microbatch_steps(units, i, comm, options)
-    steps = _hoist_gathers(_keep_across_microbatches(steps), options.prefetch)
+    steps = hoist_gathers(_keep_across_microbatches(steps), options.prefetch)
     steps.append(Sync())
     return Plan(rank, comm, tuple(units), mbs, tuple(steps))
 
@@ -323,6 +323,6 @@ def compile_forward_plan(
             steps += [gather(n) for n in held]
             steps += [Forward(u, i, uses=uses.get(u, ())) for i in range(len(mbs))]
             steps += [Release(n) for n in held]
-    steps = _hoist_gathers(steps, options.prefetch)
+    steps = hoist_gathers(steps, options.prefetch)
     steps.append(Sync())
     return Plan(rank, comm, tuple(units), mbs, tuple(steps))

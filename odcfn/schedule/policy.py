@@ -21,6 +21,7 @@ from odcfn.schedule.steal import StealPlan, TransportCounters, WorkStealing, ran
 __all__ = [
     "BASELINE",
     "POLICIES",
+    "HEADLINE",
     "SCHEDULES",
     "Policy",
     "PolicyInfo",
@@ -161,3 +162,6 @@ SCHEDULES: dict[str, Schedule] = _schedules(
     ("odc+lb-micro", "odc", "lb_micro"),
 )
 BASELINE = "collective+lb-micro"
+# the three schedules every report puts side by side: today's collective FSDP, ODC with
+# minibatch-level balancing, ODC with run-time work stealing
+HEADLINE = ("collective+lb-micro", "odc+lb-mini", "odc+work-stealing")

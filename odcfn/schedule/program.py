@@ -23,9 +23,9 @@ from odcfn.schedule.plan import (
     ScheduleOptions,
     Step,
     Sync,
-    _check_remat,
-    _hoist_gathers,
+    check_remat,
     compile_plan,
+    hoist_gathers,
     microbatch_steps,
 )
 
@@ -54,8 +54,8 @@ def stealing_fragment(
 
 @lru_cache(maxsize=256)
 def _fragment(units: tuple[str, ...], mb: int, options: ScheduleOptions) -> tuple[Step, ...]:
-    _check_remat(units, options)
-    return tuple(_hoist_gathers(microbatch_steps(units, mb, "odc", options), options.prefetch))
+    check_remat(units, options)
+    return tuple(hoist_gathers(microbatch_steps(units, mb, "odc", options), options.prefetch))
 
 
 @dataclass(frozen=True)

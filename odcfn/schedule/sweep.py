@@ -23,6 +23,7 @@ from odcfn.schedule.balance import collective_time, lb_micro, lb_mini
 from odcfn.schedule.cost import QWEN25_7B, QuadraticCost, flops_cost
 from odcfn.schedule.lengths import DATASETS, get_dataset
 from odcfn.schedule.plan import Assignment
+from odcfn.schedule.policy import HEADLINE
 from odcfn.schedule.simulate import (
     A100_COMM,
     ZERO_COMM,
@@ -35,9 +36,8 @@ from odcfn.schedule.simulate import (
 )
 from odcfn.sharding import Mesh
 
-__all__ = ["POLICIES", "Row", "add_arguments", "balancer_quality", "main", "run_cell", "sweep"]
+__all__ = ["Row", "add_arguments", "balancer_quality", "main", "run_cell", "sweep"]
 
-POLICIES = ("collective+lb-micro", "odc+lb-mini", "odc+work-stealing")
 A100_BF16_FLOPS = 312e12
 MFU = 0.45
 RANKS_PER_NODE = 8
@@ -85,7 +85,7 @@ def run_cell(
     mesh = Mesh(devices, 0, RANKS_PER_NODE if devices % RANKS_PER_NODE == 0 else None)
     # bf16 parameters gathered, bf16 gradients pushed (owners accumulate in fp32), both modes
     work = Workload.uniform(units, model_bytes=2 * MODEL_PARAMS)
-    acc = {p: [0.0, 0.0, 0] for p in POLICIES}  # busy, rank-time, samples
+    acc = {p: [0.0, 0.0, 0] for p in HEADLINE}  # busy, rank-time, samples
     lb_busy = lb_time = 0.0
     for k in range(minibatches):
         lengths = ds.sample(devices * samples_per_device, seed=seed * 1000 + k)
@@ -114,9 +114,9 @@ def run_cell(
         total = sum(cost(n) for n in lengths)
         lb_busy += total
         lb_time += devices * lower_bound_makespan(lengths, devices, cost, slow)
-    base = acc[POLICIES[0]][2] / (acc[POLICIES[0]][1] / devices)
+    base = acc[HEADLINE[0]][2] / (acc[HEADLINE[0]][1] / devices)
     rows = []
-    for p in POLICIES:
+    for p in HEADLINE:
         busy, rank_time, n = acc[p]
         sps = n / (rank_time / devices)
         rows.append(
@@ -219,7 +219,7 @@ def format_table(rows: Sequence[Row]) -> str:
     for r in rows:
         cells.setdefault((r.dataset, r.devices, r.samples_per_device), {})[r.policy] = r
     for (ds, d, s), by in cells.items():
-        c, m, w = (by[p] for p in POLICIES)
+        c, m, w = (by[p] for p in HEADLINE)
         lines.append(
             f"{ds:<10} {d:>5} {s:>4} | {c.bubble_rate:>18.1%} {m.bubble_rate:>9.1%} "
             f"{w.bubble_rate:>7.1%} {c.lower_bound_bubble_rate:>6.1%} | {m.speedup:>5.2f}x {w.speedup:>5.2f}x"
@@ -301,7 +301,7 @@ def main(args: argparse.Namespace) -> int:
     else:
         print(format_table(rows))
         print(
-            f"({len(rows) // len(POLICIES)} cells in {time.perf_counter() - t0:.1f} s; "
+            f"({len(rows) // len(HEADLINE)} cells in {time.perf_counter() - t0:.1f} s; "
             f"straggler x{args.straggler:g}, comm={args.comm}, {args.units} units, "
             f"{args.minibatches} minibatches per cell)"
         )

@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from odcfn._check import ArgTypeError, is_int, is_number
 from odcfn.optim import DECAY_MASKS
 
 __all__ = [
@@ -30,7 +31,13 @@ __all__ = [
 ]
 
 
-_TYPES = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,)}
+# a bool is an int to Python: True must not pass for a step count
+_TYPES = {
+    "int": is_int,
+    "float": is_number,
+    "str": lambda v: isinstance(v, str),
+    "bool": lambda v: v is True or v is False,
+}
 
 
 def _check_types(section: Any, name: str) -> None:
@@ -40,14 +47,13 @@ def _check_types(section: Any, name: str) -> None:
         value, kinds = getattr(section, f.name), [k.strip() for k in str(f.type).split("|")]
         if value is None and "None" in kinds:
             continue
-        allowed = tuple(t for k in kinds for t in _TYPES.get(k, ()))
-        bad_bool = isinstance(value, bool) and "bool" not in kinds
-        if not allowed or (isinstance(value, allowed) and not bad_bool):
+        known = [_TYPES[k] for k in kinds if k in _TYPES]
+        if not known or any(ok(value) for ok in known):
             if isinstance(value, float) and not math.isfinite(value):
                 raise ValueError(f"config: {name}.{f.name} must be finite, got {value!r}")
             continue
         want = " or ".join(k for k in kinds)
-        raise ValueError(f"config: {name}.{f.name} must be {want}, got {type(value).__name__} {value!r}")
+        raise ArgTypeError(f"config: {name}.{f.name} must be {want}, got {type(value).__name__} {value!r}")
 
 
 @dataclass(frozen=True)

@@ -45,7 +45,7 @@ import os
 import shutil
 import sys
 import time
-from dataclasses import asdict, fields, replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +57,7 @@ from odcfn.sft.config import (
     load_config,
     write_example,
 )
+from odcfn.sft.record import Logger, prune, step_record
 
 __all__ = ["SFTConfig", "add_arguments", "config_from_dict", "load_config", "main", "run", "train_rank"]
 
@@ -114,92 +115,29 @@ def _with_lora(cfg: SFTConfig, model, shards, mesh):
     return lora.apply_to_shards(model, shards, mesh, **kw)
 
 
-def _busy(events) -> float:
-    from odcfn.trace import COMPUTE_KINDS
+@dataclass
+class _Run:
+    """What one rank's loop runs with, built once by ``_setup``."""
 
-    return sum(e.duration for e in events if e.kind in COMPUTE_KINDS)
-
-
-class _Logger:
-    """Rank 0's metrics sink: JSONL every step (appended across resumes), optional TensorBoard,
-    a progress line on stdout every ``log.every`` steps."""
-
-    def __init__(self, cfg: SFTConfig, start: int) -> None:
-        self.cfg = cfg
-        self.t0, self.n = time.perf_counter(), 0
-        path = cfg.metrics_path
-        path.parent.mkdir(parents=True, exist_ok=True)
-        # keep the history up to the step we resume from: lines logged after the last
-        # checkpoint by an interrupted run (or by a run we do not resume) are rerun, not repeated
-        kept = []
-        if path.exists():
-            for line in path.read_text().splitlines():
-                try:
-                    if json.loads(line)["step"] <= start:
-                        kept.append(line + "\n")
-                except (ValueError, KeyError, TypeError):
-                    continue
-        path.write_text("".join(kept))
-        self.file = open(path, "a")
-        self.tb = None
-        if cfg.log.tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-
-                self.tb = SummaryWriter(str(Path(cfg.out_dir) / "tensorboard"))
-            except ImportError:
-                print("odcfn train: tensorboard is not installed; logging JSONL only", file=sys.stderr)
-
-    def log(self, rec: dict[str, Any]) -> None:
-        self.file.write(json.dumps(rec) + "\n")
-        self.file.flush()
-        if self.tb is not None:
-            for k, v in rec.items():
-                if k != "step" and isinstance(v, (int, float)):
-                    self.tb.add_scalar(k, v, rec["step"])
-        self.n += 1
-        total = self.cfg.train.steps
-        if self.cfg.log.progress and (rec["step"] % self.cfg.log.every == 0 or rec["step"] == total):
-            eta = (time.perf_counter() - self.t0) / self.n * (total - rec["step"])
-            print(
-                f"step {rec['step']:>6}/{total}  loss {rec['loss']:.4f}  "
-                f"grad_norm {rec['grad_norm']:.3f}  lr {rec['lr']:.2e}  "
-                f"{rec['tokens_per_s']:.0f} tok/s  {rec['step_time']:.2f}s/step  eta {eta:.0f}s",
-                flush=True,
-            )
-
-    def close(self) -> None:
-        self.file.close()
-        if self.tb is not None:
-            self.tb.close()
+    state: Any  # odcfn.TrainState
+    data: Any  # odcfn.data.dataset.TokenDataset
+    per_epoch: int
+    lr: Any  # step -> learning rate
+    data_sha: str
+    start: int
+    resumed: str | None
 
 
-def _prune(root: Path, keep: int | None, current: int) -> None:
-    """Keep the ``keep`` newest committed checkpoints up to ``current``. Only older ones go:
-    a peer may still be polling for the manifest of ``current``."""
-    if not keep:
-        return
-    from odcfn.checkpoint.sharded import MANIFEST, read_manifest
-
-    done = []
-    for d in root.glob("step-*"):
-        if (d / MANIFEST).exists():
-            step = int(read_manifest(d)["step"])
-            if step < current:
-                done.append((step, d))
-    for _, d in sorted(done)[: max(0, len(done) - (keep - 1))]:
-        shutil.rmtree(d, ignore_errors=True)
-
-
-def train_rank(cfg: SFTConfig, rank: int, transport) -> dict[str, Any]:
-    """The SFT loop for one rank; returns a summary (and rank's final shards for export)."""
+def _setup(cfg: SFTConfig, rank: int, transport) -> _Run:
+    """The rank's state (fresh, or resumed from the newest verified checkpoint), its data and
+    schedule; refuses a resume whose config or data differ from the checkpoint's."""
     import torch
 
     import odcfn
     from odcfn.checkpoint.frozen import load_parts
     from odcfn.checkpoint.sharded import latest, read_manifest
     from odcfn.checkpoint.verify import sha256
-    from odcfn.data.records import batch_at, read_dataset, steps_per_epoch
+    from odcfn.data.records import read_dataset, steps_per_epoch
 
     t = cfg.train
     mesh = transport.mesh  # the transport's view of the job (ranks_per_node, sharding) wins
@@ -218,7 +156,6 @@ def train_rank(cfg: SFTConfig, rank: int, transport) -> dict[str, Any]:
         )
     else:
         data = read_dataset(d.path, vocab_size=qcfg.vocab_size, max_length=d.max_length)
-    per_epoch = steps_per_epoch(data, cfg.data.batch_size)
     lr = _lr_fn(t)
     make_opt = odcfn.adamw if t.optimizer == "adamw" else odcfn.sgd
     optimizer = make_opt(lr, weight_decay=t.weight_decay, weight_decay_mask=t.weight_decay_mask)
@@ -231,6 +168,8 @@ def train_rank(cfg: SFTConfig, rank: int, transport) -> dict[str, Any]:
     data_sha = sha256(Path(cfg.data.path))
     if ck is not None:
         check_resume(cfg, read_manifest(ck).get("extra", {}), data_sha, str(ck))
+        # the state is built from the checkpoint's shards: a resumed rank never initialises
+        # (or holds) fresh weights
         params, opt_state, start = load_parts(ck, model, mesh, initial, cfg.model.hf_path)
         resumed = str(ck)
     else:
@@ -247,62 +186,56 @@ def train_rank(cfg: SFTConfig, rank: int, transport) -> dict[str, Any]:
             num = d.name.removeprefix("step-")
             if num.isdigit() and (not cfg.checkpoint.resume or int(num) > start):
                 shutil.rmtree(d)
-    logger = _Logger(cfg, start) if rank == 0 else None
+    return _Run(state, data, steps_per_epoch(data, cfg.data.batch_size), lr, data_sha, start, resumed)
+
+
+def _checkpoint(cfg: SFTConfig, run: _Run, done: int) -> None:
+    """Save after step ``done`` when the schedule says so (every rank calls it)."""
+    import odcfn
+
+    every = cfg.checkpoint.every
+    if not every or (done % every and done != cfg.train.steps):
+        return
+    odcfn.save(
+        cfg.checkpoint_dir / f"step-{done:08d}", run.state,
+        extra={"config": asdict(cfg), "data_sha256": run.data_sha}, timeout=cfg.train.timeout,
+        base=cfg.model.hf_path,  # with LoRA: the adapters are saved with a reference to the base
+    )
+    if run.state.mesh.rank == 0:
+        prune(cfg.checkpoint_dir, cfg.checkpoint.keep, done)
+
+
+def train_rank(cfg: SFTConfig, rank: int, transport) -> dict[str, Any]:
+    """The SFT loop for one rank; returns a summary (and rank's final shards for export)."""
+    import odcfn
+    from odcfn.data.records import batch_at
+
+    run = _setup(cfg, rank, transport)
+    logger = Logger(cfg, run.start) if rank == 0 else None
     last = None
     try:
-        for step in range(start, t.steps):
-            batch = batch_at(data, step, cfg.data.batch_size, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
-            state, m = odcfn.train_step(state, batch)
+        for step in range(run.start, cfg.train.steps):
+            d = cfg.data
+            batch = batch_at(run.data, step, d.batch_size, seed=d.seed, shuffle=d.shuffle)
+            run.state, m = odcfn.train_step(run.state, batch)
             last = m.loss
-            done = step + 1
             if logger is not None:
-                logger.log(
-                    {
-                        "step": done,
-                        "epoch": step // per_epoch,
-                        "loss": m.loss,
-                        "grad_norm": m.grad_norm,
-                        "lr": lr(done),
-                        "samples": m.num_samples,
-                        "tokens": m.num_tokens,
-                        "loss_tokens": m.num_loss_tokens,
-                        "step_time": m.step_time,
-                        "samples_per_s": m.samples_per_s,
-                        "tokens_per_s": m.tokens_per_s,
-                        "microbatches": len(m.plan.microbatches),
-                        "syncs": m.counters.syncs,
-                        "gather_bytes": m.counters.gather_bytes,
-                        "collective_bytes": m.counters.collective_bytes,
-                        # rank 0's forward+backward share of its step (1 - its own bubble)
-                        "busy_fraction": _busy(m.events) / m.step_time if m.step_time > 0 else 0.0,
-                        "time": time.time(),
-                    }
-                )
-            every = cfg.checkpoint.every
-            if every and (done % every == 0 or done == t.steps):
-                odcfn.save(  # with LoRA: the adapters and a reference to the base only
-                    cfg.checkpoint_dir / f"step-{done:08d}",
-                    state,
-                    extra={"config": asdict(cfg), "data_sha256": data_sha},
-                    timeout=t.timeout,
-                    base=cfg.model.hf_path,
-                )
-                if rank == 0:
-                    _prune(cfg.checkpoint_dir, cfg.checkpoint.keep, done)
+                logger.log(step_record(m, step + 1, step // run.per_epoch, run.lr(step + 1)))
+            _checkpoint(cfg, run, step + 1)
     finally:
         if logger is not None:
             logger.close()
     out: dict[str, Any] = {
         "rank": rank,
-        "start_step": start,
-        "steps": t.steps,
+        "start_step": run.start,
+        "steps": cfg.train.steps,
         "final_loss": last,
-        "resumed_from": resumed,
+        "resumed_from": run.resumed,
     }
     if cfg.checkpoint.export_hf:
         # numpy: torch would send tensors to the launcher as shared-memory handles that die
         # with this rank's process
-        out["shards"] = {k: v.detach().numpy().copy() for k, v in state.params.items()}
+        out["shards"] = {k: v.detach().numpy().copy() for k, v in run.state.params.items()}
     return out
 
 

@@ -11,6 +11,8 @@ import os
 from dataclasses import dataclass
 from typing import Literal
 
+from odcfn._check import check_int
+
 __all__ = ["Mesh", "Sharding"]
 
 Sharding = Literal["full", "hybrid"]
@@ -28,8 +30,7 @@ class Mesh:
             v = getattr(self, name)
             if v is None and name == "ranks_per_node":
                 continue
-            if not isinstance(v, int) or isinstance(v, bool):  # True == 1 would pass as a size
-                raise TypeError(f"Mesh.{name} must be an int, got {type(v).__name__} {v!r}")
+            check_int(v, f"Mesh.{name}")
         if self.world_size < 1:
             raise ValueError(f"Mesh.world_size must be a positive int, got {self.world_size!r}")
         if not 0 <= self.rank < self.world_size:

@@ -39,16 +39,6 @@ from odcfn.trace import Event
 
 __all__ = ["ExecResult", "execute"]
 
-_KIND = {
-    Gather: "gather",
-    AllGather: "collective",
-    Forward: "forward",
-    Backward: "backward",
-    ScatterAccumulate: "scatter",
-    ReduceScatter: "collective",
-    Release: "release",
-    Sync: "sync",
-}
 
 
 @dataclass
@@ -68,7 +58,7 @@ class _Saved:
     used: tuple[torch.Tensor, ...] = ()  # flat buffers of used units (tied weights) in the graph
 
 
-class _Executor:
+class Executor:
     def __init__(
         self,
         model: Model,
@@ -250,43 +240,57 @@ class _Executor:
     def run_steps(self, steps: Sequence[Step], offset: int, t0: float, events: list[Event]) -> Any:
         """Run one piece's steps (its microbatch ``k`` is the rank's ``offset + k``), appending
         their events; returns the synced stats if a Sync was among them."""
-        rank = self.rank
         stats = None
         for s in steps:
+            kind, run = _STEPS[type(s)]
             start = time.perf_counter()
-            if isinstance(s, (Gather, AllGather)):
-                buf = self._buffer(s.unit)
-                with torch.no_grad():
-                    if isinstance(s, Gather):
-                        self.pending[s.unit] = self.t.gather(s.unit, buf)
-                    else:
-                        self.t.all_gather(s.unit, buf)
-            elif isinstance(s, Forward):
-                self.forward(s, s.mb + offset)
-            elif isinstance(s, Backward):
-                self.backward(s, s.mb + offset)
-            elif isinstance(s, (ScatterAccumulate, ReduceScatter)):
-                if s.unit in self.frozen:
-                    raise ValueError(f"plan step {s} pushes a gradient of frozen unit {s.unit!r}")
-                g = self.grads.pop(s.unit)
-                if g is None:  # an empty microbatch (or an unused unit) still joins the collective
-                    g = torch.zeros(self.layout[s.unit].padded_numel, dtype=self.dtype, device=self.device)
-                with torch.no_grad():
-                    if isinstance(s, ScatterAccumulate):
-                        self.pushes.append(self.t.scatter_accumulate(s.unit, g))
-                    else:
-                        self.t.reduce_scatter(s.unit, g)
-            elif isinstance(s, Release):
-                self._wait(s.unit)
-                self.bufs[s.unit].untyped_storage().resize_(0)
-            elif isinstance(s, Sync):
-                stats = self.sync()
-            else:  # pragma: no cover - the IR is closed
-                raise TypeError(f"unknown step {s!r}")
+            out = getattr(self, run)(s, offset)
             end = time.perf_counter()
+            stats = out if isinstance(s, Sync) else stats
             unit, mb = getattr(s, "unit", ""), getattr(s, "mb", -1 - offset) + offset
-            events.append(Event(rank, _KIND[type(s)], unit, start - t0, end - t0, mb))
+            events.append(Event(self.rank, kind, unit, start - t0, end - t0, mb))
         return stats
+
+    # one method per step type of the plan IR (``_STEPS`` maps each type to its method)
+
+    def _gather(self, s: Gather, offset: int) -> None:
+        with torch.no_grad():
+            self.pending[s.unit] = self.t.gather(s.unit, self._buffer(s.unit))
+
+    def _all_gather(self, s: AllGather, offset: int) -> None:
+        with torch.no_grad():
+            self.t.all_gather(s.unit, self._buffer(s.unit))
+
+    def _forward(self, s: Forward, offset: int) -> None:
+        self.forward(s, s.mb + offset)
+
+    def _backward(self, s: Backward, offset: int) -> None:
+        self.backward(s, s.mb + offset)
+
+    def _grad_out(self, unit: str) -> torch.Tensor:
+        if unit in self.frozen:
+            raise ValueError(f"the plan pushes a gradient of frozen unit {unit!r}")
+        g = self.grads.pop(unit)
+        if g is None:  # an empty microbatch (or an unused unit) still joins the collective
+            g = torch.zeros(self.layout[unit].padded_numel, dtype=self.dtype, device=self.device)
+        return g
+
+    def _scatter(self, s: ScatterAccumulate, offset: int) -> None:
+        g = self._grad_out(s.unit)
+        with torch.no_grad():
+            self.pushes.append(self.t.scatter_accumulate(s.unit, g))
+
+    def _reduce_scatter(self, s: ReduceScatter, offset: int) -> None:
+        g = self._grad_out(s.unit)
+        with torch.no_grad():
+            self.t.reduce_scatter(s.unit, g)
+
+    def _release(self, s: Release, offset: int) -> None:
+        self._wait(s.unit)
+        self.bufs[s.unit].untyped_storage().resize_(0)
+
+    def _sync(self, s: Sync, offset: int) -> Any:
+        return self.sync()
 
     def sync(self) -> torch.Tensor:
         for h in self.pushes:
@@ -304,6 +308,20 @@ class _Executor:
         if self.riders is not None:  # e.g. the minibatch fingerprint: same sync, no extra trip
             stats = torch.cat([stats, self.riders.to(stats.device, torch.float64)])
         return self.t.sync(stats)
+
+
+# the plan IR is closed: every step type has its event kind and its method (by name, so that a
+# subclass such as the forward-only executor can override one)
+_STEPS = {
+    Gather: ("gather", "_gather"),
+    AllGather: ("collective", "_all_gather"),
+    Forward: ("forward", "_forward"),
+    Backward: ("backward", "_backward"),
+    ScatterAccumulate: ("scatter", "_scatter"),
+    ReduceScatter: ("collective", "_reduce_scatter"),
+    Release: ("release", "_release"),
+    Sync: ("sync", "_sync"),
+}
 
 
 def execute(
@@ -324,7 +342,7 @@ def execute(
     transport then holds this rank's gradient shards. Returns the result and the plan that ran.
     ``riders``: float64 values summed over the ranks in the same sync (``ExecResult.riders``)."""
     t0 = time.perf_counter()
-    ex = _Executor(model, layout, batch, transport, compute_dtype, torch.device(device), loss)
+    ex = Executor(model, layout, batch, transport, compute_dtype, torch.device(device), loss)
     ex.riders = riders
     events: list[Event] = []
     ran: list[Piece] = []

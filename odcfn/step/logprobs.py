@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from odcfn._check import check_int
 from odcfn.batch import Batch
 from odcfn.losses import LogProbs
 from odcfn.schedule.balance import check_assignment
@@ -26,15 +27,15 @@ from odcfn.schedule.plan import Forward, compile_forward_plan
 from odcfn.schedule.policy import policy_info, resolve_policy
 from odcfn.sharding import make_layout
 from odcfn.sharding.layout import check_shards
-from odcfn.step.execute import _Executor
+from odcfn.step.execute import Executor
 from odcfn.step.state import TrainState, check_fields
-from odcfn.step.train import _options, check_inputs
+from odcfn.step.train import check_inputs, schedule_options
 from odcfn.trace import Event
 
 __all__ = ["gather_params", "log_probs"]
 
 
-class _ForwardOnly(_Executor):
+class _ForwardOnly(Executor):
     """The runtime's executor with forwards that keep no graph; the head's per-token output
     ``[k, T]`` is kept per microbatch."""
 
@@ -74,7 +75,7 @@ def log_probs(
     balance = "lb_mini" if info is not None and not info.collective else cfg.balance
     assignment = resolve_policy(balance, cfg.comm, cfg.cost)(batch.lengths, mesh.world_size, cap)
     check_assignment(assignment, batch.lengths, mesh.world_size)
-    options = _options(cfg.options, model)  # with the model's tied-weight uses
+    options = schedule_options(cfg.options, model)  # with the model's tied-weight uses
     plan = compile_forward_plan(model.unit_names, assignment, mesh.rank, cfg.comm, options)
     dtype = cfg.compute_dtype or model.dtype
     device = next(iter(state.params.values())).device
@@ -120,9 +121,9 @@ def gather_params(
         raise TypeError(f"state must be an odcfn.TrainState, got {type(state).__name__}")
     check_fields(state)
     mesh, transport, model = state.mesh, state.transport, state.model
-    bad_dst = isinstance(dst, bool) or not (isinstance(dst, int) and 0 <= dst < mesh.world_size)
-    if dst is not None and bad_dst:
-        raise ValueError(f"gather_params: dst must be a rank in [0, {mesh.world_size}) or None, got {dst!r}")
+    W = mesh.world_size
+    rank = f"a rank in [0, {W}) or None"
+    check_int(dst, "gather_params: dst", at_least=0, at_most=W - 1, none_ok=True, want=rank)
     layout = make_layout(model, mesh)
     check_shards(state.params, layout, model.dtype)
     transport.begin_step(layout, state.params, model.dtype)

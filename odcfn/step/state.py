@@ -9,13 +9,13 @@ new state; nothing is mutated but the transport's buffers.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from odcfn._check import check_int, check_number
 from odcfn.kernels.base import Counters, Transport
 from odcfn.losses import check_loss
 from odcfn.model import Model, check_params
@@ -63,8 +63,7 @@ class StepConfig:
         policy_info(self.balance)  # a TypeError/ValueError naming a bad policy
         resolve_policy(self.balance, self.comm)  # work stealing cannot serve collectives
         cap = self.max_tokens_per_microbatch
-        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
-            raise ValueError(f"StepConfig.max_tokens_per_microbatch must be an int >= 1 or None, got {cap!r}")
+        check_int(cap, "StepConfig.max_tokens_per_microbatch", at_least=1, none_ok=True)
         if self.options is None:
             object.__setattr__(self, "options", ScheduleOptions())
         elif not isinstance(self.options, ScheduleOptions):
@@ -74,10 +73,7 @@ class StepConfig:
         dt = self.compute_dtype
         if dt is not None and not (isinstance(dt, torch.dtype) and dt.is_floating_point):
             raise TypeError(f"StepConfig.compute_dtype must be a floating torch.dtype or None, got {dt!r}")
-        g = self.max_grad_norm
-        bad = isinstance(g, bool) or not isinstance(g, (int, float)) or not 0 < g < math.inf
-        if g is not None and bad:
-            raise ValueError(f"StepConfig.max_grad_norm must be a finite number > 0 or None, got {g!r}")
+        check_number(self.max_grad_norm, "StepConfig.max_grad_norm", positive=True, none_ok=True)
         if self.nonfinite not in ("raise", "skip"):
             raise ValueError(f"StepConfig.nonfinite must be 'raise' or 'skip', got {self.nonfinite!r}")
         if self.loss is not None:
@@ -145,8 +141,7 @@ class TrainState:
             raise TypeError(
                 f"TrainState.create: config must be an odcfn.StepConfig, got {type(config).__name__}"
             )
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ValueError(f"TrainState.create: step must be an int >= 0, got {step!r}")
+        check_int(step, "TrainState.create: step", at_least=0)
         if not isinstance(params, Mapping):
             raise TypeError(
                 f"TrainState.create: params must be a dict keyed by unit name, got {type(params).__name__}"

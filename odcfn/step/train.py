@@ -54,7 +54,7 @@ def check_inputs(state: TrainState, batch: Batch) -> Layout:
     return layout
 
 
-def _options(options: ScheduleOptions | None, model: Model) -> ScheduleOptions:
+def schedule_options(options: ScheduleOptions | None, model: Model) -> ScheduleOptions:
     """The schedule options with the model's tied-weight uses, which the plan must gather."""
     options = options or ScheduleOptions()
     if options.uses and options.uses != model.uses:
@@ -119,7 +119,7 @@ def _grads(state: TrainState, batch: Batch) -> tuple[dict[str, torch.Tensor], St
     program = prepare_program(
         _recording(cfg.balance, seen), batch.lengths, units=model.unit_names, world_size=mesh.world_size,
         rank=mesh.rank,
-        max_tokens=cap, comm=cfg.comm, options=_options(cfg.options, model), cost=cfg.cost,
+        max_tokens=cap, comm=cfg.comm, options=schedule_options(cfg.options, model), cost=cfg.cost,
         fetch_add=getattr(transport, "fetch_add", None),
         max_counters=getattr(transport, "max_counters", None),
     )

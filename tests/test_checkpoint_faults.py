@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import save_file
 
 import odcfn
-from odcfn.checkpoint.sharded import CheckpointError, load, read_manifest, save
+from odcfn.checkpoint.sharded import CheckpointError, read_manifest, read_shards, write_shards
 from odcfn.models import QwenConfig, init_params, qwen_model
 from tests.mp_pool import mp_pool  # noqa: F401 - the session fixture
 
@@ -28,7 +28,7 @@ def _save2(path, step=1, **kw):
     def fn(rank, tr):
         mesh = odcfn.Mesh(2, rank)
         p = odcfn.shard(FULL, MODEL, mesh)
-        save(path, p, odcfn.sgd(0.1, momentum=0.9).init(p), step, model=MODEL, mesh=mesh, **kw)
+        write_shards(path, p, odcfn.sgd(0.1, momentum=0.9).init(p), step, model=MODEL, mesh=mesh, **kw)
 
     odcfn.run_local(fn, 2)
 
@@ -41,7 +41,7 @@ def _edit(path, fn):
 
 
 def _load(path, rank=0, world=2):
-    return load(path, model=MODEL, mesh=odcfn.Mesh(world, rank))
+    return read_shards(path, model=MODEL, mesh=odcfn.Mesh(world, rank))
 
 
 def test_a_flipped_byte_fails_the_sha256_naming_the_file(tmp_path):
@@ -114,7 +114,7 @@ def dying_save_worker(path: str, victim: int, how: str):
     mesh = odcfn.Mesh.from_env()
     p = odcfn.shard(FULL, MODEL, mesh)
     o = odcfn.sgd(0.1, momentum=0.9).init(p)
-    ck.save(path, p, o, 1, model=MODEL, mesh=mesh, timeout=TIMEOUT)
+    ck.write_shards(path, p, o, 1, model=MODEL, mesh=mesh, timeout=TIMEOUT)
     if mesh.rank == victim:
         if how == "kill" and victim == 0:  # rank 1's file is written, rank 0 dies before the commit
             ck.Staging.commit = lambda self, overwrite: os.kill(os.getpid(), signal.SIGKILL)
@@ -124,7 +124,7 @@ def dying_save_worker(path: str, victim: int, how: str):
             p = {k: v[:-1] for k, v in p.items()}
     t0 = time.monotonic()
     try:
-        ck.save(path, {k: v + 1 for k, v in p.items()}, o, 2, model=MODEL, mesh=mesh, timeout=TIMEOUT,
+        ck.write_shards(path, {k: v + 1 for k, v in p.items()}, o, 2, model=MODEL, mesh=mesh, timeout=TIMEOUT,
                 overwrite=True)
         return "saved", time.monotonic() - t0
     except (CheckpointError, ValueError) as e:
@@ -149,7 +149,7 @@ def test_a_rank_dying_mid_save_is_noticed_and_the_old_checkpoint_survives(mp_poo
         assert "died during the save" in outcome
     assert took < TIMEOUT / 4, took  # liveness, not the timeout (measured: 0.28-0.35 s)
     # the committed step-1 checkpoint is intact: loadable, step 1, the original values
-    p, _, step = load(path, model=MODEL, mesh=odcfn.Mesh(1))
+    p, _, step = read_shards(path, model=MODEL, mesh=odcfn.Mesh(1))
     assert step == 1
     odcfn.tree_assert_allclose(p, odcfn.shard(FULL, MODEL, odcfn.Mesh(1)), rtol=0, atol=0)
     assert [f.name for f in tmp_path.iterdir()] == ["ck"]  # no staging directory or *.tmp-* left

@@ -1,6 +1,6 @@
 """Hostile launches: a stopped rank, a job past its deadline, env= overriding the torchrun
 variables, two jobs forced onto one MASTER_PORT, meshes that disagree with the launcher, and the
-simulated nodes of ``launch(nodes=N)`` (issue 13: hangs and unclear errors; issue 11: nodes)."""
+simulated nodes of ``launch(nodes=N)``."""
 
 from __future__ import annotations
 
@@ -43,7 +43,9 @@ def test_a_stopped_rank_fails_the_job_and_is_named_first(tmp_path):
     err = info.value
     assert str(err).startswith("rank 2 failed: unresponsive: still running 5.0s after rank(s) [0, 1] ended")
     assert err.results == {0: "returned"} and set(err.errors) == {1, 2}
-    assert took < 40, took  # spawning 3 interpreters + 5 s grace; it used to never return
+    # spawning 3 interpreters + 5 s grace (~10 s quiet, 40 s on a loaded 2-core machine); it used
+    # to never return: the bound only separates "ends" from "hangs"
+    assert took < 150, took
 
 
 def sleeper(seconds: float):

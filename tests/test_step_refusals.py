@@ -1,6 +1,6 @@
 """Hostile train steps: ranks given different minibatches or configs, non-finite losses and
 gradients, token ids outside the vocabulary, and params/checkpoints of a model of another config
-with the same shapes (issue 13: silent wrong results). Every case is refused on every rank,
+with the same shapes. Every case is refused on every rank,
 before the optimizer step, with the one sync per minibatch unchanged."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import odcfn
-from odcfn.checkpoint.sharded import CheckpointError, load, save
+from odcfn.checkpoint.sharded import CheckpointError, read_shards, write_shards
 from odcfn.kernels.shm import ShmTransport
 from odcfn.models import QwenConfig, qwen_model
 from tests.mp_pool import mp_pool  # noqa: F401 - the session fixture
@@ -160,10 +160,10 @@ def test_a_checkpoint_of_another_config_with_the_same_shapes_is_refused(tmp_path
     if other.shapes != MODEL.shapes:  # head counts change k/v shapes; RoPE base never does
         other = qwen_model(QwenConfig(**{**TINY.__dict__, "rope_theta": 1e6}))
     p = odcfn.shard(FULL, MODEL, odcfn.Mesh(1))
-    save(tmp_path / "ck", p, {}, 3, model=MODEL, mesh=odcfn.Mesh(1))
+    write_shards(tmp_path / "ck", p, {}, 3, model=MODEL, mesh=odcfn.Mesh(1))
     with pytest.raises(CheckpointError, match="saved from a model of another config .* rope_theta=10000.0"):
-        load(tmp_path / "ck", model=other, mesh=odcfn.Mesh(1))
-    assert load(tmp_path / "ck", model=MODEL, mesh=odcfn.Mesh(1))[2] == 3
+        read_shards(tmp_path / "ck", model=other, mesh=odcfn.Mesh(1))
+    assert read_shards(tmp_path / "ck", model=MODEL, mesh=odcfn.Mesh(1))[2] == 3
 
 
 # --- the same across processes (ShmTransport): where the fault really is --------------------

@@ -1,5 +1,5 @@
 """Hostile inputs on the rendezvous store: nothing read from it is unpickled or called, forged
-or foreign values are refused, paths must be this job's own files (issue 13, security)."""
+or foreign values are refused, paths must be this job's own files."""
 
 from __future__ import annotations
 

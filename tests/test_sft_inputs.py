@@ -1,5 +1,5 @@
 """Hostile ``odcfn train`` inputs: unparsable or mistyped configs, undecodable data, and a
-resume into an out_dir whose run had another config or dataset (issue 13)."""
+resume into an out_dir whose run had another config or dataset."""
 
 from __future__ import annotations
 

@@ -1,0 +1,112 @@
+"""What ``odcfn train`` records: rank 0's per-step metrics line (JSONL, optional TensorBoard,
+a progress line) and the pruning of old checkpoints."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from odcfn.checkpoint.sharded import MANIFEST, read_manifest
+from odcfn.sft.config import SFTConfig
+from odcfn.step.state import StepMetrics
+from odcfn.trace import COMPUTE_KINDS
+
+__all__ = ["Logger", "prune", "step_record"]
+
+
+def step_record(m: StepMetrics, step: int, epoch: int, lr: float) -> dict[str, Any]:
+    """One metrics line: ``step`` is 1-based (the number of updates done)."""
+    busy = sum(e.duration for e in m.events if e.kind in COMPUTE_KINDS)
+    return {
+        "step": step,
+        "epoch": epoch,
+        "loss": m.loss,
+        "grad_norm": m.grad_norm,
+        "lr": lr,
+        "samples": m.num_samples,
+        "tokens": m.num_tokens,
+        "loss_tokens": m.num_loss_tokens,
+        "step_time": m.step_time,
+        "samples_per_s": m.samples_per_s,
+        "tokens_per_s": m.tokens_per_s,
+        "microbatches": len(m.plan.microbatches),
+        "syncs": m.counters.syncs,
+        "gather_bytes": m.counters.gather_bytes,
+        "collective_bytes": m.counters.collective_bytes,
+        # rank 0's forward+backward share of its step (1 - its own bubble)
+        "busy_fraction": busy / m.step_time if m.step_time > 0 else 0.0,
+        "time": time.time(),
+    }
+
+
+class Logger:
+    """Rank 0's metrics sink: JSONL every step (appended across resumes), optional TensorBoard,
+    a progress line on stdout every ``log.every`` steps."""
+
+    def __init__(self, cfg: SFTConfig, start: int) -> None:
+        self.cfg = cfg
+        self.t0, self.n = time.perf_counter(), 0
+        path = cfg.metrics_path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # keep the history up to the step we resume from: lines logged after the last
+        # checkpoint by an interrupted run (or by a run we do not resume) are rerun, not repeated
+        kept = []
+        if path.exists():
+            for line in path.read_text().splitlines():
+                try:
+                    if json.loads(line)["step"] <= start:
+                        kept.append(line + "\n")
+                except (ValueError, KeyError, TypeError):
+                    continue
+        path.write_text("".join(kept))
+        self.file = open(path, "a")
+        self.tb = None
+        if cfg.log.tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(str(Path(cfg.out_dir) / "tensorboard"))
+            except ImportError:
+                print("odcfn train: tensorboard is not installed; logging JSONL only", file=sys.stderr)
+
+    def log(self, rec: dict[str, Any]) -> None:
+        self.file.write(json.dumps(rec) + "\n")
+        self.file.flush()
+        if self.tb is not None:
+            for k, v in rec.items():
+                if k != "step" and isinstance(v, (int, float)):
+                    self.tb.add_scalar(k, v, rec["step"])
+        self.n += 1
+        total = self.cfg.train.steps
+        if self.cfg.log.progress and (rec["step"] % self.cfg.log.every == 0 or rec["step"] == total):
+            eta = (time.perf_counter() - self.t0) / self.n * (total - rec["step"])
+            print(
+                f"step {rec['step']:>6}/{total}  loss {rec['loss']:.4f}  "
+                f"grad_norm {rec['grad_norm']:.3f}  lr {rec['lr']:.2e}  "
+                f"{rec['tokens_per_s']:.0f} tok/s  {rec['step_time']:.2f}s/step  eta {eta:.0f}s",
+                flush=True,
+            )
+
+    def close(self) -> None:
+        self.file.close()
+        if self.tb is not None:
+            self.tb.close()
+
+
+def prune(root: Path, keep: int | None, current: int) -> None:
+    """Keep the ``keep`` newest committed checkpoints up to ``current``. Only older ones go:
+    a peer may still be polling for the manifest of ``current``."""
+    if not keep:
+        return
+    done = []
+    for d in root.glob("step-*"):
+        if (d / MANIFEST).exists():
+            step = int(read_manifest(d)["step"])
+            if step < current:
+                done.append((step, d))
+    for _, d in sorted(done)[: max(0, len(done) - (keep - 1))]:
+        shutil.rmtree(d, ignore_errors=True)
