@@ -69,10 +69,11 @@ def test_init_is_peft_s_and_the_model_starts_equal_to_the_base():
     balance=st.sampled_from(["lb_mini", "lb_micro", "local_sort", "round_robin"]),
     comm=st.sampled_from(["odc", "collective"]),
     tied=st.booleans(),
+    hybrid=st.booleans(),
     seed=st.integers(0, 2**16),
 )
 def test_sharded_lora_step_equals_single_process(
-    targets, rank, alpha, rslora, world, balance, comm, tied, seed
+    targets, rank, alpha, rslora, world, balance, comm, tied, hybrid, seed
 ):
     cfg = QwenConfig(**{**CFG.__dict__, "tie_embeddings": tied})
     model, params = _lora(cfg, seed, rank=rank, alpha=alpha, targets=targets, use_rslora=rslora)
@@ -87,12 +88,18 @@ def test_sharded_lora_step_equals_single_process(
         )
         return odcfn.grad_step(state, batch)
 
-    outs = odcfn.run_local(fn, world, timeout=60)
-    got = odcfn.unshard([o[0] for o in outs], trained_model(model), odcfn.Mesh(world, 0))
+    hybrid = hybrid and world in (2, 4)  # shard inside nodes of 2 ranks, replicate across them
+    kw = {"ranks_per_node": world // 2, "sharding": "hybrid"} if hybrid else {}
+    outs = odcfn.run_local(fn, world, timeout=60, **kw)
+    mesh = odcfn.Mesh(world, 0, world // 2 if hybrid else None, "hybrid" if hybrid else "full")
+    group = [outs[r][0] for r in mesh.shard_group]  # one full copy: rank 0's shard group
+    got = odcfn.unshard(group, trained_model(model), mesh)
     # fp32 sums in another order: relative error ~1e-6 of the gradient's scale
     for unit in lora.adapter_units(model):
         for ga, gb in zip(odcfn.tree.tree_leaves(got[unit]), odcfn.tree.tree_leaves(ref[unit])):
             assert float((ga - gb).norm()) <= 1e-5 * float(gb.norm()) + 1e-7, unit
+    for r in range(world):  # every replica holds the same shards
+        assert set(outs[r][0]) == set(lora.adapter_units(model))
     assert abs(outs[0][1].loss - float(loss)) <= 1e-5 * abs(float(loss))
     assert all(o[1].counters.syncs == 1 for o in outs)
 

@@ -271,7 +271,7 @@ class Executor:
         if unit in self.frozen:  # the plan never pushes a frozen unit; a plan that does is wrong
             raise ValueError(f"a plan step pushes a gradient of frozen unit {unit!r}")
         g = self.grads.pop(unit)
-        if g is None:  # an empty microbatch still joins the collective
+        if g is None:  # an empty microbatch (or an unused unit) still joins the collective
             g = torch.zeros(self.layout[unit].padded_numel, dtype=self.dtype, device=self.device)
         return g
 
