@@ -64,10 +64,10 @@ from odcfn.sft.config import (
     config_from_dict,
     load_config,
     model_config,
-    write_example,
 )
+from odcfn.sft.example import write_example
 from odcfn.sft.prepare import PreparedData, prepare_data
-from odcfn.sft.record import Logger, step_record
+from odcfn.sft.record import Logger, data_summary, step_record
 from odcfn.sft.restart import Snapshots, clear_for_fresh_start, resume_point
 
 __all__ = ["SFTConfig", "add_arguments", "config_from_dict", "load_config", "main", "run", "train_rank"]
@@ -379,26 +379,8 @@ def main(args: argparse.Namespace) -> int:
         f"metrics {cfg.metrics_path}; {time.perf_counter() - t0:.1f}s",
         flush=True,
     )
-    for line in _data_summary(head.get("data", {}), cfg):
+    for line in data_summary(head.get("data", {}), cfg):
         print(f"odcfn train: {line}", flush=True)
     if cfg.checkpoint.export_hf:
         print(f"odcfn train: Hugging Face model written to {cfg.checkpoint.export_hf}", flush=True)
     return 0
-
-
-def _data_summary(rep: dict[str, Any], cfg: SFTConfig) -> list[str]:
-    """What the run did to its data (``PreparedData.report``), one line per kind."""
-    from odcfn.sft.prepare import length_limit
-
-    out = []
-    limit, key = length_limit(cfg)
-    for kind in ("truncated", "dropped"):
-        lines = rep.get(kind) or []
-        if lines:
-            more = f" and {len(lines) - 3} more" if len(lines) > 3 else ""
-            shown = ", ".join(lines[:3])
-            out.append(f"{kind} {len(lines)} sample(s) longer than {key}={limit}: {shown}{more}")
-    skipped = rep.get("skipped_steps") or []
-    if skipped:
-        out.append(f"skipped {len(skipped)} step(s) whose minibatch has no loss tokens: {skipped[:10]}")
-    return out

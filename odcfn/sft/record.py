@@ -15,7 +15,7 @@ from odcfn.sft.config import SFTConfig
 from odcfn.step.state import StepMetrics
 from odcfn.trace import COMPUTE_KINDS
 
-__all__ = ["Logger", "prune", "step_record"]
+__all__ = ["Logger", "data_summary", "prune", "step_record"]
 
 
 def step_record(m: StepMetrics, step: int, epoch: int, lr: float) -> dict[str, Any]:
@@ -110,3 +110,21 @@ def prune(root: Path, keep: int | None, current: int) -> None:
                 done.append((step, d))
     for _, d in sorted(done)[: max(0, len(done) - (keep - 1))]:
         shutil.rmtree(d, ignore_errors=True)
+
+
+def data_summary(rep: dict[str, Any], cfg: SFTConfig) -> list[str]:
+    """What the run did to its data (``PreparedData.report``), one line per kind."""
+    from odcfn.sft.prepare import length_limit
+
+    out = []
+    limit, key = length_limit(cfg)
+    for kind in ("truncated", "dropped"):
+        lines = rep.get(kind) or []
+        if lines:
+            more = f" and {len(lines) - 3} more" if len(lines) > 3 else ""
+            shown = ", ".join(lines[:3])
+            out.append(f"{kind} {len(lines)} sample(s) longer than {key}={limit}: {shown}{more}")
+    skipped = rep.get("skipped_steps") or []
+    if skipped:
+        out.append(f"skipped {len(skipped)} step(s) whose minibatch has no loss tokens: {skipped[:10]}")
+    return out
