@@ -10,8 +10,11 @@ unit rematerialised, AdamW) per point, each point in a fresh subprocess, for:
   plain torch (or FSDP2 at one rank, which shards nothing) runs.
 
 A point's figure is the child's peak resident memory during the step minus its resident memory
-just before it (parameters and optimizer state already built: a warm-up step of 16 tokens makes
-transformers' lazy AdamW state and gradients exist too). The head's share is a contender's
+just before it: what every step of a run adds. Parameters and optimizer state are built by
+then: a warm-up step of 16 tokens makes transformers' lazy AdamW state and gradients, and
+odcfn's moments, accumulators and published copies, exist before the measured step. The
+child's whole resident peak (``rss_peak_bytes``: the model, its state and the step) is
+recorded too. The head's share is a contender's
 figure at V=151,936 minus at V=4,096, same T. Each child caps its own address space
 (``RLIMIT_AS``) at its size before the step plus the budget, so a point that does not fit fails
 its allocation and is recorded as ``oom`` instead of taking the machine down; points above a
@@ -86,28 +89,36 @@ def _odcfn_step(spec: dict) -> tuple[Any, Any]:
     T, V = spec["T"], spec["V"]
     cfg = QwenConfig(vocab_size=V, **SHAPE)
     model, params = qwen_model(cfg), init_params(cfg)
-    g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, V, (T,), generator=g)
     head = {"head": spec["contender"]}
     if spec["loss"] == "ce":
-        loss, sample = cross_entropy(**head), odcfn.Sample(tokens)
+        loss = cross_entropy(**head)
     else:  # GRPO (odcfn.bench.rl's recipe) plus an entropy bonus; the prompt is the first 1/8
         loss = policy_gradient(kl_loss_coef=0.001, kl_loss_type="low_var_kl", entropy_coeff=0.001, **head)
+
+    def batch_of(n: int) -> odcfn.Batch:
+        g = torch.Generator().manual_seed(n)
+        tokens = torch.randint(0, V, (n,), generator=g)
+        if spec["loss"] == "ce":
+            return odcfn.Batch((odcfn.Sample(tokens),))
         base = -torch.log(torch.tensor(float(V)))
-        extras = {"advantages": torch.randn(T, generator=g).sign(),
-                  "old_logprobs": base + 0.05 * torch.randn(T, generator=g),
-                  "ref_logprobs": base + 0.05 * torch.randn(T, generator=g)}
-        sample = odcfn.Sample(tokens, loss_mask=torch.arange(T) >= T // 8, extras=extras)
-    batch = odcfn.Batch((sample,))
+        extras = {"advantages": torch.randn(n, generator=g).sign(),
+                  "old_logprobs": base + 0.05 * torch.randn(n, generator=g),
+                  "ref_logprobs": base + 0.05 * torch.randn(n, generator=g)}
+        return odcfn.Batch((odcfn.Sample(tokens, loss_mask=torch.arange(n) >= n // 8, extras=extras),))
+
     config = odcfn.StepConfig(balance="round_robin", remat=True, loss=loss)
     world = odcfn.LocalWorld(1)
     state = odcfn.TrainState.create(params=params, model=model, optimizer=odcfn.adamw(1e-4),
                                     transport=world.transport(0), config=config)
     holder = {"state": state}
+    batch = batch_of(T)
 
-    def step() -> None:
-        holder["state"], _ = odcfn.train_step(holder["state"], batch)
+    def step(b: odcfn.Batch = batch) -> None:
+        holder["state"], _ = odcfn.train_step(holder["state"], b)
 
+    # as for transformers below: what persists across steps (optimizer moments, the transport's
+    # accumulators and published copies) exists before the measured step
+    step(batch_of(16))
     return step, holder
 
 
@@ -158,6 +169,7 @@ def child(spec: dict) -> dict:
                 step()
                 times.append(time.perf_counter() - t0)
             out["peak_bytes"] = max(out.get("peak_bytes", 0), p.peak - p.base)
+            out["rss_peak_bytes"] = max(out.get("rss_peak_bytes", 0), p.peak)
     except (MemoryError, RuntimeError) as e:
         if "alloc" not in str(e).lower() and not isinstance(e, MemoryError):
             raise

@@ -40,6 +40,7 @@ from odcfn.trace import Event
 
 __all__ = ["ExecResult", "execute"]
 
+_NORM_SPAN = 1 << 22  # elements per float64 piece of the gradient norm (32 MiB)
 
 
 @dataclass
@@ -233,7 +234,12 @@ class Executor:
             self.shared[v] = g if v not in self.shared else self.shared[v] + g
         if own:
             shared = self.shared.pop(s.unit, None)
-            self.grads[s.unit] = g_own if shared is None else g_own + shared
+            if shared is None:
+                self.grads[s.unit] = g_own
+            elif g_own.is_contiguous():  # autograd's fresh output: a tied V×D sum, no third copy
+                self.grads[s.unit] = g_own.add_(shared)
+            else:  # e.g. an expanded (stride-0) gradient cannot be written in place
+                self.grads[s.unit] = g_own + shared
         if has_x:
             self.grad_out[mb] = grads[-1]
 
@@ -310,8 +316,9 @@ class Executor:
         grads = {k: g for k, g in self.t.grad_shards().items() if k not in self.frozen}
         self.t.replica_all_reduce(grads)
         norm2 = torch.zeros((), dtype=torch.float64, device=self.device)
-        for g in grads.values():
-            norm2 += g.double().square().sum()
+        for g in grads.values():  # in spans: a float64 copy of a vocabulary-sized shard is big
+            for piece in g.reshape(-1).split(_NORM_SPAN):
+                norm2 += piece.double().square().sum()
         # after the replica all-reduce every replica holds the same shard: count it once
         norm2 = norm2 / len(self.t.mesh.replica_group)
         s = self.loss_sum.reshape(-1)  # [loss sum, grad-norm^2, the loss's metric sums, riders]
