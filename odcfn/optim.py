@@ -9,7 +9,8 @@ The optimizer sees only flat shards, so a masked one is bound to the flat layout
 (``optimizer.for_layout(layout)``, which ``train_step`` does): the mask becomes ranges of this
 rank's shard, and the update leaves those ranges undecayed.
 
-Updates are pure (new tensors out, the inputs untouched) but walk each shard in spans of
+Updates are pure (new tensors out, the inputs untouched; ``inplace=True``, which a donated
+state asks for, writes into the inputs instead) and walk each shard in spans of
 ``SPAN`` elements, writing into the preallocated outputs: the temporaries of the update's
 expression are O(span), not O(shard). A vocabulary-sized shard (151,936 x 4,096 at fp32 is
 2.3 GiB) would otherwise hold several shard-sized temporaries at once. Every op is elementwise,
@@ -61,6 +62,7 @@ class Optimizer:
     update: Callable[..., tuple[dict[str, torch.Tensor], dict[str, Any]]]
     name: str = ""
     bind: Callable[[Layout], Optimizer] | None = None  # set when the update needs the layout
+    inplace: bool = False  # update(..., inplace=True) writes into its inputs (a donated state)
 
     def for_layout(self, layout: Layout) -> Optimizer:
         """This optimizer for shards of ``layout`` (itself unless it has a decay mask)."""
@@ -113,8 +115,11 @@ def _spans(n: int) -> list[tuple[int, int]]:
     return [(a, min(a + SPAN, n)) for a in range(0, n, SPAN)] or [(0, 0)]
 
 
-def _out(like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A new tensor shaped like ``like`` and its flat view (the spans are written through it)."""
+def _out(like: torch.Tensor, inplace: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where an update writes and its flat view: ``like`` itself when updating in place (a
+    donated state) and it is contiguous, else a new tensor shaped like it."""
+    if inplace and like.is_contiguous():
+        return like, like.view(-1)
     t = torch.empty_like(like, memory_format=torch.contiguous_format)
     return t, t.view(-1)
 
@@ -175,14 +180,15 @@ def sgd(
                 state["mu"] = {k: torch.zeros_like(v) for k, v in params.items()}
             return state
 
-        def update(grads: Shards, state: dict, params: Shards, *, grad_scale: float = 1.0):
+        def update(grads: Shards, state: dict, params: Shards, *, grad_scale: float = 1.0,
+                   inplace: bool = False):
             step = state["count"] + 1
             rate = _lr(lr, step)
             new_p, new_mu = {}, {}
             for k, p_all in params.items():
-                new_p[k], p_out = _out(p_all)
+                new_p[k], p_out = _out(p_all, inplace)
                 if momentum:
-                    new_mu[k], mu_out = _out(p_all)
+                    new_mu[k], mu_out = _out(state["mu"][k], inplace)
                 p_in, g_in = p_all.reshape(-1), grads[k].reshape(-1)
                 for lo, hi in _spans(p_in.numel()):
                     p = p_in[lo:hi]
@@ -201,7 +207,7 @@ def sgd(
                 new_state["mu"] = new_mu
             return new_p, new_state
 
-        return Optimizer(init, update, "sgd")
+        return Optimizer(init, update, "sgd", inplace=True)
 
     return _masked(make, weight_decay_mask, weight_decay)
 
@@ -225,13 +231,15 @@ def adamw(
                 "nu": {k: torch.zeros_like(v) for k, v in params.items()},
             }
 
-        def update(grads: Shards, state: dict, params: Shards, *, grad_scale: float = 1.0):
+        def update(grads: Shards, state: dict, params: Shards, *, grad_scale: float = 1.0,
+                   inplace: bool = False):
             step = state["count"] + 1
             rate = _lr(lr, step)
             bc1, bc2 = 1 - b1**step, 1 - b2**step
             new_p, mu, nu = {}, {}, {}
             for k, p_all in params.items():
-                (new_p[k], p_out), (mu[k], mu_out), (nu[k], nu_out) = (_out(p_all) for _ in range(3))
+                (new_p[k], p_out), (mu[k], mu_out), (nu[k], nu_out) = (
+                    _out(t, inplace) for t in (p_all, state["mu"][k], state["nu"][k]))
                 p_in, g_in = p_all.reshape(-1), grads[k].reshape(-1)
                 mu_in, nu_in = state["mu"][k].reshape(-1), state["nu"][k].reshape(-1)
                 for lo, hi in _spans(p_in.numel()):
@@ -245,6 +253,6 @@ def adamw(
                     torch.sub(decayed, (rate / bc1) * m / denom, out=p_out[lo:hi])
             return new_p, {"count": step, "mu": mu, "nu": nu}
 
-        return Optimizer(init, update, "adamw")
+        return Optimizer(init, update, "adamw", inplace=True)
 
     return _masked(make, weight_decay_mask, weight_decay)

@@ -3,7 +3,8 @@
 One training step (one rank, one sample of T tokens, a D=256, 2-layer Qwen-shaped model, every
 unit rematerialised, AdamW) per point, each point in a fresh subprocess, for:
 
-- ``fused``: odcfn with the fused head (never a T×V tensor),
+- ``fused``: odcfn with the fused head (never a T×V tensor), ``StepConfig(donate=True)`` as
+  ``odcfn train`` runs (the update writes into the state's tensors),
 - ``unfused``: odcfn with the reference head (full fp32 logits, ``head="unfused"``),
 - ``transformers``: ``transformers.Qwen2ForCausalLM`` of the same shape with its own loss
   (``labels=``), SDPA attention, gradient checkpointing, ``torch.optim.AdamW``: what a user of
@@ -106,7 +107,8 @@ def _odcfn_step(spec: dict) -> tuple[Any, Any]:
                   "ref_logprobs": base + 0.05 * torch.randn(n, generator=g)}
         return odcfn.Batch((odcfn.Sample(tokens, loss_mask=torch.arange(n) >= n // 8, extras=extras),))
 
-    config = odcfn.StepConfig(balance="round_robin", remat=True, loss=loss)
+    # donate: the params and moments are updated in place, as ``odcfn train`` runs
+    config = odcfn.StepConfig(balance="round_robin", remat=True, loss=loss, donate=True)
     world = odcfn.LocalWorld(1)
     state = odcfn.TrainState.create(params=params, model=model, optimizer=odcfn.adamw(1e-4),
                                     transport=world.transport(0), config=config)

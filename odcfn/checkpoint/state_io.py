@@ -9,7 +9,7 @@ from typing import Any
 
 from odcfn.checkpoint import frozen, sharded
 from odcfn.checkpoint.async_save import AsyncSaver, default_saver
-from odcfn.step.state import TrainState, check_opt_state
+from odcfn.step.state import TrainState, check_live, check_opt_state
 from odcfn.trainable import split
 
 
@@ -45,6 +45,7 @@ def save(
     ``wait()`` gives the committed path or raises the write's error (as does the next save)."""
     if not isinstance(state, TrainState):
         raise TypeError(f"odcfn.save(path, state): state must be a TrainState, got {type(state).__name__}")
+    check_live(state, "odcfn.save")
     if not isinstance(blocking, bool):
         raise TypeError(f"odcfn.save: blocking must be a bool, got {type(blocking).__name__}")
     params, model, extra = savable(state, extra, base)

@@ -160,6 +160,7 @@ def _setup(cfg: SFTConfig, rank: int, transport, data: PreparedData | None = Non
     step_config = odcfn.StepConfig(
         comm=t.comm, balance=t.balance, max_tokens_per_microbatch=t.max_tokens_per_microbatch,
         compute_dtype=dtype, max_grad_norm=t.max_grad_norm, deterministic=t.deterministic, remat=t.remat,
+        donate=True,  # the loop never reuses a state: update in place (no second copy of it)
     )
     start, resumed = 0, None
     data_sha = sha256(Path(cfg.data.path))

@@ -29,7 +29,9 @@ from odcfn.trace import Event
 from odcfn.trainable import freeze, split
 from odcfn.tree import register_dataclass, tree_flatten_with_path
 
-__all__ = ["StepConfig", "StepMetrics", "TrainState", "check_fields", "check_opt_state"]
+__all__ = [
+    "StepConfig", "StepMetrics", "TrainState", "check_fields", "check_live", "check_opt_state", "donate",
+]
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,12 @@ class StepConfig:
     each owner in rank order. The default adds each microbatch's push as it arrives (faster;
     runs then differ in the last bits when a rank has several microbatches). Collective mode
     is always in a fixed order. Work stealing decides the split at run time: not deterministic.
+    ``donate``: ``train_step`` updates the params and optimizer moments in place (JAX's buffer
+    donation) and returns a state holding the same tensors; the state passed in is used up, and
+    handing it to ``train_step``, ``grad_step``, ``log_probs``, ``gather_params`` or ``odcfn.save``
+    again raises ``ValueError``. It saves the update's new copy of every trained shard and of
+    its moments (three fp32 copies of a 151,936 × 4,096 head: 7 GiB). Shards given to
+    ``TrainState.create`` as tensors are updated in place too.
     """
 
     comm: Comm = "odc"
@@ -67,6 +75,7 @@ class StepConfig:
     nonfinite: str = "raise"
     deterministic: bool = False
     remat: bool = False
+    donate: bool = False
 
     def __post_init__(self) -> None:
         if self.comm not in ("odc", "collective"):
@@ -92,6 +101,8 @@ class StepConfig:
             raise TypeError(f"StepConfig.remat must be a bool (True: every unit), got {got}")
         if self.loss is None:  # the one place None means anything: the default loss
             object.__setattr__(self, "loss", cross_entropy())
+        if not isinstance(self.donate, bool):
+            raise TypeError(f"StepConfig.donate must be a bool, got {type(self.donate).__name__}")
         if not isinstance(self.deterministic, bool):
             got = type(self.deterministic).__name__
             raise TypeError(f"StepConfig.deterministic must be a bool, got {got}")
@@ -206,9 +217,28 @@ def check_opt_state(given: Any, fresh: Any, where: str = "TrainState.create: opt
             )
 
 
+def donate(state: TrainState) -> None:
+    """Mark ``state`` used up: ``train_step`` (``StepConfig(donate=True)``) updated its tensors in
+    place for the state it returned."""
+    object.__setattr__(state, "_donated_at", state.step)
+
+
+def check_live(state: TrainState, where: str) -> None:
+    """A ValueError if ``state`` was donated to ``train_step`` (its tensors are the next state's)."""
+    at = state.__dict__.get("_donated_at")
+    if at is not None:
+        raise ValueError(
+            f"{where}: this TrainState was donated to train_step at step {at} "
+            "(StepConfig(donate=True) updates params and optimizer state in place): use the state "
+            "train_step returned"
+        )
+
+
 def check_fields(state: TrainState) -> None:
     """The static fields of a state that ``replace`` (or a pytree rebuild) may have changed: a
-    TypeError naming the field, before any communication (``create`` checks the same)."""
+    TypeError naming the field, before any communication (``create`` checks the same); a
+    ValueError for a donated state."""
+    check_live(state, "train_step/grad_step/log_probs")
     want = (("model", Model), ("optimizer", Optimizer), ("config", StepConfig))
     for name, cls in want:
         v = getattr(state, name)

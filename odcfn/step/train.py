@@ -30,7 +30,7 @@ from odcfn.sharding import Layout, make_layout
 from odcfn.sharding.layout import check_shards
 from odcfn.step import fingerprint
 from odcfn.step.execute import execute
-from odcfn.step.state import StepMetrics, TrainState, check_fields
+from odcfn.step.state import StepMetrics, TrainState, check_fields, donate
 
 __all__ = ["StepMetrics", "check_inputs", "grad_step", "train_step"]
 
@@ -180,6 +180,10 @@ def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, StepMetrics
     optimizer = state.optimizer.for_layout(layout)  # a decay mask needs it
     trained = trainable.split(state.model, state.params)  # frozen units: no state, never updated
     grads = trainable.split(state.model, grads)
-    params, opt_state = optimizer.update(grads, state.opt_state, trained, grad_scale=scale)
+    inplace = {"inplace": True} if state.config.donate and optimizer.inplace else {}
+    params, opt_state = optimizer.update(grads, state.opt_state, trained, grad_scale=scale, **inplace)
     params = {**state.params, **params} if state.model.frozen else params
-    return state.replace(params=params, opt_state=opt_state, step=state.step + 1), metrics
+    new_state = state.replace(params=params, opt_state=opt_state, step=state.step + 1)
+    if state.config.donate:
+        donate(state)
+    return new_state, metrics
