@@ -35,12 +35,16 @@ class TensorBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self._sweep()
+        # an output that shares an input's storage (in-place ops, views) allocated nothing: if
+        # that storage predates the block it is not the block's memory
+        inputs = {StorageWeakRef(t.untyped_storage()).cdata
+                  for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
         out = func(*args, **(kwargs or {}))
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 s = t.untyped_storage()
                 ref = StorageWeakRef(s)
-                if ref.cdata not in self.live:
+                if ref.cdata not in self.live and ref.cdata not in inputs:
                     self.live[ref.cdata] = (ref, s.nbytes())
                     self.current += s.nbytes()
         self.peak = max(self.peak, self.current)

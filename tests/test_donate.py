@@ -85,3 +85,32 @@ def test_donated_state_is_refused_everywhere(tmp_path):
 def test_donate_must_be_a_bool():
     with pytest.raises(TypeError, match="StepConfig.donate must be a bool"):
         odcfn.StepConfig(donate=1)
+
+
+
+@pytest.mark.parametrize("name", ["adamw", "sgd"])
+def test_update_temporaries_are_spans_not_shards(name, monkeypatch):
+    # a vocabulary-sized shard: the update holds its outputs, never shard-sized temporaries
+    from odcfn import optim
+    from tests.memtrack import TensorBytes
+
+    span = 1 << 12
+    monkeypatch.setattr(optim, "SPAN", span)
+    opt = odcfn.adamw(1e-2, weight_decay=0.1) if name == "adamw" else odcfn.sgd(1e-2, momentum=0.9)
+    n = 1 << 16
+    g = torch.Generator().manual_seed(0)
+    params, grads = {"u": torch.randn(n, generator=g)}, {"u": torch.randn(n, generator=g)}
+    state = opt.init(params)
+    scratch = 24 * span * 4  # a couple of dozen span-sized fp32 temporaries at most
+    with TensorBytes() as pure:
+        new_p, new_s = opt.update(grads, state, params, grad_scale=0.5)
+    outputs = (3 if name == "adamw" else 2) * n * 4  # new params and moments
+    assert outputs <= pure.peak <= outputs + scratch, pure.peak / (n * 4)
+    # in place: the inputs are the outputs; only span-sized temporaries come and go
+    p_in = {"u": params["u"].clone()}
+    s_in = odcfn.tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, state)
+    with TensorBytes() as inplace:
+        p3, s3 = opt.update(grads, s_in, p_in, grad_scale=0.5, inplace=True)
+    assert inplace.peak <= scratch, inplace.peak / (n * 4)
+    assert p3["u"] is p_in["u"] and torch.equal(p3["u"], new_p["u"])
+    assert odcfn.tree_allclose(s3, new_s, rtol=0, atol=0)
