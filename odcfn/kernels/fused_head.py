@@ -132,10 +132,13 @@ def head_forward(
             mc = z.amax(1)
             m_new = mc if m is None else torch.maximum(m, mc)
             z.sub_(m_new[:, None])  # z - m <= 0
-            e = z.exp()
-            sc = e.sum(1)
-            uc = torch.linalg.vecdot(e, z) if want_entropy else None
-            del e, z
+            if want_entropy:
+                e = z.exp()
+                sc, uc = e.sum(1), torch.linalg.vecdot(e, z)
+                del e
+            else:  # in place: one tile fewer to allocate and fault in
+                sc, uc = z.exp_().sum(1), None
+            del z
             if m is None:
                 s, u = sc, uc
             else:
@@ -201,12 +204,12 @@ def head_backward(
             if inv_tau != 1.0:
                 z.mul_(inv_tau)
             z.sub_(lse[t0:t1, None])  # log p
-            p = z.exp()
             if with_h:  # dz = -p * (gl + gH * (log p + H)) + gl * onehot
+                p = z.exp()
                 coef = z.add_(H[t0:t1, None]).mul_(gH[t0:t1, None]).add_(glc[:, None])
                 dz = p.mul_(coef).neg_()
-            else:
-                dz = p.mul_(glc[:, None].neg())
+            else:  # in place: p overwrites log p
+                dz = z.exp_().mul_(glc[:, None].neg())
             del z
             inside = (yc >= v0) & (yc < v0 + wv.shape[0])
             if bool(inside.any()):
