@@ -22,7 +22,7 @@ from pathlib import Path
 
 from odcfn.kernels.shm_sync import pid_alive
 
-__all__ = ["CheckpointError", "Staging"]
+__all__ = ["CheckpointError", "Staging", "fsync_path", "list_quietly"]
 
 _POLL = 0.01
 _PROBE = 0.05  # liveness probes: often enough to notice a death within ~0.1 s
@@ -39,7 +39,7 @@ class Staging:
         self.dir = root.with_name(f".{root.name}.tmp-{attempt}")
         root.parent.mkdir(parents=True, exist_ok=True)
         if rank == 0:  # leftovers of saves that died before they could clean up
-            for old in root.parent.glob(f".{root.name}.tmp-*"):
+            for old in list_quietly(root.parent, f".{root.name}.tmp-*"):
                 if old != self.dir:
                     shutil.rmtree(old, ignore_errors=True)
         self.dir.mkdir(exist_ok=True)
@@ -50,9 +50,16 @@ class Staging:
         os.replace(tmp, alive)
 
     def _problem(self, watch: Sequence[int]) -> str | None:
-        if not self.dir.is_dir():
-            return f"the staging directory {self.dir} disappeared (a peer gave up the save)"
-        for f in sorted(self.dir.glob(".abort-*")):
+        gone = f"the staging directory {self.dir} disappeared (committed, or a peer gave up the save)"
+        try:
+            # listed at once: rank 0's commit (a rename) or a peer's abort (rmtree) may remove the
+            # directory between a check and a lazy listing, which then raises FileNotFoundError
+            notes = sorted(self.dir.glob(".abort-*")) if self.dir.is_dir() else None
+        except OSError:
+            notes = None
+        if notes is None:
+            return gone  # the caller asks missing() again: after a commit nothing is missing
+        for f in notes:
             try:
                 return f"rank {f.name.removeprefix('.abort-')} failed: {f.read_text()}"
             except OSError:
@@ -84,7 +91,7 @@ class Staging:
             time.sleep(_POLL)
 
     def commit(self, overwrite: bool) -> None:
-        for f in self.dir.glob(".alive-*"):
+        for f in list_quietly(self.dir, ".alive-*"):
             f.unlink(missing_ok=True)
         fsync_path(self.dir)
         if self.root.is_dir() and any(self.root.iterdir()):
@@ -109,6 +116,16 @@ class Staging:
         except OSError:
             pass
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def list_quietly(where: Path, pattern: str) -> list[Path]:
+    """``where.glob(pattern)`` as a list, empty if ``where`` is gone. Peers and restarts remove
+    checkpoint files concurrently (commit renames, aborts, pruning): a listing may name a file that
+    is gone by the time it is read, so callers treat every listed path as possibly vanished."""
+    try:
+        return sorted(where.glob(pattern))
+    except OSError:  # FileNotFoundError/NotADirectoryError: the directory went away mid-listing
+        return []
 
 
 def fsync_path(path: Path) -> None:
