@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from odcfn.checkpoint.kill_point import kill_point
 from odcfn.tree import tree_map
 
 __all__ = ["AsyncSaver", "default_saver", "snapshot_tree"]
@@ -94,6 +95,7 @@ class AsyncSaver:
             # bad input fails at the call, not in the background
             raise FileExistsError(f"checkpoint: {root} exists; pass overwrite=True to replace it")
         snap_params = snapshot_tree(dict(params))
+        kill_point("snapshot", step, mesh.rank)  # tests only (ODCFN_TEST_KILL_AT)
         snap_opt = snapshot_tree(opt_state)
         extra = dict(extra or {})
         what = f"checkpoint {os.fspath(path)} (step {step})"

@@ -33,6 +33,7 @@ from safetensors.torch import save_file
 
 from odcfn._check import check_int
 from odcfn.checkpoint.commit import CheckpointError, Staging, fsync_path
+from odcfn.checkpoint.kill_point import kill_point
 from odcfn.checkpoint.verify import check_files, check_units, open_verified, rank_file, sha256
 from odcfn.model import Model
 from odcfn.sharding import Layout, Mesh, make_layout
@@ -193,6 +194,7 @@ def write_shards(
             save_file(tensors, str(tmp), metadata=meta)
             fsync_path(tmp)
             os.replace(tmp, target)
+            kill_point("write", step, mesh.rank)  # tests only (ODCFN_TEST_KILL_AT)
         if mesh.rank == 0:
             stage.wait(
                 lambda: [r for r in writers if _file_step(stage.dir / rank_file(r)) != step],
@@ -201,6 +203,7 @@ def write_shards(
             )
             doc = _manifest(model, mesh, layout, step, attempt, skeleton, extra, stage.dir, writers)
             _atomic_write_text(stage.dir / MANIFEST, json.dumps(doc, indent=1))
+            kill_point("commit", step, 0)
             stage.commit(overwrite)
         else:
             stage.wait(
@@ -208,6 +211,7 @@ def write_shards(
                 lambda m: f"rank 0 to commit {root}",
                 (0,),
             )
+            kill_point("commit", step, mesh.rank)
     except BaseException as e:
         stage.abort(f"{type(e).__name__}: {e}")
         raise
