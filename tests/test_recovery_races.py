@@ -1,16 +1,24 @@
 """Races between the saves of one job, forced deterministically: a peer's probe of the staging
 directory that rank 0's commit (a rename) or a peer's abort (a removal) overtakes between the
-check and the listing is a commit or an abort, never a ``FileNotFoundError``."""
+check and the listing is a commit or an abort, never a ``FileNotFoundError``; a rank whose
+background save failed tells the peers of its next save why, also a peer that comes late,
+instead of leaving them to the save timeout."""
 
 from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import pytest
 
+import odcfn
+from odcfn.checkpoint.async_save import AsyncSaver
 from odcfn.checkpoint.commit import CheckpointError, Staging, list_quietly
+from odcfn.models import QwenConfig, init_params, qwen_model
+
+CFG = QwenConfig(vocab_size=37, d_model=16, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=24)
 
 
 def _overtaken(monkeypatch, staged: Path, then) -> None:
@@ -53,3 +61,41 @@ def test_listing_a_directory_that_is_gone_is_empty(tmp_path):
     assert list_quietly(tmp_path / "gone", "*") == []
     (tmp_path / "file").write_text("")
     assert list_quietly(tmp_path / "file", "*") == []
+
+
+def test_a_rank_whose_last_save_failed_tells_the_peers_of_its_next_save_even_late_ones(tmp_path):
+    """Rank 1's first background save commits, then its own follow-up fails (as the memory
+    tier's publish or a prune can): its next ``save`` raises before writing. Rank 0 starts that
+    next save a second later, after rank 1 gave it up: it learns why at once (it used to wait
+    for rank 1's file until the save timeout)."""
+    model = qwen_model(CFG)
+
+    def fn(rank, tr):
+        state = odcfn.TrainState.create(params=init_params(CFG, seed=0), model=model,
+                                        optimizer=odcfn.adamw(1e-2), transport=tr)
+        saver = AsyncSaver()
+
+        def follow_up(path: Path) -> None:
+            raise OSError(28, "No space left on device (the follow-up)")
+
+        saver.save(tmp_path / "a", state.params, state.opt_state, 1, model=model, mesh=state.mesh,
+                   timeout=20.0, after=follow_up if rank == 1 else None)
+        if rank == 0:
+            saver.wait()
+            time.sleep(1.0)  # late: rank 1 has given the next save up by now
+        t0 = time.monotonic()
+        try:
+            saver.save(tmp_path / "b", state.params, state.opt_state, 2, model=model, mesh=state.mesh,
+                       timeout=20.0)
+            saver.wait()
+            return "saved", 0.0
+        except RuntimeError as e:
+            return str(e), time.monotonic() - t0
+
+    (err0, took0), (err1, _) = odcfn.run_local(fn, 2)
+    assert "(step 1) failed: OSError" in err1 and "the follow-up" in err1, err1
+    assert "(step 2) failed: CheckpointError" in err0, err0
+    assert "rank 1 failed: its previous save failed" in err0, err0
+    assert "No space left on device (the follow-up)" in err0
+    assert took0 < 5.0, took0  # the note, not the 20 s timeout
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a"]  # no staging of "b" left
