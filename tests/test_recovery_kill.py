@@ -1,18 +1,23 @@
-"""SIGKILL a rank of a running ``odcfn train`` at random points (mid-step, mid-snapshot, while a
-background write or a commit runs) under automatic restart, and check what a user relies on:
-the run finishes; its final params equal an uninterrupted run's bit for bit (deterministic
-mode, same world size); every step's metrics line is there exactly once; every committed
-checkpoint still verifies; no shared memory, staging directory or snapshot is left behind.
+"""SIGKILL a rank of a running ``odcfn train`` under automatic restart, at named phases (mid-step,
+mid-snapshot, after a rank's file is written, rank 0 between its manifest and the commit) and at
+a random point, and check what a user relies on: the run finishes; its final params equal an
+uninterrupted run's bit for bit (deterministic mode, same world size); every step's metrics line
+is there exactly once; every committed checkpoint still verifies; no shared memory, staging
+directory or snapshot is left behind; a restart loses at most the save the kill interrupted.
 
-Two launchers: ``odcfn train`` with the processes backend and ``[train] max_restarts``, and
-``torchrun --max-restarts`` (3 ranks). The kill times are drawn from a seeded generator (printed
-on failure). The uninterrupted references run on the test pool's warm workers."""
+Two launchers: ``odcfn train`` with the processes backend and ``[train] max_restarts`` (2 ranks,
+a kill at each phase, one per incarnation, via ``ODCFN_TEST_KILL_AT``: see
+``odcfn.checkpoint.kill_point``), and ``torchrun --max-restarts`` (3 ranks: a kill at a time
+drawn from a seeded generator, printed on failure, then one mid-snapshot). The uninterrupted
+references run once per world size on the test pool's warm workers, saving as the killed runs
+do (asynchronous disk checkpoints and the memory tier)."""
 
 from __future__ import annotations
 
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -126,35 +131,89 @@ def shm():
     shutil.rmtree(d, ignore_errors=True)
 
 
-def _setup(tmp_path: Path, world: int, backend: str, shm: Path, mp_pool) -> tuple[Path, Path, dict]:  # noqa: F811
-    lengths = [5, 9, 7, 12, 6, 8, 10, 4, 11, 5, 7, 9, 13, 6, 8, 10, 5, 12]
-    write_jsonl(tmp_path / "train.jsonl", synthetic_records(lengths, 40, seed=0))
-    run, ref = tmp_path / "run", tmp_path / "ref"
-    doc = _doc(run, world, backend)
+LENGTHS = [5, 9, 7, 12, 6, 8, 10, 4, 11, 5, 7, 9, 13, 6, 8, 10, 5, 12]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, mp_pool):  # noqa: F811
+    """The uninterrupted run of each world size (once per module), on the pool's warm workers,
+    saving as the killed runs do: asynchronous disk checkpoints and the memory tier."""
+    done: dict[int, Path] = {}
+
+    def get(world: int) -> Path:
+        if world not in done:
+            root = tmp_path_factory.mktemp(f"reference{world}")
+            write_jsonl(root / "train.jsonl", synthetic_records(LENGTHS, 40, seed=0))
+            mp_pool.run(reference_worker, world, args=(_doc(root / "ref", world, "processes"),), timeout=300)
+            done[world] = root / "ref"
+        return done[world]
+
+    return get
+
+
+def _setup(tmp_path: Path, world: int, backend: str, shm: Path, reference) -> tuple[Path, Path, dict]:
+    write_jsonl(tmp_path / "train.jsonl", synthetic_records(LENGTHS, 40, seed=0))
+    run = tmp_path / "run"
     run.mkdir()
-    (run / "run.json").write_text(json.dumps(doc))
-    # the reference only needs its final checkpoint: blocking saves, no memory tier (it has no
-    # restarts to absorb a failed background save; once, in CI, a memory-tier snapshot of the
-    # reference timed out waiting for rank 0's commit)
-    ref_doc = _doc(ref, world, backend)
-    ref_doc["checkpoint"] = {**ref_doc["checkpoint"], "memory_every": 0, "async_save": False}
-    mp_pool.run(reference_worker, world, args=(ref_doc,), timeout=300)
+    (run / "run.json").write_text(json.dumps(_doc(run, world, backend)))
     env = {**os.environ, "ODCFN_SHM_DIR": str(shm), "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
-    return run, ref, env
+    return run, reference(world), env
 
 
-def test_killed_ranks_restart_and_finish_bit_identically(tmp_path, shm, mp_pool):  # noqa: F811
-    run, ref, env = _setup(tmp_path, 2, "processes", shm, mp_pool)
-    cmd = [sys.executable, "-m", "odcfn.cli", "train", "--config", str(run / "run.json"), "--quiet"]
-    out = _run_with_kills(cmd, run / "out" / "metrics.jsonl", 2, seed=1, torchrun=False, env=env)
-    assert out.count("restarting all ranks") == 2
-    _check(run, ref, shm, 2)
-
-
-def test_torchrun_max_restarts_three_ranks(tmp_path, shm, mp_pool):  # noqa: F811
-    run, ref, env = _setup(tmp_path, 3, "processes", shm, mp_pool)
+def test_torchrun_max_restarts_three_ranks(tmp_path, shm, reference):
+    run, ref, env = _setup(tmp_path, 3, "processes", shm, reference)
+    env["ODCFN_TEST_KILL_AT"] = TORCHRUN_KILL
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
            "--max-restarts", "2", "-m", "odcfn.cli", "train", "--config", str(run / "run.json"), "--quiet"]
-    _run_with_kills(cmd, run / "out" / "metrics.jsonl", 1, seed=2, torchrun=True, env=env)
+    out = _run_with_kills(cmd, run / "out" / "metrics.jsonl", 1, seed=2, torchrun=True, env=env)
+    assert "resuming at step 6 " in out, out[-4000:]  # after the kill in the snapshot of step 7
     _check(run, ref, shm, 3)
+
+
+# Kills at named phases (odcfn.checkpoint.kill_point), one per incarnation: PHASE:STEP:RANK@RESTART.
+# Disk checkpoints every 3 steps and a memory-tier snapshot every step: step 3 saves to both.
+PHASE_KILLS = {
+    # rank 1's file of step 3 written (disk and memory in flight); rank 0 between its manifest
+    # and the rename of step 5; rank 1 at the start of step 8, its peer inside the step
+    2: "write:3:1,commit:5:0@1,step:8:1@2",
+}
+# the torchrun run's second incarnation (after its random kill): rank 2 half way through the
+# host snapshot of step 7
+TORCHRUN_KILL = "snapshot:7:2@1"
+
+
+@pytest.mark.parametrize("world", sorted(PHASE_KILLS))
+def test_kills_at_named_phases_restart_and_finish_bit_identically(tmp_path, shm, reference, world):
+    run, ref, env = _setup(tmp_path, world, "processes", shm, reference)
+    kills = [k.split("@")[0].split(":") for k in PHASE_KILLS[world].split(",")]
+    env["ODCFN_TEST_KILL_AT"] = PHASE_KILLS[world]
+    cmd = [sys.executable, "-m", "odcfn.cli", "train", "--config", str(run / "run.json"), "--quiet"]
+    proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    assert proc.stdout.count("restarting all ranks") == len(kills), proc.stdout[-4000:]
+    # each restart resumed from the newest snapshot the kill left: a kill in a save of step N
+    # loses at most that save (resume at N-1 or N), a kill at the start of step N at most the
+    # snapshot of step N-1 still in flight (resume at N-2 or N-1)
+    resumed = [int(x) for x in re.findall(r"resuming at step (\d+)", proc.stdout)]
+    lost = [int(n) - r for (phase, n, _), r in zip(kills, resumed)]
+    allowed = [(1, 2) if phase == "step" else (0, 1) for phase, _, _ in kills]
+    assert len(resumed) == len(kills) and all(lo <= x <= hi for x, (lo, hi) in zip(lost, allowed)), resumed
+    _check(run, ref, shm, world)
+
+
+def test_kill_points_are_off_unless_named_and_a_bad_spec_is_refused(monkeypatch):
+    from odcfn.checkpoint.kill_point import kill_point
+
+    monkeypatch.delenv("ODCFN_TEST_KILL_AT", raising=False)
+    kill_point("commit", 3, 0)  # off by default: returns
+    monkeypatch.setenv("ODCFN_TEST_KILL_AT", "commit:3:0@1,write:4:1")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    kill_point("commit", 3, 0)  # named for the next incarnation only
+    kill_point("write", 4, 0)  # another rank
+    kill_point("write", 5, 1)  # another step
+    for bad in ("commit:3", "flush:3:0", "commit:x:0", "commit:3:0@-1"):
+        monkeypatch.setenv("ODCFN_TEST_KILL_AT", bad)
+        with pytest.raises(ValueError, match=r"ODCFN_TEST_KILL_AT=.*PHASE:STEP:RANK\[@RESTART\]"):
+            kill_point("step", 1, 0)

@@ -6,6 +6,7 @@ the same loss trajectory (resharded on load)."""
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import replace
 
 import pytest
@@ -133,3 +134,46 @@ def test_resaving_a_path_whose_save_a_kill_interrupted_works(tmp_path, monkeypat
 
     assert odcfn.run_local(fn, 2) == [root, root]
     assert sorted(p.name for p in tmp_path.iterdir()) == [root.name]  # the leftover is gone
+
+
+def test_a_run_saved_on_three_ranks_continues_on_two_from_the_same_bytes(tmp_path, monkeypatch):
+    """Saved at W=3, resumed at W=2: the W=2 shards read from the W=3 checkpoint hold exactly the
+    bytes the three rank files hold (params and AdamW moments; read back with safetensors
+    alone), the run continues at the checkpoint's step with finite losses along the W=3 run's
+    trajectory (another summation order: within float tolerance), and its log reads as one run."""
+    from safetensors.torch import load_file
+
+    from odcfn.checkpoint.sharded import read_manifest, read_shards
+    from odcfn.sft.config import model_config
+    from odcfn.sharding import make_layout
+
+    monkeypatch.setenv("ODCFN_SHM_DIR", str(tmp_path / "shm"))
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    whole = _config(tmp_path / "a", world_size=3)
+    run(whole)
+    part = _config(tmp_path / "b", world_size=3)
+    run(replace(part, train=replace(part.train, steps=5)))
+    ck = part.checkpoint_dir / "step-00000005"
+    assert read_manifest(ck)["mesh"]["world_size"] == 3
+    model = qwen_model(model_config(part))
+    files = [load_file(ck / f"rank-{r:05d}.safetensors") for r in range(3)]
+    two = [read_shards(ck, model=model, mesh=odcfn.Mesh(2, r)) for r in range(2)]
+    assert [step for _, _, step in two] == [5, 5] and all(o["count"] == 5 for _, o, _ in two)
+    for u in make_layout(model, odcfn.Mesh(2)).units:
+        for key, pick in [("params", lambda p, o: p), ("opt_state/mu", lambda p, o: o["mu"]),
+                          ("opt_state/nu", lambda p, o: o["nu"])]:
+            saved = torch.cat([f[f"{key}/{u.name}"] for f in files])[: u.numel]
+            resharded = torch.cat([pick(p, o)[u.name] for p, o, _ in two])
+            assert torch.equal(resharded[: u.numel], saved), (key, u.name)
+            assert not resharded[u.numel :].any()  # the new padding is zeros
+    out = run(replace(part, train=replace(part.train, world_size=2)))
+    assert len(out) == 2 and out[0]["start_step"] == 5 and out[0]["resumed_from"] == str(ck)
+    la = [json.loads(x) for x in whole.metrics_path.read_text().splitlines()]
+    lb = [json.loads(x) for x in part.metrics_path.read_text().splitlines()]
+    assert [r["step"] for r in lb] == list(range(1, 9))  # nothing lost or doubled
+    assert [r["loss"] for r in lb[:5]] == [r["loss"] for r in la[:5]]
+    assert all(math.isfinite(r["loss"]) for r in lb[5:])
+    torch.testing.assert_close([r["loss"] for r in lb[5:]], [r["loss"] for r in la[5:]], rtol=1e-5, atol=0)
+    final = read_manifest(part.checkpoint_dir / "step-00000008")
+    assert final["step"] == 8 and final["mesh"]["world_size"] == 2

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from odcfn.checkpoint.kill_point import kill_point
 from odcfn.tree import tree_map
 
 __all__ = ["AsyncSaver", "default_saver", "snapshot_tree"]
@@ -88,12 +89,13 @@ class AsyncSaver:
         from odcfn.checkpoint import sharded
 
         t0 = time.perf_counter()
-        self.wait()  # one in flight; an earlier failure surfaces here
+        self.wait_or_give_up(path, step, mesh, timeout)  # one in flight; an earlier failure surfaces here
         root = Path(path)
         if root.exists() and not overwrite and (not root.is_dir() or any(root.iterdir())):
             # bad input fails at the call, not in the background
             raise FileExistsError(f"checkpoint: {root} exists; pass overwrite=True to replace it")
         snap_params = snapshot_tree(dict(params))
+        kill_point("snapshot", step, mesh.rank)  # tests only (ODCFN_TEST_KILL_AT)
         snap_opt = snapshot_tree(opt_state)
         extra = dict(extra or {})
         what = f"checkpoint {os.fspath(path)} (step {step})"
@@ -137,6 +139,19 @@ class AsyncSaver:
         return self._result
 
     close = wait
+
+    def wait_or_give_up(self, path: str | os.PathLike, step: int, mesh: Any, timeout: float = 60.0) -> None:
+        """``wait()`` before the save of ``(path, step)``; if the save in flight failed, this
+        rank will not make that next save: its peers, which are starting it, are told why at
+        once (instead of waiting for this rank until the timeout), then the error is raised."""
+        try:
+            self.wait()
+        except RuntimeError as e:
+            if mesh.world_size > 1:
+                from odcfn.checkpoint.sharded import give_up
+
+                give_up(path, step, mesh, f"its previous save failed: {e}", timeout)
+            raise
 
 
 _DEFAULT: dict[tuple[int, int], AsyncSaver] = {}

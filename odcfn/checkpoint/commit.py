@@ -6,7 +6,9 @@ save's ``attempt``, which every rank computes alike), plus an ``.alive-R`` file 
 overwriting, so there is no moment without one). While waiting, a rank watches its peers: an
 ``.abort-R`` file (a peer failed and says why), a peer's pid gone (same host), the staging
 directory gone (a peer gave up); each ends the wait at once instead of at the timeout. A rank
-that gives up leaves its reason, lets the others see it, and removes the staging directory.
+that gives up leaves its reason, waits (boundedly) until every peer has arrived and can read it,
+and removes the staging directory; a rank that gives up because a peer did leaves both to that
+peer, so that a late rank never creates the directory afresh and waits for nobody.
 """
 
 from __future__ import annotations
@@ -22,11 +24,12 @@ from pathlib import Path
 
 from odcfn.kernels.shm_sync import pid_alive
 
-__all__ = ["CheckpointError", "Staging"]
+__all__ = ["CheckpointError", "Staging", "fsync_path", "list_quietly"]
 
 _POLL = 0.01
 _PROBE = 0.05  # liveness probes: often enough to notice a death within ~0.1 s
-_LINGER = 0.2  # how long a failing rank leaves its reason for the others to read
+_LINGER = 0.2  # how long a failing rank leaves its reason for the others to read, once they are here
+_ARRIVAL = 5.0  # at most this long (or the save timeout) it waits for late peers to arrive first
 
 
 class CheckpointError(ValueError):
@@ -34,12 +37,18 @@ class CheckpointError(ValueError):
 
 
 class Staging:
-    def __init__(self, root: Path, attempt: str, rank: int, timeout: float) -> None:
+    def __init__(
+        self, root: Path, attempt: str, rank: int, timeout: float, ranks: Sequence[int] = ()
+    ) -> None:
+        """``ranks``: every rank taking part in the save (a failing rank waits for them to arrive
+        so that they read its reason instead of waiting out the timeout)."""
         self.root, self.rank, self.timeout, self.attempt = root, rank, float(timeout), attempt
+        self.ranks = tuple(ranks)
+        self.peer_gave_up = False  # we give up because a peer did: that peer tells the others
         self.dir = root.with_name(f".{root.name}.tmp-{attempt}")
         root.parent.mkdir(parents=True, exist_ok=True)
         if rank == 0:  # leftovers of saves that died before they could clean up
-            for old in root.parent.glob(f".{root.name}.tmp-*"):
+            for old in list_quietly(root.parent, f".{root.name}.tmp-*"):
                 if old != self.dir:
                     shutil.rmtree(old, ignore_errors=True)
         self.dir.mkdir(exist_ok=True)
@@ -50,9 +59,18 @@ class Staging:
         os.replace(tmp, alive)
 
     def _problem(self, watch: Sequence[int]) -> str | None:
-        if not self.dir.is_dir():
-            return f"the staging directory {self.dir} disappeared (a peer gave up the save)"
-        for f in sorted(self.dir.glob(".abort-*")):
+        gone = f"the staging directory {self.dir} disappeared (committed, or a peer gave up the save)"
+        try:
+            # listed at once: rank 0's commit (a rename) or a peer's abort (rmtree) may remove the
+            # directory between a check and a lazy listing, which then raises FileNotFoundError
+            notes = sorted(self.dir.glob(".abort-*")) if self.dir.is_dir() else None
+        except OSError:
+            notes = None
+        if notes is None:
+            self.peer_gave_up = True
+            return gone  # the caller asks missing() again: after a commit nothing is missing
+        for f in notes:
+            self.peer_gave_up = True
             try:
                 return f"rank {f.name.removeprefix('.abort-')} failed: {f.read_text()}"
             except OSError:
@@ -84,7 +102,7 @@ class Staging:
             time.sleep(_POLL)
 
     def commit(self, overwrite: bool) -> None:
-        for f in self.dir.glob(".alive-*"):
+        for f in list_quietly(self.dir, ".alive-*"):
             f.unlink(missing_ok=True)
         fsync_path(self.dir)
         if self.root.is_dir() and any(self.root.iterdir()):
@@ -101,14 +119,40 @@ class Staging:
         fsync_path(self.root.parent)
 
     def abort(self, why: str) -> None:
-        """Leave our reason for the peers, give them time to read it, remove the staging dir."""
+        """Leave our reason for the peers, give them time to read it, remove the staging dir.
+        A rank that gives up because a peer did (its note, the directory gone) leaves both to
+        that peer: removing the directory early would let a late rank create it afresh and wait
+        for the timeout, never seeing the note."""
+        if self.peer_gave_up:
+            return
         try:
             if self.dir.is_dir():
                 (self.dir / f".abort-{self.rank}").write_text(why)
-                time.sleep(_LINGER)
+                self._linger()
         except OSError:
             pass
         shutil.rmtree(self.dir, ignore_errors=True)
+
+    def _linger(self) -> None:
+        """Until every other rank of the save is here (its ``.alive-R`` or ``.abort-R``: it reads
+        our note at its next probe), at most ``min(timeout, _ARRIVAL)``; then ``_LINGER``."""
+        others = [r for r in self.ranks if r != self.rank]
+        deadline = time.monotonic() + min(self.timeout, _ARRIVAL)
+        while others and time.monotonic() < deadline and self.dir.is_dir():
+            if all(any((self.dir / f".{kind}-{r}").exists() for kind in ("alive", "abort")) for r in others):
+                break
+            time.sleep(_POLL)
+        time.sleep(_LINGER)
+
+
+def list_quietly(where: Path, pattern: str) -> list[Path]:
+    """``where.glob(pattern)`` as a list, empty if ``where`` is gone. Peers and restarts remove
+    checkpoint files concurrently (commit renames, aborts, pruning): a listing may name a file that
+    is gone by the time it is read, so callers treat every listed path as possibly vanished."""
+    try:
+        return sorted(where.glob(pattern))
+    except OSError:  # FileNotFoundError/NotADirectoryError: the directory went away mid-listing
+        return []
 
 
 def fsync_path(path: Path) -> None:

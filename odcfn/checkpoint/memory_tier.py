@@ -34,7 +34,7 @@ import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
-from odcfn.checkpoint.commit import CheckpointError, fsync_path
+from odcfn.checkpoint.commit import CheckpointError, fsync_path, list_quietly
 from odcfn.checkpoint.sharded import MANIFEST, read_manifest
 from odcfn.checkpoint.verify import check_files, sha256
 from odcfn.kernels.shm_sync import shm_dir
@@ -62,13 +62,12 @@ def verify_all(path: Path) -> None:
 def committed(root: Path) -> list[tuple[int, Path]]:
     """``(step, path)`` of every committed ``step-*`` snapshot under ``root``, newest first."""
     out = []
-    if root.is_dir():
-        for d in root.glob("step-*"):
-            try:
-                step = int(json.loads((d / MANIFEST).read_text())["step"])
-            except (OSError, ValueError, KeyError, TypeError):
-                continue
-            out.append((step, d))
+    for d in list_quietly(root, "step-*"):
+        try:
+            step = int(json.loads((d / MANIFEST).read_text())["step"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # uncommitted, or removed since the listing
+        out.append((step, d))
     return sorted(out, key=lambda x: x[0], reverse=True)
 
 
@@ -88,11 +87,9 @@ def newest_verified(roots: Sequence[Path]) -> Path | None:
 def remove_stale(root: Path, newer_than: int) -> None:
     """Remove ``root``'s snapshots past step ``newer_than`` and every staging leftover (call
     before a run's first save, when no save of this job is in flight)."""
-    if not root.is_dir():
-        return
-    for d in root.glob(".step-*.tmp-*"):
+    for d in list_quietly(root, ".step-*.tmp-*"):
         shutil.rmtree(d, ignore_errors=True)
-    for d in root.glob("step-*"):
+    for d in list_quietly(root, "step-*"):
         num = d.name.removeprefix("step-")
         if num.isdigit() and int(num) > newer_than:
             shutil.rmtree(d, ignore_errors=True)

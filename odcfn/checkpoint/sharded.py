@@ -33,12 +33,13 @@ from safetensors.torch import save_file
 
 from odcfn._check import check_int
 from odcfn.checkpoint.commit import CheckpointError, Staging, fsync_path
+from odcfn.checkpoint.kill_point import kill_point
 from odcfn.checkpoint.verify import check_files, check_units, open_verified, rank_file, sha256
 from odcfn.model import Model
 from odcfn.sharding import Layout, Mesh, make_layout
 from odcfn.sharding.layout import check_shards
 
-__all__ = ["CheckpointError", "latest", "read_manifest", "read_shards", "write_shards"]
+__all__ = ["CheckpointError", "give_up", "latest", "read_manifest", "read_shards", "write_shards"]
 
 FORMAT = "odcfn-checkpoint"
 VERSION = 2  # 2: per-file sha256/rank/bytes, the save's attempt id
@@ -174,7 +175,7 @@ def write_shards(
         what = "a committed checkpoint" if (root / MANIFEST).exists() else "not an empty directory"
         raise FileExistsError(f"checkpoint: {root} exists and is {what}; pass overwrite=True to replace it")
     # staging first: a rank whose input is bad then tells the others instead of vanishing
-    stage = Staging(root, _attempt(root, mesh.rank, step), mesh.rank, timeout)
+    stage = Staging(root, _attempt(root, mesh.rank, step), mesh.rank, timeout, range(mesh.world_size))
     attempt = stage.attempt
     try:
         check_int(step, "checkpoint step", at_least=0)
@@ -193,6 +194,7 @@ def write_shards(
             save_file(tensors, str(tmp), metadata=meta)
             fsync_path(tmp)
             os.replace(tmp, target)
+            kill_point("write", step, mesh.rank)  # tests only (ODCFN_TEST_KILL_AT)
         if mesh.rank == 0:
             stage.wait(
                 lambda: [r for r in writers if _file_step(stage.dir / rank_file(r)) != step],
@@ -201,6 +203,7 @@ def write_shards(
             )
             doc = _manifest(model, mesh, layout, step, attempt, skeleton, extra, stage.dir, writers)
             _atomic_write_text(stage.dir / MANIFEST, json.dumps(doc, indent=1))
+            kill_point("commit", step, 0)
             stage.commit(overwrite)
         else:
             stage.wait(
@@ -208,10 +211,23 @@ def write_shards(
                 lambda m: f"rank 0 to commit {root}",
                 (0,),
             )
+            kill_point("commit", step, mesh.rank)
     except BaseException as e:
         stage.abort(f"{type(e).__name__}: {e}")
         raise
     return root
+
+
+def give_up(path: str | os.PathLike, step: int, mesh: Mesh, why: str, timeout: float = 60.0) -> None:
+    """This rank will not make its part of the save of ``(path, step)`` that its peers are making
+    (e.g. its previous background save failed): leave ``why`` where they wait, so they fail at
+    once naming it instead of at the timeout."""
+    root = Path(path)
+    try:
+        stage = Staging(root, _attempt(root, mesh.rank, step), mesh.rank, timeout, range(mesh.world_size))
+    except OSError:
+        return  # nowhere to leave a note: the peers meet the timeout
+    stage.abort(why)
 
 
 def _manifest(model, mesh, layout, step, attempt, skeleton, extra, where: Path, writers) -> dict:

@@ -54,7 +54,7 @@ def save(
         saver.save(path, params, state.opt_state, state.step, model=model, mesh=state.mesh,
                    extra=extra, overwrite=overwrite, timeout=timeout)
         return saver
-    saver.wait()  # a background save still in flight completes (or raises) first
+    saver.wait_or_give_up(path, state.step, state.mesh, timeout)  # one in flight completes (or raises) first
     return sharded.write_shards(
         path, params, state.opt_state, state.step, model=model, mesh=state.mesh,
         extra=extra, overwrite=overwrite, timeout=timeout,

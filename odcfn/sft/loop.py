@@ -218,6 +218,7 @@ def train_rank(cfg: SFTConfig, rank: int, transport, data: PreparedData | None =
     """The SFT loop for one rank; returns a summary (and rank's final shards for export).
     ``data``: the launcher's checked dataset (else this rank reads and checks it)."""
     import odcfn
+    from odcfn.checkpoint.kill_point import kill_point
     from odcfn.data.records import batch_at
 
     run = _setup(cfg, rank, transport, data)
@@ -235,6 +236,7 @@ def train_rank(cfg: SFTConfig, rank: int, transport, data: PreparedData | None =
                 continue
             d = cfg.data
             batch = batch_at(run.data.dataset, step, d.batch_size, seed=d.seed, shuffle=d.shuffle)
+            kill_point("step", step + 1, rank)  # tests only (ODCFN_TEST_KILL_AT)
             run.state, m = odcfn.train_step(run.state, batch)
             last = m.loss
             if logger is not None:

@@ -10,7 +10,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from odcfn.checkpoint.sharded import MANIFEST, read_manifest
+from odcfn.checkpoint.commit import CheckpointError, list_quietly
+from odcfn.checkpoint.sharded import read_manifest
 from odcfn.sft.config import SFTConfig
 from odcfn.step.state import StepMetrics
 from odcfn.trace import COMPUTE_KINDS
@@ -103,11 +104,13 @@ def prune(root: Path, keep: int | None, current: int) -> None:
     if not keep:
         return
     done = []
-    for d in root.glob("step-*"):
-        if (d / MANIFEST).exists():
+    for d in list_quietly(root, "step-*"):
+        try:  # listed, then gone (a restart's cleanup): nothing to prune
             step = int(read_manifest(d)["step"])
-            if step < current:
-                done.append((step, d))
+        except (OSError, CheckpointError, KeyError, TypeError, ValueError):
+            continue
+        if step < current:
+            done.append((step, d))
     for _, d in sorted(done)[: max(0, len(done) - (keep - 1))]:
         shutil.rmtree(d, ignore_errors=True)
 
