@@ -190,8 +190,8 @@ def test_bad_input_is_named():
     for alpha in (0, -1.0, math.inf):
         with pytest.raises(ValueError, match="alpha must be a finite number > 0"):
             lora.apply(base, full, rank=2, alpha=alpha)
-    with pytest.raises(ValueError, match=r"dropout=0\.1 is not implemented"):
-        lora.apply(base, full, rank=2, alpha=4, dropout=0.1)
+    with pytest.raises(ValueError, match=r"dropout must be a number in \[0, 1\)"):
+        lora.apply(base, full, rank=2, alpha=4, dropout=1.0)
     model, params = lora.apply(base, full, rank=2, alpha=4)
     with pytest.raises(ValueError, match="already has LoRA adapters"):
         lora.apply(model, params, rank=2, alpha=4)
