@@ -312,3 +312,30 @@ def test_log_probs_and_remat_of_a_lora_state_equal_the_merged_base(comm):
     for a, b in zip(out[1][0], want):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     assert out[0][1] == pytest.approx(float(odcfn.reference_loss(base, merged, batch)), rel=1e-5)
+
+
+def test_a_frozen_base_is_kept_in_the_compute_dtype_only():
+    model, params = _lora(seed=4, targets=("q_proj", "up_proj"))
+    config = odcfn.StepConfig(compute_dtype=torch.bfloat16, balance="lb_mini", max_tokens_per_microbatch=12)
+    batches = [odcfn.random_batch([5, 7, 3, 9], CFG.vocab_size, seed=s) for s in range(2)]
+
+    def fn(r, t):
+        st = odcfn.TrainState.create(params=params, model=model, optimizer=odcfn.adamw(1e-2), transport=t,
+                                     config=config)
+        dtypes = {k: st.params[k].dtype for k in st.params}
+        # the same shards kept in fp32: a frozen master the gathers round to bf16 anyway
+        fp32 = odcfn.shard(params, model, t.mesh)
+        ref = st.replace(params={**st.params, **{k: fp32[k] for k in model.frozen}})
+        out = []
+        for s in (st, ref):
+            for b in batches:
+                s, m = odcfn.train_step(s, b)
+            out.append((m.loss, {k: s.params[k] for k in lora.adapter_units(model)}, odcfn.log_probs(s, b)))
+        return dtypes, out
+
+    for dtypes, ((loss, ad, lp), (loss_ref, ad_ref, lp_ref)) in odcfn.run_local(fn, 2, timeout=60):
+        assert all(dtypes[k] == torch.bfloat16 for k in model.frozen)
+        assert all(dtypes[k] == torch.float32 for k in lora.adapter_units(model))  # fp32 masters
+        assert loss == loss_ref  # bit-identical: the gathers deliver the same bf16 values
+        assert all(torch.equal(ad[k], ad_ref[k]) for k in ad) and any(ad[k].abs().sum() > 0 for k in ad)
+        assert all(torch.equal(a, b) for a, b in zip(lp, lp_ref))

@@ -50,7 +50,7 @@ def check_inputs(state: TrainState, batch: Batch) -> Layout:
             f"{type(state.transport).__name__} only does collectives: use StepConfig(comm='collective')"
         )
     layout = make_layout(state.model, state.mesh)
-    check_shards(state.params, layout, state.model.dtype)
+    check_shards(state.params, layout, state.model.dtype, frozen_dtype=state.config.compute_dtype)
     check_token_range(batch, state.model.vocab_size)
     return layout
 
