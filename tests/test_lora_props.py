@@ -339,3 +339,23 @@ def test_a_frozen_base_is_kept_in_the_compute_dtype_only():
         assert loss == loss_ref  # bit-identical: the gathers deliver the same bf16 values
         assert all(torch.equal(ad[k], ad_ref[k]) for k in ad) and any(ad[k].abs().sum() > 0 for k in ad)
         assert all(torch.equal(a, b) for a, b in zip(lp, lp_ref))
+
+
+def test_the_base_is_hashed_once_per_process_while_its_files_are_unchanged(tmp_path):
+    import hashlib
+    import os
+
+    from odcfn.checkpoint.frozen import base_reference
+
+    model = _lora()[0]
+    f = tmp_path / "base" / "model.safetensors"
+    f.parent.mkdir()
+    f.write_bytes(b"weights 1")
+    first = base_reference(model, f.parent)["sha256"]["model.safetensors"]
+    st = f.stat()
+    f.write_bytes(b"weights 2")  # same size; the old mtime put back: the cached digest is reused
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert base_reference(model, f.parent)["sha256"]["model.safetensors"] == first
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + 1))  # a new mtime: hashed again
+    want = hashlib.sha256(b"weights 2").hexdigest()
+    assert base_reference(model, f.parent)["sha256"]["model.safetensors"] == want
