@@ -6,8 +6,9 @@ memory (PSS from /proc/self/smaps_rollup, sampled every 2 ms, above the process'
 taken before the TrainState exists; plus an exact count of the bytes the state and transport
 hold), the transport's bytes per step, samples/s, and a checkpoint's size and save time (the
 median of ``SAVES`` saves; LoRA's reference the base's files, as ``odcfn train`` does, and the
-first one hashes them). A third job runs LoRA with a bf16 compute dtype (frozen base stored in
-bf16 only).
+first one hashes them). A third job runs one step of LoRA with a bf16 compute dtype (frozen base
+stored in bf16 only), for memory. A fourth times ODC + LB-Mini LoRA against torch FSDP2 + PEFT
+LoRA with LB-Micro (``odcfn.bench.lora_fsdp2``), alternating minibatches in one job.
 """
 
 from __future__ import annotations
@@ -211,9 +212,13 @@ def run(
         jobs = (("full", "full", None), ("lora", "lora", None), ("lora_bf16", "lora", "bfloat16"))
         for key, mode, dtype in jobs:
             log(f"   {key}: {workload.world_size} processes, ODC + LB-Mini, {steps} steps")
+            # bf16 matmuls are slow on CPUs without bf16 units (30-40 s a step here): that job is
+            # for memory, one step is enough
+            n, n_warm = (1, 0) if dtype else (steps, warmup)
             spec = LoraBenchSpec(workload, mode, compute_dtype=dtype, base=base, rank=rank, alpha=alpha,
-                                 targets=targets, steps=steps, warmup=warmup)
+                                 targets=targets, steps=n, warmup=n_warm)
             out[key] = _summary(launch(lora_worker, workload.world_size, args=(spec, root), timeout=300.0))
+        out["vs_fsdp2"] = _vs_fsdp2(workload, rank, alpha, targets, steps, warmup, log)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     f, lo, lb = out["full"], out["lora"], out["lora_bf16"]
@@ -235,6 +240,27 @@ def run(
         "save_time_full_over_lora": ratio(f["save_s"], lo["save_s"]),
         "samples_per_s_lora_over_full": ratio(lo["samples_per_s"], f["samples_per_s"]),
     }
+    return out
+
+
+def _vs_fsdp2(workload, rank, alpha, targets, steps, warmup, log) -> dict:
+    """ODC + LB-Mini LoRA against torch FSDP2 + PEFT LoRA (LB-Micro) in one job."""
+    import importlib.util
+
+    from odcfn.bench.fsdp2 import summarize
+    from odcfn.bench.lora_fsdp2 import LoraFsdp2Spec, lora_fsdp2_worker
+    from odcfn.launch import launch
+
+    if importlib.util.find_spec("peft") is None:
+        return {"skipped": "peft is not installed (pip install odcfn[dev])"}
+    log(f"   vs torch FSDP2 + PEFT LoRA: {workload.world_size} processes, alternating minibatches")
+    spec = LoraFsdp2Spec(workload, rank, alpha, tuple(targets), steps, warmup)
+    recs = launch(lora_fsdp2_worker, workload.world_size, args=(spec,), timeout=300.0)
+    out = {impl: summarize(recs, impl) for impl in ("odc", "fsdp2")}
+    out["samples_per_s_odc_over_fsdp2"] = out["odc"]["samples_per_s"] / out["fsdp2"]["samples_per_s"]
+    # the same function from the same start: the losses agree (fp32, other summation orders)
+    pairs = zip(out["odc"]["losses"], out["fsdp2"]["losses"])
+    out["losses_match"] = all(abs(a - b) <= 1e-4 * abs(b) for a, b in pairs)
     return out
 
 
@@ -314,6 +340,11 @@ def render(sec: dict | None) -> str:
             f"{r['samples_per_s_lora_over_full']:.2f}x",
         ),
     ]
+    v = sec.get("vs_fsdp2") or {}
+    if "odc" in v:
+        rows.append(("LoRA samples/s: FSDP2+PEFT | ODC", f"{v['fsdp2']['samples_per_s']:.2f}",
+                     f"{v['odc']['samples_per_s']:.2f}", f"{v['samples_per_s_odc_over_fsdp2']:.2f}x"))
+        rows.append(("  (same losses step by step)", "", "", "yes" if v["losses_match"] else "NO"))
     width = max(len(x[0]) for x in rows)
     lines = [
         f"\n\n8. LoRA r={sec['config']['rank']} on {', '.join(sec['config']['targets'])} vs full fine-tuning"
