@@ -67,11 +67,18 @@ class Sample:
 
 @dataclass(frozen=True)
 class Batch:
-    """A global minibatch: the unit of one ``train_step`` and of the one sync."""
+    """A global minibatch: the unit of one ``train_step`` and of the one sync.
+
+    ``step``: the optimizer step the minibatch trains in, which ``train_step`` / ``grad_step``
+    set from ``TrainState.step``; training-time randomness (LoRA dropout) is keyed on it and on
+    each sample's index in the minibatch, never on ranks or microbatches. None (log-probs, a
+    reference forward): no dropout.
+    """
 
     samples: tuple[Sample, ...]
     lengths: tuple[int, ...] = field(init=False)
     num_loss_tokens: int = field(init=False)
+    step: int | None = None
 
     def __post_init__(self) -> None:
         samples = tuple(self.samples)
@@ -92,6 +99,8 @@ class Batch:
         object.__setattr__(self, "num_loss_tokens", sum(s.num_loss_tokens for s in samples))
         if self.num_loss_tokens == 0:
             raise ValueError("Batch has no loss tokens (every loss_mask is empty)")
+        if self.step is not None and (isinstance(self.step, bool) or not isinstance(self.step, int)):
+            raise TypeError(f"Batch.step must be an int or None, got {self.step!r}")
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -113,6 +122,7 @@ class Microbatch:
     # from the whole minibatch; None: the head returns the summed cross-entropy (the default)
     loss: Any = None
     weight_T: torch.Tensor | None = None
+    step: int | None = None  # the minibatch's ``Batch.step`` (None: no training-time randomness)
 
     @property
     def num_tokens(self) -> int:
@@ -129,7 +139,7 @@ class Microbatch:
             move(self.input_ids_T), move(self.labels_T), move(self.loss_mask_T),
             move(self.positions_T), self.seqlens, self.sample_ids,
             {k: move(v) for k, v in self.extras.items()}, self.loss,
-            None if self.weight_T is None else move(self.weight_T),
+            None if self.weight_T is None else move(self.weight_T), self.step,
         )
 
 
@@ -168,7 +178,7 @@ def pack(
         z = torch.zeros(0, dtype=torch.long)
         zf = torch.zeros(0)
         return Microbatch(z, z, zf, z, (), (), {k: zf for k in extras}, loss,
-                          None if weights is None else zf)
+                          None if weights is None else zf, batch.step)
     return Microbatch(
         input_ids_T=torch.cat(ids),
         labels_T=torch.cat(labels),
@@ -179,6 +189,7 @@ def pack(
         extras={k: torch.cat(v) for k, v in extras.items()},
         loss=loss,
         weight_T=torch.cat(w) if weights is not None else None,
+        step=batch.step,
     )
 
 

@@ -190,8 +190,8 @@ def test_bad_input_is_named():
     for alpha in (0, -1.0, math.inf):
         with pytest.raises(ValueError, match="alpha must be a finite number > 0"):
             lora.apply(base, full, rank=2, alpha=alpha)
-    with pytest.raises(ValueError, match=r"dropout=0\.1 is not implemented"):
-        lora.apply(base, full, rank=2, alpha=4, dropout=0.1)
+    with pytest.raises(ValueError, match=r"dropout must be a number in \[0, 1\)"):
+        lora.apply(base, full, rank=2, alpha=4, dropout=1.0)
     model, params = lora.apply(base, full, rank=2, alpha=4)
     with pytest.raises(ValueError, match="already has LoRA adapters"):
         lora.apply(model, params, rank=2, alpha=4)
@@ -312,3 +312,50 @@ def test_log_probs_and_remat_of_a_lora_state_equal_the_merged_base(comm):
     for a, b in zip(out[1][0], want):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     assert out[0][1] == pytest.approx(float(odcfn.reference_loss(base, merged, batch)), rel=1e-5)
+
+
+def test_a_frozen_base_is_kept_in_the_compute_dtype_only():
+    model, params = _lora(seed=4, targets=("q_proj", "up_proj"))
+    config = odcfn.StepConfig(compute_dtype=torch.bfloat16, balance="lb_mini", max_tokens_per_microbatch=12)
+    batches = [odcfn.random_batch([5, 7, 3, 9], CFG.vocab_size, seed=s) for s in range(2)]
+
+    def fn(r, t):
+        st = odcfn.TrainState.create(params=params, model=model, optimizer=odcfn.adamw(1e-2), transport=t,
+                                     config=config)
+        dtypes = {k: st.params[k].dtype for k in st.params}
+        # the same shards kept in fp32: a frozen master the gathers round to bf16 anyway
+        fp32 = odcfn.shard(params, model, t.mesh)
+        ref = st.replace(params={**st.params, **{k: fp32[k] for k in model.frozen}})
+        out = []
+        for s in (st, ref):
+            for b in batches:
+                s, m = odcfn.train_step(s, b)
+            out.append((m.loss, {k: s.params[k] for k in lora.adapter_units(model)}, odcfn.log_probs(s, b)))
+        return dtypes, out
+
+    for dtypes, ((loss, ad, lp), (loss_ref, ad_ref, lp_ref)) in odcfn.run_local(fn, 2, timeout=60):
+        assert all(dtypes[k] == torch.bfloat16 for k in model.frozen)
+        assert all(dtypes[k] == torch.float32 for k in lora.adapter_units(model))  # fp32 masters
+        assert loss == loss_ref  # bit-identical: the gathers deliver the same bf16 values
+        assert all(torch.equal(ad[k], ad_ref[k]) for k in ad) and any(ad[k].abs().sum() > 0 for k in ad)
+        assert all(torch.equal(a, b) for a, b in zip(lp, lp_ref))
+
+
+def test_the_base_is_hashed_once_per_process_while_its_files_are_unchanged(tmp_path):
+    import hashlib
+    import os
+
+    from odcfn.checkpoint.frozen import base_reference
+
+    model = _lora()[0]
+    f = tmp_path / "base" / "model.safetensors"
+    f.parent.mkdir()
+    f.write_bytes(b"weights 1")
+    first = base_reference(model, f.parent)["sha256"]["model.safetensors"]
+    st = f.stat()
+    f.write_bytes(b"weights 2")  # same size; the old mtime put back: the cached digest is reused
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert base_reference(model, f.parent)["sha256"]["model.safetensors"] == first
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + 1))  # a new mtime: hashed again
+    want = hashlib.sha256(b"weights 2").hexdigest()
+    assert base_reference(model, f.parent)["sha256"]["model.safetensors"] == want

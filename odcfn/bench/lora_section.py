@@ -4,7 +4,11 @@ Same model, same minibatches, ODC + LB-Mini on the shared-memory transport, W pr
 mode runs in its own launched job (so each process's memory is its own): per-rank peak
 memory (PSS from /proc/self/smaps_rollup, sampled every 2 ms, above the process's baseline
 taken before the TrainState exists; plus an exact count of the bytes the state and transport
-hold), the transport's bytes per step, samples/s, and a checkpoint's size and save time.
+hold), the transport's bytes per step, samples/s, and a checkpoint's size and save time (the
+median of ``SAVES`` saves; LoRA's reference the base's files, as ``odcfn train`` does, and the
+first one hashes them). A third job runs one step of LoRA with a bf16 compute dtype (frozen base
+stored in bf16 only), for memory. A fourth times ODC + LB-Mini LoRA against torch FSDP2 + PEFT
+LoRA with LB-Micro (``odcfn.bench.lora_fsdp2``), alternating minibatches in one job.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from pathlib import Path
 
 __all__ = ["LoraBenchSpec", "lora_worker", "section"]
 
+SAVES = 3
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -26,6 +31,8 @@ ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "d
 class LoraBenchSpec:
     workload: object  # bench.workload.Workload
     mode: str  # "full" | "lora"
+    compute_dtype: str | None = None  # "bfloat16": StepConfig(compute_dtype=torch.bfloat16)
+    base: str | None = None  # the base's files, which LoRA checkpoints reference
     rank: int = 16
     alpha: float = 32.0
     targets: tuple[str, ...] = ("q_proj", "v_proj")
@@ -92,12 +99,14 @@ def lora_worker(spec: LoraBenchSpec, ckpt_root: str) -> dict:
     with ShmTransport(mesh, timeout=spec.timeout) as tr:
         base = _pss()
         sampler = _PeakSampler()
+        dtype = getattr(torch, spec.compute_dtype) if spec.compute_dtype else None
         state = odcfn.TrainState.create(
             params=shards,
             model=model,
             optimizer=odcfn.adamw(w.lr),
             transport=tr,
-            config=odcfn.StepConfig(balance="lb_mini", max_tokens_per_microbatch=w.max_tokens_per_microbatch),
+            config=odcfn.StepConfig(balance="lb_mini", max_tokens_per_microbatch=w.max_tokens_per_microbatch,
+                                    compute_dtype=dtype),
         )
         del shards
         steps = []
@@ -127,14 +136,17 @@ def lora_worker(spec: LoraBenchSpec, ckpt_root: str) -> dict:
         held = {
             "params": _nbytes(state.params),
             "opt_state": _nbytes(state.opt_state),
-            "published": sum(u.shard_size for u in layout.units) * 4,
+            "published": sum(u.shard_size for u in layout.units) * (dtype or torch.float32).itemsize,
             "accumulators": acc,
         }
-        where = Path(ckpt_root) / spec.mode
-        tr.collectives.barrier()
-        t0 = time.perf_counter()
-        odcfn.save(where, state)
-        save_s = time.perf_counter() - t0
+        base_dir = spec.base if spec.mode == "lora" else None
+        save_s = []
+        for i in range(SAVES):
+            where = Path(ckpt_root) / f"{spec.mode}-{spec.compute_dtype}-{i}"
+            tr.collectives.barrier()
+            t0 = time.perf_counter()
+            odcfn.save(where, state, base=base_dir)
+            save_s.append(time.perf_counter() - t0)
         size = sum(p.stat().st_size for p in where.rglob("*") if p.is_file()) if mesh.rank == 0 else 0
         tr.collectives.barrier()
     return {
@@ -153,6 +165,7 @@ def lora_worker(spec: LoraBenchSpec, ckpt_root: str) -> dict:
 
 def _summary(per_rank: list[dict]) -> dict:
     n = len(per_rank[0]["steps"])
+    saves = [max(r["save_s"][i] for r in per_rank) for i in range(len(per_rank[0]["save_s"]))]
     walls = [max(r["steps"][i]["wall"] for r in per_rank) for i in range(n)]
     r0 = per_rank[0]
     return {
@@ -168,7 +181,8 @@ def _summary(per_rank: list[dict]) -> dict:
         "step_time_s": walls,
         "losses": [s["loss"] for s in r0["steps"]],
         "checkpoint_bytes": r0["checkpoint_bytes"],
-        "save_s": max(r["save_s"] for r in per_rank),
+        "save_s": sorted(saves)[len(saves) // 2],
+        "save_s_each": saves,
         "trained_params": r0["trained_params"],
         "total_params": r0["total_params"],
     }
@@ -191,15 +205,23 @@ def run(
     }
     root = tempfile.mkdtemp(prefix="odcfn-lora-bench-", dir=os.environ.get("TMPDIR"))
     try:
-        for mode in ("full", "lora"):
-            log(f"   {mode}: {workload.world_size} processes, ODC + LB-Mini, {steps} steps")
-            spec = LoraBenchSpec(
-                workload, mode, rank=rank, alpha=alpha, targets=targets, steps=steps, warmup=warmup
-            )
-            out[mode] = _summary(launch(lora_worker, workload.world_size, args=(spec, root), timeout=300.0))
+        from odcfn.models import init_params, to_hf
+
+        base = os.path.join(root, "base")  # the base's files, as a run's [model] hf_path holds them
+        to_hf(base, init_params(workload.model, seed=workload.seed), workload.model)
+        jobs = (("full", "full", None), ("lora", "lora", None), ("lora_bf16", "lora", "bfloat16"))
+        for key, mode, dtype in jobs:
+            log(f"   {key}: {workload.world_size} processes, ODC + LB-Mini, {steps} steps")
+            # bf16 matmuls are slow on CPUs without bf16 units (30-40 s a step here): that job is
+            # for memory, one step is enough
+            n, n_warm = (1, 0) if dtype else (steps, warmup)
+            spec = LoraBenchSpec(workload, mode, compute_dtype=dtype, base=base, rank=rank, alpha=alpha,
+                                 targets=targets, steps=n, warmup=n_warm)
+            out[key] = _summary(launch(lora_worker, workload.world_size, args=(spec, root), timeout=300.0))
+        out["vs_fsdp2"] = _vs_fsdp2(workload, rank, alpha, targets, steps, warmup, log)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    f, lo = out["full"], out["lora"]
+    f, lo, lb = out["full"], out["lora"], out["lora_bf16"]
 
     def ratio(a: float, b: float) -> float | None:
         return a / b if b else None
@@ -209,11 +231,36 @@ def run(
             lo["peak_pss_above_baseline_bytes"], f["peak_pss_above_baseline_bytes"]
         ),
         "held_bytes_lora_over_full": ratio(lo["held_bytes_per_rank"], f["held_bytes_per_rank"]),
+        "held_bytes_lora_bf16_over_full": ratio(lb["held_bytes_per_rank"], f["held_bytes_per_rank"]),
+        "peak_memory_lora_bf16_over_full": ratio(
+            lb["peak_pss_above_baseline_bytes"], f["peak_pss_above_baseline_bytes"]
+        ),
         "scatter_bytes_full_over_lora": ratio(f["scatter_bytes_per_step"], lo["scatter_bytes_per_step"]),
         "checkpoint_bytes_full_over_lora": ratio(f["checkpoint_bytes"], lo["checkpoint_bytes"]),
         "save_time_full_over_lora": ratio(f["save_s"], lo["save_s"]),
         "samples_per_s_lora_over_full": ratio(lo["samples_per_s"], f["samples_per_s"]),
     }
+    return out
+
+
+def _vs_fsdp2(workload, rank, alpha, targets, steps, warmup, log) -> dict:
+    """ODC + LB-Mini LoRA against torch FSDP2 + PEFT LoRA (LB-Micro) in one job."""
+    import importlib.util
+
+    from odcfn.bench.fsdp2 import summarize
+    from odcfn.bench.lora_fsdp2 import LoraFsdp2Spec, lora_fsdp2_worker
+    from odcfn.launch import launch
+
+    if importlib.util.find_spec("peft") is None:
+        return {"skipped": "peft is not installed (pip install odcfn[dev])"}
+    log(f"   vs torch FSDP2 + PEFT LoRA: {workload.world_size} processes, alternating minibatches")
+    spec = LoraFsdp2Spec(workload, rank, alpha, tuple(targets), steps, warmup)
+    recs = launch(lora_fsdp2_worker, workload.world_size, args=(spec,), timeout=300.0)
+    out = {impl: summarize(recs, impl) for impl in ("odc", "fsdp2")}
+    out["samples_per_s_odc_over_fsdp2"] = out["odc"]["samples_per_s"] / out["fsdp2"]["samples_per_s"]
+    # the same function from the same start: the losses agree (fp32, other summation orders)
+    pairs = zip(out["odc"]["losses"], out["fsdp2"]["losses"])
+    out["losses_match"] = all(abs(a - b) <= 1e-4 * abs(b) for a, b in pairs)
     return out
 
 
@@ -232,7 +279,7 @@ def render(sec: dict | None) -> str:
         return ""
     if "ratios" not in sec:
         return f"\n\n8. LoRA vs full fine-tuning: {sec.get('error') or sec.get('skipped')}"
-    f, lo, r = sec["full"], sec["lora"], sec["ratios"]
+    f, lo, lb, r = sec["full"], sec["lora"], sec["lora_bf16"], sec["ratios"]
     mib = 1 << 20
     rows = [
         ("trained params", f"{f['trained_params']:,}", f"{lo['trained_params']:,}", ""),
@@ -267,10 +314,24 @@ def render(sec: dict | None) -> str:
             f"1/{r['checkpoint_bytes_full_over_lora']:.0f}",
         ),
         (
-            "checkpoint save s",
+            f"checkpoint save s (median of {len(lo['save_s_each'])})",
             f"{f['save_s']:.3f}",
             f"{lo['save_s']:.3f}",
             f"1/{r['save_time_full_over_lora']:.1f}",
+        ),
+        ("first save s (LoRA: hashes the base)", f"{f['save_s_each'][0]:.3f}",
+         f"{lo['save_s_each'][0]:.3f}", ""),
+        (
+            "LoRA, bf16 compute: peak PSS MiB/rank",
+            f"{f['peak_pss_above_baseline_bytes'] / mib:.1f}",
+            f"{lb['peak_pss_above_baseline_bytes'] / mib:.1f}",
+            f"{r['peak_memory_lora_bf16_over_full']:.2f}x",
+        ),
+        (
+            "LoRA, bf16 compute: state+transport MiB",
+            f"{f['held_bytes_per_rank'] / mib:.1f}",
+            f"{lb['held_bytes_per_rank'] / mib:.1f}",
+            f"{r['held_bytes_lora_bf16_over_full']:.2f}x",
         ),
         (
             "samples/s (ODC + LB-Mini)",
@@ -279,6 +340,11 @@ def render(sec: dict | None) -> str:
             f"{r['samples_per_s_lora_over_full']:.2f}x",
         ),
     ]
+    v = sec.get("vs_fsdp2") or {}
+    if "odc" in v:
+        rows.append(("LoRA samples/s: FSDP2+PEFT | ODC", f"{v['fsdp2']['samples_per_s']:.2f}",
+                     f"{v['odc']['samples_per_s']:.2f}", f"{v['samples_per_s_odc_over_fsdp2']:.2f}x"))
+        rows.append(("  (same losses step by step)", "", "", "yes" if v["losses_match"] else "NO"))
     width = max(len(x[0]) for x in rows)
     lines = [
         f"\n\n8. LoRA r={sec['config']['rank']} on {', '.join(sec['config']['targets'])} vs full fine-tuning"

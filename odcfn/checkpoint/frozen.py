@@ -4,7 +4,8 @@ The frozen units (the base model) never change, so a checkpoint holds the traine
 their optimizer state only, with a reference to where the base came from: its path and the
 sha256 of its files (``odcfn.save(path, state, base=hf_dir)``). Loading verifies that the base
 files still hash the same (every rank reads the same files, so every rank raises alike) and
-keeps the state's own frozen shards.
+keeps the state's own frozen shards. Each process hashes a base file once and reuses the digest
+while the file's size, inode and modification time stay the same.
 """
 
 from __future__ import annotations
@@ -37,12 +38,21 @@ def _files(base: Path) -> list[Path]:
     return sorted(p for p in base.rglob("*") if p.is_file() and not p.name.startswith("."))
 
 
+# (resolved path, device, inode, size, mtime_ns) -> sha256: a base is GBs and every save of a
+# LoRA state references it, so each process hashes each base file once, again only if it changed
+_DIGESTS: dict[tuple, str] = {}
+
+
 def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+    st = path.stat()
+    key = (str(path.resolve()), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    if key not in _DIGESTS:
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+        _DIGESTS[key] = h.hexdigest()
+    return _DIGESTS[key]
 
 
 def base_reference(model: Model, base: str | os.PathLike | None) -> dict[str, Any]:

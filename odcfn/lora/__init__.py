@@ -15,7 +15,16 @@ against replicating them). Exports: ``save_peft`` / ``load_peft`` (PEFT's files)
 ``gather_adapters`` / ``gather_merged`` (RL weight sync).
 """
 
-from odcfn.lora.core import LoraSpec, adapter_units, apply, apply_to_shards, base_model, merge, spec
+from odcfn.lora.core import (
+    LoraSpec,
+    adapter_units,
+    apply,
+    apply_to_shards,
+    base_model,
+    dropout_mask,
+    merge,
+    spec,
+)
 from odcfn.lora.peft_io import load_peft, load_peft_tensors, peft_state_dict, save_peft
 from odcfn.lora.sync import gather_adapters, gather_merged
 
@@ -25,6 +34,7 @@ __all__ = [
     "apply",
     "apply_to_shards",
     "base_model",
+    "dropout_mask",
     "gather_adapters",
     "gather_merged",
     "load_peft",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -13,7 +14,9 @@ from odcfn._check import check_int, check_number
 from odcfn.model import Model, Unit
 from odcfn.tree import PyTree, tree_flatten_with_path
 
-__all__ = ["LoraSpec", "adapter_units", "apply", "apply_to_shards", "base_model", "merge", "spec"]
+__all__ = [
+    "LoraSpec", "adapter_units", "apply", "apply_to_shards", "base_model", "dropout_mask", "merge", "spec",
+]
 
 PREFIX = "lora."  # adapter unit of unit u: "lora.u"
 
@@ -24,6 +27,8 @@ class LoraSpec:
     alpha: float
     targets: tuple[str, ...]
     use_rslora: bool = False
+    dropout: float = 0.0
+    seed: int = 0
 
     @property
     def scale(self) -> float:
@@ -45,16 +50,45 @@ class _Passthrough:
         return x
 
 
+def dropout_mask(
+    p: float, *, seed: int, step: int, sample: int, unit: str, path: str, length: int, d_in: int,
+    device: torch.device | str = "cpu",
+) -> torch.Tensor:
+    """The bool ``(length, d_in)`` mask of the inputs LoRA dropout zeroes for one sample at one
+    projection (True: dropped, each with probability ``p``). It depends only on the LoRA seed,
+    the optimizer step, the sample's index in the minibatch, the unit and the projection path,
+    so ranks, balancers, microbatch packing and rematerialisation all see the same mask."""
+    h = hashlib.blake2b(f"{seed}/{step}/{sample}/{unit}/{path}".encode(), digest_size=8)
+    g = torch.Generator(device=device).manual_seed(int.from_bytes(h.digest(), "little") >> 1)
+    return torch.rand(length, d_in, generator=g, device=device) < p
+
+
 @dataclass(frozen=True)
 class _LoraUnit:
     """The adapted unit's fwd: its own fwd on params whose targeted projection dicts carry
-    ``lora_A``/``lora_B``/``lora_scale`` (``odcfn.models.qwen.linear`` adds the low-rank term)."""
+    ``lora_A``/``lora_B``/``lora_scale`` (``odcfn.models.qwen.linear`` adds the low-rank term)
+    and, when training with dropout, ``lora_drop`` (the tokens x inputs dropout zeroes on the A
+    path) and ``lora_keep_scale`` (1 / (1 - p))."""
 
     fwd: Any
     adapter: str
     paths: tuple[str, ...]
     scale: float
     original: Unit  # the unit before LoRA (``base_model``)
+    dropout: float = 0.0
+    seed: int = 0
+
+    def _drop(self, path: str, d_in: int, mb: Any, device: torch.device) -> dict:
+        """PEFT's dropout on the A path's input, training only (``Microbatch.step`` set): the
+        per-sample masks of ``dropout_mask`` end to end, in the microbatch's sample order."""
+        if not self.dropout or getattr(mb, "step", None) is None:
+            return {}
+        masks = [
+            dropout_mask(self.dropout, seed=self.seed, step=mb.step, sample=i, unit=self.original.name,
+                         path=path, length=n, d_in=d_in, device=device)
+            for i, n in zip(mb.sample_ids, mb.seqlens)
+        ]
+        return {"lora_drop": torch.cat(masks), "lora_keep_scale": 1.0 / (1.0 - self.dropout)}
 
     def __call__(self, p: PyTree, x: Any, mb: Any) -> Any:
         p = dict(p)
@@ -65,7 +99,9 @@ class _LoraUnit:
             for k in keys[:-1]:  # copy the dicts on the way: the caller's tree is not mutated
                 node[k] = dict(node[k])
                 node, src = node[k], src[k]
-            node[keys[-1]] = {**node[keys[-1]], **src[keys[-1]], "lora_scale": self.scale}
+            a = src[keys[-1]]["lora_A"]
+            drop = self._drop(path, a.shape[1], mb, a.device)
+            node[keys[-1]] = {**node[keys[-1]], **src[keys[-1]], "lora_scale": self.scale, **drop}
         return self.fwd(p, x, mb)
 
 
@@ -113,11 +149,6 @@ def _check(rank: Any, alpha: Any, targets: Any, dropout: Any, use_rslora: Any, s
     check_number(dropout, "lora.apply: dropout", at_least=0.0, want="a number in [0, 1)")
     if not dropout < 1:
         raise ValueError(f"lora.apply: dropout must be a number in [0, 1), got {dropout!r}")
-    if dropout:
-        raise ValueError(
-            f"lora.apply: dropout={dropout!r} is not implemented (only dropout=0.0): a dropout mask "
-            "that is reproducible across balancers and world sizes is future work"
-        )
     if not isinstance(use_rslora, bool):
         raise TypeError(f"lora.apply: use_rslora must be a bool, got {use_rslora!r}")
     check_int(seed, "lora.apply: seed")
@@ -144,7 +175,7 @@ def apply(
     if not isinstance(params, Mapping):
         raise TypeError(f"lora.apply: params must be a dict keyed by unit name, got {type(params).__name__}")
     targets = _check(rank, alpha, targets, dropout, use_rslora, seed)
-    s = LoraSpec(rank, float(alpha), targets, use_rslora)
+    s = LoraSpec(rank, float(alpha), targets, use_rslora, float(dropout), seed)
     gen = torch.Generator().manual_seed(seed)
     units: list[Unit] = []
     out: dict[str, PyTree] = {}
@@ -166,7 +197,7 @@ def apply(
                 a = (torch.rand(rank, d_in, generator=gen, dtype=torch.float64) * 2 - 1) * bound
                 tnode.update(lora_A=a.to(model.dtype), lora_B=torch.zeros(d_out, rank, dtype=model.dtype))
             units.append(Unit(name, _Passthrough(s, u.name, paths), shapes))
-            fwd = _LoraUnit(u.fwd, name, paths, s.scale, u)
+            fwd = _LoraUnit(u.fwd, name, paths, s.scale, u, s.dropout, seed)
             units.append(Unit(u.name, fwd, u.shapes, uses=(*u.uses, name)))
             out[name] = tree
         else:
@@ -181,7 +212,7 @@ def apply(
         )
     frozen = tuple(u.name for u in model.units)
     key = (f"{model.config_key} lora(r={rank}, alpha={float(alpha)}, targets={list(targets)}, "
-           f"rslora={use_rslora})")
+           f"rslora={use_rslora}" + (f", dropout={float(dropout)}, seed={seed})" if dropout else ")"))
     lm = Model(tuple(units), dtype=model.dtype, vocab_size=model.vocab_size, config_key=key, frozen=frozen)
     return lm, out
 

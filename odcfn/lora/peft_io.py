@@ -47,7 +47,7 @@ def _config(model: Model, base_model_name_or_path: str | None) -> dict[str, Any]
     alpha = int(s.alpha) if float(s.alpha).is_integer() else s.alpha
     return {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": s.rank, "lora_alpha": alpha,
-        "target_modules": sorted(s.targets), "lora_dropout": 0.0, "bias": "none",
+        "target_modules": sorted(s.targets), "lora_dropout": s.dropout, "bias": "none",
         "use_rslora": s.use_rslora, "use_dora": False, "fan_in_fan_out": False,
         "init_lora_weights": True, "modules_to_save": None, "layers_to_transform": None,
         "layers_pattern": None, "rank_pattern": {}, "alpha_pattern": {}, "inference_mode": True,

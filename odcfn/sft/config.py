@@ -177,8 +177,8 @@ class LoraSection:
             raise ValueError(f"config: lora.rank must be >= 1 (0: no LoRA), got {self.rank!r}")
         if self.rank and not self.alpha > 0:
             raise ValueError(f"config: lora.alpha must be > 0, got {self.alpha!r}")
-        if self.dropout:
-            raise ValueError(f"config: lora.dropout={self.dropout!r} is not implemented (only 0.0)")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"config: lora.dropout must be in [0, 1), got {self.dropout!r}")
 
 
 @dataclass(frozen=True)

@@ -115,7 +115,8 @@ def _with_lora(cfg: SFTConfig, model, shards, mesh):
     from odcfn import lora
 
     c = cfg.lora
-    kw = dict(rank=c.rank, alpha=c.alpha, targets=tuple(c.targets), use_rslora=c.use_rslora, seed=c.seed)
+    kw = dict(rank=c.rank, alpha=c.alpha, targets=tuple(c.targets), dropout=c.dropout,
+              use_rslora=c.use_rslora, seed=c.seed)
     if shards is None:
         return lora.apply(model, {}, **kw)[0], None
     return lora.apply_to_shards(model, shards, mesh, **kw)

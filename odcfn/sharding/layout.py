@@ -125,8 +125,12 @@ def unshard(shards_per_rank: Sequence[Mapping[str, torch.Tensor]], model: Model,
     return out
 
 
-def check_shards(shards: Any, layout: Layout, dtype: torch.dtype, what: str = "params") -> None:
-    """Raise a clear error if a rank's shard dict does not fit the layout."""
+def check_shards(
+    shards: Any, layout: Layout, dtype: torch.dtype, what: str = "params",
+    frozen_dtype: torch.dtype | None = None,
+) -> None:
+    """Raise a clear error if a rank's shard dict does not fit the layout. Frozen units may also
+    be stored in ``frozen_dtype`` (the compute dtype: a frozen weight needs no fp32 master)."""
     if not isinstance(shards, Mapping):
         raise TypeError(
             f"{what} must be a dict of flat shards keyed by unit name, got {type(shards).__name__}"
@@ -144,8 +148,9 @@ def check_shards(shards: Any, layout: Layout, dtype: torch.dtype, what: str = "p
                 f"{what}[{u.name!r}] has shape {tuple(t.shape)}, the layout for "
                 f"{layout.mesh.shard_count} shards expects ({u.shard_size},)"
             )
-        if t.dtype != dtype:
-            raise ValueError(f"{what}[{u.name!r}] has dtype {t.dtype}, expected {dtype}")
+        if t.dtype != dtype and not (u.frozen and t.dtype == frozen_dtype):
+            also = f" (or {frozen_dtype}, frozen)" if u.frozen and frozen_dtype not in (None, dtype) else ""
+            raise ValueError(f"{what}[{u.name!r}] has dtype {t.dtype}, expected {dtype}{also}")
         first = shards[layout.units[0].name]
         if t.device != first.device:
             raise ValueError(

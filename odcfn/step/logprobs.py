@@ -128,7 +128,7 @@ def gather_params(
     rank = f"a rank in [0, {W}) or None"
     check_int(dst, "gather_params: dst", at_least=0, at_most=W - 1, none_ok=True, want=rank)
     layout = make_layout(model, mesh)
-    check_shards(state.params, layout, model.dtype)
+    check_shards(state.params, layout, model.dtype, frozen_dtype=state.config.compute_dtype)
     transport.begin_step(layout, state.params, model.dtype)
     collective = state.config.comm == "collective"
     want = dst is None or dst == mesh.rank

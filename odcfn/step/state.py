@@ -42,7 +42,8 @@ class StepConfig:
     ``balance``: a policy name (``odcfn.schedule.POLICIES``), a balancer callable or
     ``odcfn.WorkStealing(...)``. ``max_tokens_per_microbatch``: the packing cap (None: the
     longest sample of each minibatch). ``compute_dtype``: what gathers deliver and units compute
-    in (master shards and accumulators stay fp32). ``max_grad_norm``: clip by the global norm the
+    in (master shards and accumulators stay fp32; frozen units' shards, only ever gathered, are kept
+    in the compute dtype alone when it is narrower). ``max_grad_norm``: clip by the global norm the
     one sync carries. ``cost``: the cost model balancers use. ``loss``: the per-token loss the
     head unit applies (default ``cross_entropy()``; None means the same). ``nonfinite``: a
     minibatch whose loss or gradient norm is NaN/inf raises ``FloatingPointError`` on every rank
@@ -184,7 +185,11 @@ class TrainState:
             check_params(model, params)  # the full tree: shard it for this rank
             params = shard(params, model, mesh)
         params = dict(params)
-        check_shards(params, make_layout(model, mesh), model.dtype)
+        dt = config.compute_dtype
+        check_shards(params, make_layout(model, mesh), model.dtype, frozen_dtype=dt)
+        if dt is not None and model.frozen and dt.itemsize < model.dtype.itemsize:
+            # a frozen unit is only ever gathered in the compute dtype: keep just that (no master)
+            params.update({k: params[k].to(dt) for k in model.frozen})
         fresh = optimizer.init(split(model, params))
         if opt_state is None:
             opt_state = fresh

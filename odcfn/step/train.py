@@ -11,6 +11,7 @@ params, opt_state = optimizer.update(grads, ...)             # each rank updates
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from dataclasses import replace
@@ -49,7 +50,7 @@ def check_inputs(state: TrainState, batch: Batch) -> Layout:
             f"{type(state.transport).__name__} only does collectives: use StepConfig(comm='collective')"
         )
     layout = make_layout(state.model, state.mesh)
-    check_shards(state.params, layout, state.model.dtype)
+    check_shards(state.params, layout, state.model.dtype, frozen_dtype=state.config.compute_dtype)
     check_token_range(batch, state.model.vocab_size)
     return layout
 
@@ -100,6 +101,8 @@ def _fingerprint(
            f"{mesh.sharding}/{mesh.node_size} {m.dtype} {m.config_key}")
     if m.frozen:  # ranks that disagree on what is trained would push into missing accumulators
         key += f" frozen={list(m.frozen)}"
+    if batch.step is not None:  # ranks at different steps would draw different dropout masks
+        key += f" step={batch.step}"
     config = state.config
     if assignment is not None:
         config = (config, [[list(map(int, mb)) for mb in r] for r in assignment])
@@ -114,6 +117,9 @@ def _grads(state: TrainState, batch: Batch) -> tuple[dict[str, torch.Tensor], St
     """The transport's accumulators (valid until its next step), the step's metrics, the layout."""
     t0 = time.perf_counter()
     layout = check_inputs(state, batch)
+    if batch.step != state.step:  # training-time randomness (LoRA dropout) is keyed on the step
+        batch = copy.copy(batch)  # the caller's batch is not changed; no re-validation
+        object.__setattr__(batch, "step", state.step)
     cfg, model, transport, mesh = state.config, state.model, state.transport, state.mesh
     check_loss(cfg.loss).validate(batch)  # the extras it needs, on every rank, before any communication
     cap = cfg.max_tokens_per_microbatch or max(batch.lengths)
