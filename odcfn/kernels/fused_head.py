@@ -90,6 +90,26 @@ def _rows(labels_T: torch.Tensor) -> torch.Tensor | None:
     return None if bool(keep_T.all()) else keep_T.nonzero().squeeze(1)
 
 
+class _Tiles:
+    """Reused fp32 tile buffers: a fresh tile per (token, vocabulary) chunk costs the CPU a
+    fresh mapping of pages (a 16K-token pass at V=151,936 faulted in ~90 GB that way); a tile
+    from here is a contiguous view of one buffer allocated once per pass."""
+
+    def __init__(self, tc: int, vc: int, like: torch.Tensor, n: int) -> None:
+        self.bufs = [torch.empty(tc * vc, dtype=torch.float32, device=like.device) for _ in range(n)]
+
+    def logits(self, hc: torch.Tensor, wv: torch.Tensor) -> torch.Tensor:
+        """``hc @ wvᵀ`` widened to fp32 (the GEMM in hc's dtype, as ``F.linear(...).float()``)."""
+        z = self.bufs[0][: hc.shape[0] * wv.shape[0]].view(hc.shape[0], wv.shape[0])
+        if hc.dtype == torch.float32:
+            return torch.matmul(hc, wv.t(), out=z)
+        return z.copy_(F.linear(hc, wv))
+
+    def exp(self, z: torch.Tensor) -> torch.Tensor:
+        """``z.exp()`` into the second buffer (``z`` stays)."""
+        return torch.exp(z, out=self.bufs[1][: z.numel()].view(z.shape))
+
+
 def _chunks(T: int, V: int, token_chunk: int | None, vocab_chunk: int | None) -> tuple[int, int]:
     tc, vc = default_chunks(T, V)
     return token_chunk or tc, min(vocab_chunk or vc, V)
@@ -117,12 +137,13 @@ def head_forward(
     tc, vc = _chunks(n, V, token_chunk, vocab_chunk)
     inv_tau = 1.0 / temperature
     lp_parts, ent_parts, lse_parts = [], [], []
+    tiles = _Tiles(min(tc, n), vc, h, 2 if want_entropy else 1)
     for t0 in range(0, n, tc):
         hc, yc = h[t0: t0 + tc], y[t0: t0 + tc]
         m = s = u = None
         tgt = torch.empty(hc.shape[0], dtype=torch.float32, device=h.device)
         for v0 in range(0, V, vc):
-            z = F.linear(hc, w_VxD[v0: v0 + vc]).float()
+            z = tiles.logits(hc, w_VxD[v0: v0 + vc])
             if inv_tau != 1.0:
                 z.mul_(inv_tau)
             inside = (yc >= v0) & (yc < v0 + z.shape[1])
@@ -133,8 +154,9 @@ def head_forward(
             m_new = mc if m is None else torch.maximum(m, mc)
             z.sub_(m_new[:, None])  # z - m <= 0
             if want_entropy:
-                e = z.exp()
-                sc, uc = e.sum(1), torch.linalg.vecdot(e, z)
+                e = tiles.exp(z)
+                sc = e.sum(1)
+                uc = e.mul_(z).sum(1)  # Σ e·(z-m), in the tile (vecdot would allocate one)
                 del e
             else:  # in place: one tile fewer to allocate and fault in
                 sc, uc = z.exp_().sum(1), None
@@ -193,6 +215,7 @@ def head_backward(
     tc, vc = _chunks(n, V, token_chunk, vocab_chunk)
     fp32 = w_VxD.dtype == torch.float32
     dh_parts = []
+    tiles = _Tiles(min(tc, n), vc, h, 2 if with_h else 1)
     for t0 in range(0, n, tc):
         t1 = min(n, t0 + tc)
         hc, yc, glc = h[t0:t1], y[t0:t1], gl[t0:t1]
@@ -200,12 +223,12 @@ def head_backward(
         dh_c = torch.zeros(t1 - t0, h.shape[1], dtype=torch.float32, device=h.device)
         for v0 in range(0, V, vc):
             wv = w_VxD[v0: v0 + vc]
-            z = F.linear(hc, wv).float()
+            z = tiles.logits(hc, wv)
             if inv_tau != 1.0:
                 z.mul_(inv_tau)
             z.sub_(lse[t0:t1, None])  # log p
             if with_h:  # dz = -p * (gl + gH * (log p + H)) + gl * onehot
-                p = z.exp()
+                p = tiles.exp(z)
                 coef = z.add_(H[t0:t1, None]).mul_(gH[t0:t1, None]).add_(glc[:, None])
                 dz = p.mul_(coef).neg_()
             else:  # in place: p overwrites log p
