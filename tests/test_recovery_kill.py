@@ -8,7 +8,8 @@ directory or snapshot is left behind; a restart loses at most the save the kill 
 Two launchers: ``odcfn train`` with the processes backend and ``[train] max_restarts`` (2 ranks,
 a kill at each phase, one per incarnation, via ``ODCFN_TEST_KILL_AT``: see
 ``odcfn.checkpoint.kill_point``), and ``torchrun --max-restarts`` (3 ranks: a kill at a time
-drawn from a seeded generator, printed on failure, then one mid-snapshot). The uninterrupted
+drawn from a seeded generator, printed on failure, then one mid-snapshot and one in rank 0's
+commit). The uninterrupted
 references run once per world size on the test pool's warm workers, saving as the killed runs
 do (asynchronous disk checkpoints and the memory tier)."""
 
@@ -165,9 +166,10 @@ def test_torchrun_max_restarts_three_ranks(tmp_path, shm, reference):
     run, ref, env = _setup(tmp_path, 3, "processes", shm, reference)
     env["ODCFN_TEST_KILL_AT"] = TORCHRUN_KILL
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
-           "--max-restarts", "2", "-m", "odcfn.cli", "train", "--config", str(run / "run.json"), "--quiet"]
+           "--max-restarts", "3", "-m", "odcfn.cli", "train", "--config", str(run / "run.json"), "--quiet"]
     out = _run_with_kills(cmd, run / "out" / "metrics.jsonl", 1, seed=2, torchrun=True, env=env)
     assert "resuming at step 6 " in out, out[-4000:]  # after the kill in the snapshot of step 7
+    assert "resuming at step 8 " in out or "resuming at step 9 " in out, out[-4000:]  # the commit of 9
     _check(run, ref, shm, 3)
 
 
@@ -178,9 +180,9 @@ PHASE_KILLS = {
     # and the rename of step 5; rank 1 at the start of step 8, its peer inside the step
     2: "write:3:1,commit:5:0@1,step:8:1@2",
 }
-# the torchrun run's second incarnation (after its random kill): rank 2 half way through the
-# host snapshot of step 7
-TORCHRUN_KILL = "snapshot:7:2@1"
+# the torchrun run after its random kill: rank 2 half way through the host snapshot of step 7,
+# then rank 0 between its manifest and the rename of step 9 (disk and memory saves in flight)
+TORCHRUN_KILL = "snapshot:7:2@1,commit:9:0@2"
 
 
 @pytest.mark.parametrize("world", sorted(PHASE_KILLS))
