@@ -52,6 +52,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="--memory: tokens of the GRPO points (default: --memory-tokens)")
     p.add_argument("--memory-contenders", nargs="+", choices=("fused", "unfused", "transformers"),
                    default=None, help="--memory: run only these (default: all three)")
+    p.add_argument("--memory-threads", type=int, default=1,
+                   help="--memory: torch intra-op threads of each point's process")
     p.add_argument("--plot", type=Path, default=None, help="--memory: write the PNG plot here")
     p.add_argument("--cost", choices=("calibrated", "default"), default="calibrated",
                    help="balancers' cost model: fitted to this machine's measured unit times "
@@ -168,6 +170,8 @@ def memory_main(args: argparse.Namespace) -> int:
         raise ValueError(f"--memory-budget-gib must be > 0, got {args.memory_budget_gib}")
     if args.memory_tokens and min(args.memory_tokens) < 2:
         raise ValueError(f"--memory-tokens must be >= 2, got {args.memory_tokens}")
+    if args.memory_threads < 1:
+        raise ValueError(f"--memory-threads must be >= 1, got {args.memory_threads}")
     tokens = tuple(args.memory_tokens or ((1024, 4096, 16384) if args.quick else
                                           (1024, 2048, 4096, 8192, 16384, 32768)))
     t0 = time.perf_counter()
@@ -176,6 +180,7 @@ def memory_main(args: argparse.Namespace) -> int:
               "memory": M.memory_bench(
                   tokens, budget=int(args.memory_budget_gib * M.GIB), log=_log,
                   grpo_tokens=None if args.memory_grpo_tokens is None else tuple(args.memory_grpo_tokens),
+                  threads=args.memory_threads,
                   contenders=tuple(args.memory_contenders or M.CONTENDERS))}
     report["elapsed_s"] = time.perf_counter() - t0
     text = json.dumps(report, indent=1, default=_jsonable)
