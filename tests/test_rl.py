@@ -70,7 +70,13 @@ def test_sharded_policy_gradient_equals_reference(cfg, world, policy, data):
     # no token within float32's reach of a clip/KL branch point: both sides take the same branch
     batch = away_from_kinks(rollout_batch(lengths, prompts, CFG.vocab_size, seed=seed), CFG, full, cfg)
     want_loss, want_metrics, want_grads = reference(full, batch, **cfg)
-    atol = _atol(want_grads, reference(full, batch, dtype=torch.float32, **cfg)[2])
+    loss32, metrics32, grads32 = reference(full, batch, dtype=torch.float32, **cfg)
+    atol = _atol(want_grads, grads32)
+    # the loss is a mean of O(1) per-token terms (ratios, entropies) that may cancel to a small
+    # sum: float32's error is absolute, ~1e-6 per term whatever the sum; 8x transformers' own
+    # float32 error on the draw where that is larger
+    loss_atol = max(1e-5, 8 * abs(float(loss32) - float(want_loss)))
+    metric_atol = {k: max(1e-5, 8 * abs(float(metrics32[k]) - float(v))) for k, v in want_metrics.items()}
     want = ref_shards(want_grads, model, world)
     comm, balance = policy
     out = run_grad_step(full, batch, model, world, comm=comm, balance=balance,
@@ -78,9 +84,9 @@ def test_sharded_policy_gradient_equals_reference(cfg, world, policy, data):
     for rank, (grads, m) in enumerate(out):
         odcfn.tree_assert_allclose(grads, want[rank], rtol=RTOL, atol=atol,
                                    what=f"{policy} rank {rank}")
-        assert m.loss == pytest.approx(want_loss, rel=1e-5, abs=1e-6)
+        assert m.loss == pytest.approx(want_loss, rel=1e-5, abs=loss_atol)
         for k, v in want_metrics.items():
-            assert m.extra[k] == pytest.approx(float(v), rel=1e-5, abs=1e-6), k
+            assert m.extra[k] == pytest.approx(float(v), rel=1e-5, abs=metric_atol[k]), k
         assert m.counters.syncs == 1
         if comm == "odc":
             assert m.counters.collectives == 0
