@@ -19,7 +19,7 @@ import torch
 
 from odcfn.bench.workload import Workload, make_batch
 
-__all__ = ["Fsdp2Spec", "fsdp2_worker"]
+__all__ = ["Fsdp2Spec", "dummy_microbatch", "fsdp2_step", "fsdp2_worker"]
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,7 @@ class Fsdp2Spec:
     cost: object | None = None  # CostModel for LB-Micro (None: the schedule layer's default)
 
 
-def _dummy_microbatch():
+def dummy_microbatch():
     """One token with no loss: a rank with fewer microbatches still joins every collective."""
     from odcfn.batch import Microbatch
 
@@ -52,12 +52,12 @@ def _fsdp2_model(w: Workload, mesh):
     return module
 
 
-def _fsdp2_step(module, opt, batch, microbatches, n_max: int) -> float:
+def fsdp2_step(module, opt, batch, microbatches, n_max: int) -> float:
     from odcfn.batch import pack
 
     loss_sum = torch.zeros((), dtype=torch.float64)
     for i in range(n_max):
-        mb = pack(batch, microbatches[i]) if i < len(microbatches) else _dummy_microbatch()
+        mb = pack(batch, microbatches[i]) if i < len(microbatches) else dummy_microbatch()
         loss = module(mb)
         (loss / batch.num_loss_tokens).backward()
         loss_sum += loss.detach().double()
@@ -117,7 +117,7 @@ def fsdp2_worker(spec: Fsdp2Spec) -> list[dict]:
                 else:
                     assignment = lb_micro(batch.lengths, mesh.world_size, cap)
                     n_max = max(len(a) for a in assignment)
-                    loss = _fsdp2_step(module, topt, batch, assignment[mesh.rank], n_max)
+                    loss = fsdp2_step(module, topt, batch, assignment[mesh.rank], n_max)
                 out.append({"impl": which, "step": step, "warmup": step < spec.warmup,
                             "rank": mesh.rank, "wall": time.perf_counter() - t0, "loss": loss,
                             "samples": len(batch), "tokens": sum(batch.lengths)})

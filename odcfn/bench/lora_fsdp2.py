@@ -22,6 +22,8 @@ from functools import partial
 import torch
 from torch import nn
 
+from odcfn.bench.fsdp2 import fsdp2_step
+
 __all__ = ["LoraFsdp2Spec", "lora_fsdp2_worker", "peft_lora_module"]
 
 
@@ -143,31 +145,6 @@ def _peft_fsdp2(w, dmesh, model, params: dict) -> nn.Module:
     return pm
 
 
-def _dummy_microbatch():
-    """One token with no loss: a rank with fewer microbatches still joins every collective."""
-    from odcfn.batch import Microbatch
-
-    z = torch.zeros(1, dtype=torch.long)
-    return Microbatch(z, z, torch.zeros(1), z, (1,), ())
-
-
-def _fsdp2_step(module, opt, batch, microbatches, n_max: int) -> float:
-    import torch.distributed as dist
-
-    from odcfn.batch import pack
-
-    loss_sum = torch.zeros((), dtype=torch.float64)
-    for i in range(n_max):
-        mb = pack(batch, microbatches[i]) if i < len(microbatches) else _dummy_microbatch()
-        loss = module(mb)
-        (loss / batch.num_loss_tokens).backward()
-        loss_sum += loss.detach().double()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    dist.all_reduce(loss_sum)  # the loss to report, like odcfn's one sync
-    return float(loss_sum) / batch.num_loss_tokens
-
-
 def lora_fsdp2_worker(spec: LoraFsdp2Spec) -> list[dict]:
     """One launched rank: ODC + LB-Mini LoRA and FSDP2 + PEFT LoRA, alternating minibatches."""
     import torch.distributed as dist
@@ -209,7 +186,7 @@ def lora_fsdp2_worker(spec: LoraFsdp2Spec) -> list[dict]:
                 else:
                     assignment = lb_micro(batch.lengths, mesh.world_size, cap)
                     n_max = max(len(a) for a in assignment)
-                    loss = _fsdp2_step(pm.get_base_model(), topt, batch, assignment[mesh.rank], n_max)
+                    loss = fsdp2_step(pm.get_base_model(), topt, batch, assignment[mesh.rank], n_max)
                 out.append({"impl": which, "step": step, "warmup": step < spec.warmup, "rank": mesh.rank,
                             "wall": time.perf_counter() - t0, "loss": loss, "samples": len(batch),
                             "tokens": sum(batch.lengths)})
