@@ -11,7 +11,7 @@ Like torchrun's agent, the launcher hosts the job's TCPStore itself (the ranks c
 clients, ``TORCHELASTIC_USE_AGENT_STORE``): it binds MASTER_PORT before any rank starts, so a
 second job forced onto the same port fails at once instead of its ranks joining this job's
 store, and every rank checks the store's job id before running ``fn``. Each job also gets a
-fresh ``ODCFN_JOB_SECRET`` (rendezvous values are authenticated with it, see kernels/_rdzv.py).
+fresh ``ODCFN_JOB_SECRET`` (rendezvous values are authenticated with it, see kernels/rdzv.py).
 
 If a rank raises or dies, or finishes while others still run, the rest get ``timeout`` seconds
 (transports raise ``TransportError`` within their own timeout) and are then terminated as

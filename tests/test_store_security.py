@@ -14,9 +14,9 @@ import pytest
 from torch.distributed import HashStore
 
 import odcfn
-from odcfn.kernels._rdzv import job_secret, seal, unseal
 from odcfn.kernels.base import TransportError
 from odcfn.kernels.cuda_ipc import IpcFabric
+from odcfn.kernels.rdzv import job_secret, seal, unseal
 
 ROOT = Path(__file__).parent.parent
 

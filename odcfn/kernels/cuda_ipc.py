@@ -29,10 +29,10 @@ from typing import Any
 import torch
 
 from odcfn.kernels._gpu_engine import ArenaTransport
-from odcfn.kernels._rdzv import b64, check_shm_path, job_secret, seal, unb64, unseal
 from odcfn.kernels.base import Collectives, TransportError
 from odcfn.kernels.collective import TorchCollectives
 from odcfn.kernels.local import LocalCollectives  # noqa: F401 - re-exported: where callers found it
+from odcfn.kernels.rdzv import b64, check_shm_path, job_secret, seal, unb64, unseal
 from odcfn.sharding import Mesh
 
 __all__ = ["IpcFabric", "LocalCollectives", "TorchCollectives", "cuda_ipc_transport", "require_cuda"]
@@ -82,7 +82,7 @@ def _shm(path: str, nbytes: int, create: bool) -> torch.Tensor:
 
 
 def _secret_name(prefix: str, key: str, group: tuple[int, ...]) -> str:
-    """The node-local secret file's name: the same on every rank of this rendezvous (see _rdzv)."""
+    """The node-local secret file's name: the same on every rank of this rendezvous (see rdzv)."""
     job = "|".join(os.environ.get(k, "") for k in ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"))
     h = hashlib.sha256(f"{os.getuid()}|{job}|{key}|{group}".encode()).hexdigest()[:16]
     return f"{prefix}secret-{h}"
@@ -182,7 +182,7 @@ class IpcFabric:
         else:
             self.arena = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
             blob = {"kind": "cuda", **_share_cuda(self.arena)}
-        # plain JSON, authenticated: the store is reachable by anyone (see _rdzv)
+        # plain JSON, authenticated: the store is reachable by anyone (see rdzv)
         info = {"rank": r, "sig": sig_path, "arena": blob, "nbytes": nbytes}
         self.store.set(f"{key}/{r}", seal(secret, f"{key}/{r}", info))
         for peer in self.group:
