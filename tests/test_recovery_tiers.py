@@ -119,7 +119,7 @@ def test_resaving_a_path_whose_save_a_kill_interrupted_works(tmp_path, monkeypat
     root = tmp_path / "step-00000003"
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
     monkeypatch.setattr(sharded, "_SAVES", {})
-    old = root.with_name(f".{root.name}.tmp-{sharded._attempt(root, 0, 3)}")
+    old = root.with_name(f".{root.name}.tmp-{sharded.attempt_id(root, 0, 3)}")
     old.mkdir(parents=True)
     (old / ".alive-1").write_text(f"{socket.gethostname()} 999999999")  # a pid that is gone
     (old / ".abort-0").write_text("CheckpointError: rank 1 (pid 999999999) died during the save")

@@ -82,10 +82,12 @@ class AsyncSaver:
         overwrite: bool = False,
         timeout: float = 60.0,
         after: Callable[[Path], None] | None = None,
+        writer: Callable[..., Path] | None = None,
     ) -> None:
         """Snapshot ``(params, opt_state, step)`` now; write ``path`` in the background, then
         call ``after(path)`` there (e.g. verify and publish, prune older checkpoints); an error
-        of ``after`` is the save's error."""
+        of ``after`` is the save's error. ``writer``: what writes and commits (default
+        ``sharded.write_shards``; the memory tier across nodes passes ``NodeTier.write_part``)."""
         from odcfn.checkpoint import sharded
 
         t0 = time.perf_counter()
@@ -103,7 +105,7 @@ class AsyncSaver:
         def write() -> None:
             w0 = time.perf_counter()
             try:
-                self._result = sharded.write_shards(
+                self._result = (writer or sharded.write_shards)(
                     path, snap_params, snap_opt, step, model=model, mesh=mesh, extra=extra,
                     timeout=timeout, overwrite=overwrite,
                 )

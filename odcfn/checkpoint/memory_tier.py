@@ -16,12 +16,10 @@ highest step whose every file matches its manifest; a snapshot that fails is ski
 next with a warning naming the file. Every rank checks every file, so all ranks (which see the
 same files on one node) reach the same verdict without communicating.
 
-Across nodes (designed, not built): /dev/shm is per node, so each node would keep its own
-ranks' files plus a copy of its neighbour's (node n pushes its files to node n+1 mod N after
-each snapshot, over the transport's fabric or a socket, and commits them under the neighbour's
-manifest); a restarted node that lost its memory reads its files back from its neighbour's copy,
-and a job falls back to the disk tier only when two adjacent nodes are gone. Until then the
-memory tier requires every rank on one node (``check_single_node``).
+Across nodes, /dev/shm is per node: ``MemoryTier(out_dir, node=n)`` is node n's directory, whose
+snapshots are *parts* (its own ranks' files and a copy of its neighbour's) written and restored
+by ``checkpoint/node_tier.py``. ``ODCFN_SNAPSHOT_DIR`` puts the tier elsewhere than the
+shared-memory directory.
 """
 
 from __future__ import annotations
@@ -44,19 +42,37 @@ __all__ = ["MemoryTier", "committed", "newest_verified", "remove_stale", "verify
 POINTER = "CURRENT"
 
 
-def verify_all(path: Path) -> None:
+def verify_all(path: Path, *, part_ok: bool = False) -> None:
     """Every file of checkpoint ``path`` against its manifest; ``CheckpointError`` naming the
-    first file that is missing or differs."""
+    first file that is missing or differs. A node's part of a cross-node snapshot (its held
+    files only) passes only with ``part_ok``: it is not a checkpoint one can load alone."""
     doc = read_manifest(path)
+    if "part" in doc and not part_ok:
+        raise CheckpointError(f"checkpoint {path} is one node's part of a snapshot, not a whole checkpoint")
     try:
         files = check_files(doc, path)
+        keep = held(doc)
     except (ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"checkpoint {path}: {e}") from e
     for f, entry in zip(files, doc["files"]):
+        if entry.get("rank") not in keep:
+            continue  # a part of a cross-node snapshot: another node keeps that file
         if not f.is_file():
             raise CheckpointError(f"{f} is missing")
         if f.stat().st_size != entry.get("bytes") or sha256(f) != entry.get("sha256"):
             raise CheckpointError(f"{f} does not match the sha256 in its manifest")
+
+
+def held(doc: dict) -> set[int]:
+    """The ranks whose files a checkpoint directory holds: all of them, or a part's (a node's
+    share of a snapshot of the memory tier across nodes, ``checkpoint/node_tier.py``)."""
+    part = doc.get("part")
+    if part is None:
+        return {e.get("rank") for e in doc["files"]}
+    ranks = part.get("held") if isinstance(part, dict) else None
+    if not isinstance(ranks, list) or not all(isinstance(r, int) for r in ranks):
+        raise CheckpointError(f"the manifest's part record is malformed: {part!r}")
+    return set(ranks)
 
 
 def committed(root: Path) -> list[tuple[int, Path]]:
@@ -98,9 +114,14 @@ def remove_stale(root: Path, newer_than: int) -> None:
 class MemoryTier:
     """The shared-memory snapshots of the run whose output directory is ``out_dir``."""
 
-    def __init__(self, out_dir: str | os.PathLike) -> None:
+    def __init__(self, out_dir: str | os.PathLike, node: int | None = None) -> None:
+        """``node``: this node's index in a job of several (its snapshots are parts, see
+        ``checkpoint/node_tier.py``). The directory is under ``ODCFN_SNAPSHOT_DIR`` if set
+        (e.g. another memory file system), else the shared-memory directory."""
         key = hashlib.sha256(os.fsencode(os.path.abspath(out_dir))).hexdigest()[:16]
-        self.root = Path(shm_dir()) / f"odcfn-snap-{key}"
+        base = os.environ.get("ODCFN_SNAPSHOT_DIR") or shm_dir()
+        self.parts = node is not None
+        self.root = Path(base) / (f"odcfn-snap-{key}" if node is None else f"odcfn-snap-{key}-node{node}")
 
     def path(self, step: int) -> Path:
         return self.root / f"step-{step:08d}"
@@ -116,7 +137,7 @@ class MemoryTier:
         """Rank 0, after ``path`` committed: verify it, point ``CURRENT`` at it, then remove the
         snapshots older than the one the pointer named before (that one stays until the next
         switch, so a torn ``CURRENT`` target is never the only copy)."""
-        verify_all(path)
+        verify_all(path, part_ok=self.parts)
         before = self.current()
         tmp = self.root / f".{POINTER}.{os.getpid()}"
         tmp.write_text(path.name)
@@ -130,10 +151,3 @@ class MemoryTier:
     def cleanup(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)
 
-
-def check_single_node(world_size: int, local_world_size: int) -> None:
-    if local_world_size != world_size:
-        raise ValueError(
-            f"checkpoint.memory_every needs every rank on one node (world size {world_size}, "
-            f"{local_world_size} per node): the cross-node neighbour copy is not built yet"
-        )

@@ -23,7 +23,7 @@ import hashlib
 import json
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +39,10 @@ from odcfn.model import Model
 from odcfn.sharding import Layout, Mesh, make_layout
 from odcfn.sharding.layout import check_shards
 
-__all__ = ["CheckpointError", "give_up", "latest", "read_manifest", "read_shards", "write_shards"]
+__all__ = [
+    "CheckpointError", "attempt_id", "commit_manifest", "give_up", "latest", "manifest_for", "read_manifest",
+    "read_shards", "wait_for_commit", "wait_for_files", "write_rank_file", "write_shards",
+]
 
 FORMAT = "odcfn-checkpoint"
 VERSION = 2  # 2: per-file sha256/rank/bytes, the save's attempt id
@@ -132,7 +135,7 @@ def _writers(mesh: Mesh) -> tuple[int, ...]:
 _SAVES: dict[tuple[str, int], int] = {}  # (path, rank) -> saves of it by this process so far
 
 
-def _attempt(root: Path, rank: int, step: int) -> str:
+def attempt_id(root: Path, rank: int, step: int) -> str:
     """A name for this save that every rank computes alike without communication: the job's
     identity (launcher/torchrun variables), the path, the step and the how-manieth save of the
     path this is. A leftover of an earlier, interrupted save never has this name."""
@@ -175,47 +178,74 @@ def write_shards(
         what = "a committed checkpoint" if (root / MANIFEST).exists() else "not an empty directory"
         raise FileExistsError(f"checkpoint: {root} exists and is {what}; pass overwrite=True to replace it")
     # staging first: a rank whose input is bad then tells the others instead of vanishing
-    stage = Staging(root, _attempt(root, mesh.rank, step), mesh.rank, timeout, range(mesh.world_size))
+    stage = Staging(root, attempt_id(root, mesh.rank, step), mesh.rank, timeout, range(mesh.world_size))
     attempt = stage.attempt
     try:
-        check_int(step, "checkpoint step", at_least=0)
-        layout = make_layout(model, mesh)
-        check_shards(params, layout, model.dtype)
-        writers = _writers(mesh)
-        tensors: dict[str, torch.Tensor] = {}
-        skeleton = {
-            "params": _encode(dict(params), "params", layout, tensors, mesh.rank == 0),
-            "opt_state": _encode(opt_state, "opt_state", layout, tensors, mesh.rank == 0),
-        }
-        if mesh.rank in writers:
-            target = stage.dir / rank_file(mesh.rank)
-            tmp = _tmp_name(target)
-            meta = {"step": str(step), "rank": str(mesh.rank), "format": FORMAT, "attempt": attempt}
-            save_file(tensors, str(tmp), metadata=meta)
-            fsync_path(tmp)
-            os.replace(tmp, target)
-            kill_point("write", step, mesh.rank)  # tests only (ODCFN_TEST_KILL_AT)
+        layout, skeleton, writers = write_rank_file(stage, params, opt_state, step, model=model, mesh=mesh)
         if mesh.rank == 0:
-            stage.wait(
-                lambda: [r for r in writers if _file_step(stage.dir / rank_file(r)) != step],
-                lambda m: f"the files of ranks {m} for step {step} in {root} (did every rank call save?)",
-                writers,
-            )
-            doc = _manifest(model, mesh, layout, step, attempt, skeleton, extra, stage.dir, writers)
-            _atomic_write_text(stage.dir / MANIFEST, json.dumps(doc, indent=1))
-            kill_point("commit", step, 0)
-            stage.commit(overwrite)
+            wait_for_files(stage, writers, step)
+            doc = manifest_for(model, mesh, layout, step, attempt, skeleton, extra, stage.dir, writers)
+            commit_manifest(stage, doc, step, overwrite)
         else:
-            stage.wait(
-                lambda: [] if _manifest_attempt(root / MANIFEST) == attempt else [0],
-                lambda m: f"rank 0 to commit {root}",
-                (0,),
-            )
-            kill_point("commit", step, mesh.rank)
+            wait_for_commit(stage, 0, step)
     except BaseException as e:
         stage.abort(f"{type(e).__name__}: {e}")
         raise
     return root
+
+
+# the steps of a save, shared with the memory tier across nodes (checkpoint/node_tier.py), whose
+# node leaders commit a part of each snapshot instead of rank 0 committing the whole
+
+
+def write_rank_file(
+    stage: Staging, params: Mapping[str, torch.Tensor], opt_state: Any, step: int, *, model: Model, mesh: Mesh
+) -> tuple[Layout, dict, tuple[int, ...]]:
+    """Check the input, write this rank's file into ``stage`` (if it is a writer); the layout,
+    the manifest's tree skeleton and the writer ranks."""
+    check_int(step, "checkpoint step", at_least=0)
+    layout = make_layout(model, mesh)
+    check_shards(params, layout, model.dtype)
+    writers = _writers(mesh)
+    tensors: dict[str, torch.Tensor] = {}
+    skeleton = {
+        "params": _encode(dict(params), "params", layout, tensors, mesh.rank == 0),
+        "opt_state": _encode(opt_state, "opt_state", layout, tensors, mesh.rank == 0),
+    }
+    if mesh.rank in writers:
+        target = stage.dir / rank_file(mesh.rank)
+        tmp = _tmp_name(target)
+        meta = {"step": str(step), "rank": str(mesh.rank), "format": FORMAT, "attempt": stage.attempt}
+        save_file(tensors, str(tmp), metadata=meta)
+        fsync_path(tmp)
+        os.replace(tmp, target)
+        kill_point("write", step, mesh.rank)  # tests only (ODCFN_TEST_KILL_AT)
+    return layout, skeleton, writers
+
+
+def wait_for_files(stage: Staging, ranks: Sequence[int], step: int) -> None:
+    """Until the files of ``ranks`` for ``step`` are in ``stage`` (their writers watched)."""
+    stage.wait(
+        lambda: [r for r in ranks if _file_step(stage.dir / rank_file(r)) != step],
+        lambda m: f"the files of ranks {m} for step {step} in {stage.root} (did every rank call save?)",
+        ranks,
+    )
+
+
+def commit_manifest(stage: Staging, doc: dict, step: int, overwrite: bool) -> None:
+    _atomic_write_text(stage.dir / MANIFEST, json.dumps(doc, indent=1))
+    kill_point("commit", step, stage.rank)
+    stage.commit(overwrite)
+
+
+def wait_for_commit(stage: Staging, committer: int, step: int) -> None:
+    """A rank that is not the committer: until ``committer`` has committed this save."""
+    stage.wait(
+        lambda: [] if _manifest_attempt(stage.root / MANIFEST) == stage.attempt else [committer],
+        lambda m: f"rank {committer} to commit {stage.root}",
+        (committer,),
+    )
+    kill_point("commit", step, stage.rank)
 
 
 def give_up(path: str | os.PathLike, step: int, mesh: Mesh, why: str, timeout: float = 60.0) -> None:
@@ -224,13 +254,18 @@ def give_up(path: str | os.PathLike, step: int, mesh: Mesh, why: str, timeout: f
     once naming it instead of at the timeout."""
     root = Path(path)
     try:
-        stage = Staging(root, _attempt(root, mesh.rank, step), mesh.rank, timeout, range(mesh.world_size))
+        stage = Staging(root, attempt_id(root, mesh.rank, step), mesh.rank, timeout, range(mesh.world_size))
     except OSError:
         return  # nowhere to leave a note: the peers meet the timeout
     stage.abort(why)
 
 
-def _manifest(model, mesh, layout, step, attempt, skeleton, extra, where: Path, writers) -> dict:
+def manifest_for(
+    model, mesh, layout, step, attempt, skeleton, extra, where: Path, writers, held=None
+) -> dict:
+    """``held``: the writers whose files are in ``where`` (default all); the others' entries
+    carry no size or sha256 (a part of a snapshot, see checkpoint/node_tier.py)."""
+    held = set(writers if held is None else held)
     return {
         "format": FORMAT,
         "version": VERSION,
@@ -244,7 +279,8 @@ def _manifest(model, mesh, layout, step, attempt, skeleton, extra, where: Path, 
         },
         "files": [
             {"name": rank_file(r), "rank": r, "sha256": sha256(where / rank_file(r)),
-             "bytes": (where / rank_file(r)).stat().st_size}
+             "bytes": (where / rank_file(r)).stat().st_size} if r in held
+            else {"name": rank_file(r), "rank": r, "sha256": None, "bytes": None}
             for r in writers
         ],
         "units": {

@@ -63,6 +63,8 @@ def check_files(doc: dict, root: Path) -> list[Path]:
 
 def open_verified(f: Path, entry: dict, doc: dict) -> Any:
     """``f`` opened for reading after checking its bytes, step, rank and tensor shapes."""
+    if entry.get("sha256") is None:
+        raise ValueError(f"{f.name} is not held by this part of a snapshot (another node keeps it)")
     if not f.is_file():
         raise ValueError(f"{f.name} is missing")
     if f.stat().st_size != entry["bytes"] or sha256(f) != entry["sha256"]:

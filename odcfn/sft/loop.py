@@ -68,7 +68,7 @@ from odcfn.sft.config import (
 from odcfn.sft.example import write_example
 from odcfn.sft.prepare import PreparedData, prepare_data
 from odcfn.sft.record import Logger, data_summary, step_record
-from odcfn.sft.restart import Snapshots, clear_for_fresh_start, resume_point
+from odcfn.sft.restart import Snapshots, clear_for_fresh_start, open_memory_tier, resume_point
 
 __all__ = ["SFTConfig", "add_arguments", "config_from_dict", "load_config", "main", "run", "train_rank"]
 
@@ -132,6 +132,7 @@ class _Run:
     data_sha: str
     start: int
     resumed: str | None
+    tier: Any  # the memory tier (sft/restart.py)
 
 
 def _setup(cfg: SFTConfig, rank: int, transport, data: PreparedData | None = None) -> _Run:
@@ -148,7 +149,8 @@ def _setup(cfg: SFTConfig, rank: int, transport, data: PreparedData | None = Non
     mesh = transport.mesh  # the transport's view of the job (ranks_per_node, sharding) wins
     if mesh.world_size != t.world_size or mesh.rank != rank:
         raise ValueError(f"transport serves {mesh}, but the config asks for rank {rank} of {t.world_size}")
-    ck = resume_point(cfg)  # the newest verified snapshot, memory tier or disk
+    tier = open_memory_tier(cfg, mesh, getattr(transport, "collectives", None))
+    ck = resume_point(cfg, tier)  # the newest verified snapshot, memory tier or disk
     # LoRA: the frozen base comes from [model] whether or not a checkpoint holds the adapters
     qcfg, model, initial = _build_model(cfg, None if ck is not None and not cfg.lora.rank else mesh)
     model, initial = _with_lora(cfg, model, initial, mesh)
@@ -183,13 +185,12 @@ def _setup(cfg: SFTConfig, rank: int, transport, data: PreparedData | None = Non
         params=params, model=model, optimizer=optimizer, transport=transport, config=step_config,
         opt_state=opt_state, step=start,
     )
-    if rank == 0:
-        # Everything past the step we start from is stale: a fresh run's predecessors, or the
-        # uncommitted remains of an interrupted save (whose rank files would otherwise pass
-        # for this run's), in both tiers. Safe without a barrier: no rank saves before the
-        # first step's sync.
-        clear_for_fresh_start(cfg, start)
-    return _Run(state, data, lr, data_sha, start, resumed)
+    # Everything past the step we start from is stale: a fresh run's predecessors, or the
+    # uncommitted remains of an interrupted save (whose rank files would otherwise pass for
+    # this run's), in both tiers. Safe without a barrier: no rank saves before the first
+    # step's sync.
+    clear_for_fresh_start(cfg, start, tier, rank)
+    return _Run(state, data, lr, data_sha, start, resumed, tier)
 
 
 def _say_schedule_change(stored: dict[str, Any], cfg: SFTConfig, start: int) -> None:
@@ -226,7 +227,7 @@ def train_rank(cfg: SFTConfig, rank: int, transport, data: PreparedData | None =
     logger = Logger(cfg, run.start) if rank == 0 else None
     # disk and memory tiers (sft/restart.py); under torchrun the HF export is written from the
     # last step's checkpoint, so that one is saved whatever the schedule
-    snaps = Snapshots(cfg, run.data_sha, run.state.mesh, base=cfg.model.hf_path,
+    snaps = Snapshots(cfg, run.data_sha, run.state.mesh, run.tier, base=cfg.model.hf_path,
                       save_last=bool(cfg.checkpoint.export_hf) and _under_torchrun())
     last = None
     try:
@@ -247,6 +248,8 @@ def train_rank(cfg: SFTConfig, rank: int, transport, data: PreparedData | None =
     finally:
         if logger is not None:
             logger.close()
+        if hasattr(run.tier, "close"):
+            run.tier.close()
     out: dict[str, Any] = {
         "rank": rank,
         "start_step": run.start,

@@ -6,7 +6,9 @@
   and prunes (``odcfn.checkpoint.async_save``).
 - Memory tier: with ``checkpoint.memory_every = N``, a snapshot every N steps in /dev/shm
   (``odcfn.checkpoint.memory_tier``), always in the background; it outlives a killed rank on the
-  same node, so a restart loses at most N steps and reads at memory speed. Removed at the run's
+  same node, so a restart loses at most N steps and reads at memory speed. On several nodes each
+  node keeps its own files and a copy of its neighbour's (``odcfn.checkpoint.node_tier``), so a
+  node that lost its memory reads its files back from its neighbour. Removed at the run's
   normal end (after the final disk checkpoint is committed).
 - A (re)start resumes from the newest snapshot of either tier whose files all verify; the
   others are skipped with a warning naming the file. Snapshots past it and staging leftovers of
@@ -19,38 +21,50 @@ the manifest's ``extra`` records the step as ``data_step`` too.
 
 from __future__ import annotations
 
-import os
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from odcfn.checkpoint.async_save import AsyncSaver
-from odcfn.checkpoint.memory_tier import MemoryTier, check_single_node, newest_verified, remove_stale
+from odcfn.checkpoint.memory_tier import MemoryTier, newest_verified, remove_stale
+from odcfn.checkpoint.node_tier import NodeTier
 from odcfn.checkpoint.state_io import savable
 from odcfn.sft.config import SFTConfig
 from odcfn.sft.record import prune
 
-__all__ = ["Snapshots", "clear_for_fresh_start", "resume_point"]
+__all__ = ["Snapshots", "clear_for_fresh_start", "open_memory_tier", "resume_point"]
 
 
-def _tier(cfg: SFTConfig) -> MemoryTier:
+def open_memory_tier(cfg: SFTConfig, mesh: Any, collectives: Any) -> MemoryTier | NodeTier:
+    """The run's memory tier on this rank: one directory on one node, or (``memory_every`` set,
+    several nodes) this node's part of the cross-node tier, which is a collective to open."""
+    if cfg.checkpoint.memory_every and mesh.num_nodes > 1:
+        return NodeTier(cfg.out_dir, mesh, collectives, timeout=cfg.train.timeout)
     return MemoryTier(cfg.out_dir)
 
 
-def resume_point(cfg: SFTConfig) -> Path | None:
-    """The newest verified snapshot of the run in ``cfg.out_dir`` (memory tier first on a tie)."""
+def resume_point(cfg: SFTConfig, tier: MemoryTier | NodeTier) -> Path | None:
+    """The newest verified snapshot of the run in ``cfg.out_dir`` (memory tier first on a tie);
+    across nodes a collective that may fetch this node's files from its neighbour."""
     if not cfg.checkpoint.resume:
         return None
-    return newest_verified([_tier(cfg).root, Path(cfg.checkpoint_dir)])
+    if isinstance(tier, NodeTier):
+        return tier.resume(Path(cfg.checkpoint_dir))
+    return newest_verified([tier.root, Path(cfg.checkpoint_dir)])
 
 
-def clear_for_fresh_start(cfg: SFTConfig, start: int) -> None:
-    """Rank 0, before the first step (no save of this job in flight): drop every snapshot
-    past ``start`` (a fresh run's predecessors, the ones that failed verification) and the
-    staging leftovers of saves a crash interrupted, in both tiers."""
+def clear_for_fresh_start(cfg: SFTConfig, start: int, tier: MemoryTier | NodeTier, rank: int) -> None:
+    """Before the first step (no save of this job in flight): drop every snapshot past
+    ``start`` (a fresh run's predecessors, the ones that failed verification) and the staging
+    leftovers of saves a crash interrupted, in both tiers (rank 0 the disk's and a one-node
+    tier's, each node leader its node's part of a cross-node tier)."""
     newer_than = start if cfg.checkpoint.resume else -1
-    remove_stale(Path(cfg.checkpoint_dir), newer_than)
-    remove_stale(_tier(cfg).root, newer_than)
+    if rank == 0:
+        remove_stale(Path(cfg.checkpoint_dir), newer_than)
+    if isinstance(tier, NodeTier):
+        tier.clear(newer_than)
+    elif rank == 0:
+        remove_stale(tier.root, newer_than)
 
 
 class Snapshots:
@@ -58,19 +72,17 @@ class Snapshots:
     once at the end (waits for the background writes, surfacing their errors)."""
 
     def __init__(
-        self, cfg: SFTConfig, data_sha: str, mesh: Any, *, base: str | None = None, save_last: bool = False
+        self, cfg: SFTConfig, data_sha: str, mesh: Any, tier: MemoryTier | NodeTier, *,
+        base: str | None = None, save_last: bool = False,
     ) -> None:
-        """``base``: where a LoRA run's frozen base comes from (recorded, verified on resume);
-        ``save_last``: write a disk checkpoint after the last step whatever ``every`` says."""
+        """``tier``: the run's memory tier (``open_memory_tier``); ``base``: where a LoRA run's
+        frozen base comes from (recorded, verified on resume); ``save_last``: write a disk
+        checkpoint after the last step whatever ``every`` says."""
         self.cfg, self.data_sha, self.rank = cfg, data_sha, mesh.rank
         self.base, self.save_last = base, save_last
         self.disk, self.memory = AsyncSaver(), AsyncSaver()
-        self.tier = _tier(cfg) if cfg.checkpoint.memory_every else None
-        if self.tier is not None:
-            check_single_node(mesh.world_size, mesh.ranks_per_node if mesh.sharding == "hybrid"
-                              else int(os.environ.get("LOCAL_WORLD_SIZE", mesh.world_size)))
+        self.tier = tier if cfg.checkpoint.memory_every else None
         self.config = asdict(cfg)
-
     def _extra(self, done: int) -> dict[str, Any]:
         return {"config": self.config, "data_sha256": self.data_sha, "data_step": done}
 
@@ -93,10 +105,12 @@ class Snapshots:
             if not c.async_save or last:
                 self.disk.wait()
         if self.tier is not None and done % c.memory_every == 0 and not last:
-            publish = self.tier.publish if self.rank == 0 else None
+            nodes = isinstance(self.tier, NodeTier)
+            publish = self.tier.publish if (self.tier.leader if nodes else self.rank == 0) else None
             params, model, extra = savable(state, self._extra(done), self.base)
             self.memory.save(self.tier.path(done), params, state.opt_state, state.step,
-                             model=model, mesh=state.mesh, extra=extra, timeout=t, after=publish)
+                             model=model, mesh=state.mesh, extra=extra, timeout=t, after=publish,
+                             writer=self.tier.write_part if nodes else None)
 
     def finish(self, state: Any) -> None:
         """Normal end: every background write committed (or its error raised here); then, once
@@ -106,5 +120,7 @@ class Snapshots:
         self.disk.wait()
         if self.tier is not None:
             state.transport.collectives.barrier()
-            if self.rank == 0:
+            if isinstance(self.tier, NodeTier):
+                self.tier.cleanup()  # each node leader its node's
+            elif self.rank == 0:
                 self.tier.cleanup()
