@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 import secrets
 import shutil
@@ -28,13 +27,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from odcfn.bench.recovery import node_worker
 from odcfn.checkpoint.commit import CheckpointError
 from odcfn.checkpoint.memory_tier import committed, verify_all
 from odcfn.checkpoint.neighbour import Inbox, recv_dir, send_files
 from odcfn.data.records import synthetic_records, write_jsonl
 from odcfn.kernels.rdzv import seal
 from odcfn.launch import LaunchError, launch
-from odcfn.sft.config import config_from_dict
 from tests.mp_pool import mp_pool  # noqa: F401 - the session fixture
 
 STEPS = 9
@@ -62,24 +61,6 @@ def _doc(root: Path) -> dict:
     }
 
 
-def node_worker(doc: dict, snapshots: str, lose: tuple[int, ...] = ()) -> dict:
-    """One rank of a job of two one-rank nodes; the nodes in ``lose`` come back from a restart
-    with an empty snapshot directory."""
-    from odcfn.sft.loop import _process_worker
-
-    rank = int(os.environ["RANK"])
-    os.environ.update({"LOCAL_WORLD_SIZE": "1", "LOCAL_RANK": "0", "GROUP_RANK": str(rank)})
-    os.environ.setdefault("ODCFN_JOB_SECRET", SECRET)
-    mine = Path(snapshots) / f"node{rank}"
-    os.environ["ODCFN_SNAPSHOT_DIR"] = str(mine)
-    if rank in lose and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "1":
-        shutil.rmtree(mine, ignore_errors=True)  # the node's memory did not survive
-    mine.mkdir(parents=True, exist_ok=True)
-    out = _process_worker(config_from_dict(doc))
-    out.pop("shards", None)
-    return out
-
-
 def _final(root: Path) -> list[dict[str, torch.Tensor]]:
     final = root / "out" / "checkpoints" / f"step-{STEPS:08d}"
     return [load_file(final / f"rank-{r:05d}.safetensors") for r in range(2)]
@@ -98,7 +79,7 @@ def reference(tmp_path_factory, mp_pool):  # noqa: F811
     """The uninterrupted run's final shards (once per module, on the pool's warm workers)."""
     ref = tmp_path_factory.mktemp("reference")
     write_jsonl(ref / "train.jsonl", synthetic_records(LENGTHS, 40, seed=0))
-    mp_pool.run(node_worker, 2, args=(_doc(ref), str(ref / "snap")), timeout=300)
+    mp_pool.run(node_worker, 2, args=(_doc(ref), str(ref / "snap"), (), SECRET), timeout=300)
     return _final(ref)
 
 
@@ -152,7 +133,7 @@ def test_snapshot_parts_hold_own_and_neighbour_files_and_are_not_whole_checkpoin
     snaps = tmp_path / "snap"
     env = {"ODCFN_TEST_KILL_AT": "step:4:0,step:4:1", "ODCFN_SHM_DIR": str(shm), "OMP_NUM_THREADS": "1"}
     with pytest.raises(LaunchError):
-        launch(node_worker, 2, nodes=2, args=(doc, str(snaps)), env=env, timeout=30, deadline=300)
+        launch(node_worker, 2, nodes=2, args=(doc, str(snaps), (), SECRET), env=env, timeout=30, deadline=300)
     roots = [next((snaps / f"node{n}").glob("odcfn-snap-*")) for n in (0, 1)]
     steps = [{s for s, _ in committed(root)} for root in roots]
     both = max(steps[0] & steps[1])

@@ -13,7 +13,9 @@
    rank is SIGKILLed right after step ``kill_after`` is logged; measured from the kill to the
    next step logged, with a snapshot in the memory tier every step vs the disk tier only
    (every ``disk_every`` steps): lost steps and the breakdown (detect + tear down + spawn,
-   start-up to resume, reading the snapshot, first step).
+   start-up to resume, reading the snapshot, first step). Then the memory tier across two
+   simulated nodes: the killed rank's node restarts without its memory and reads its files back
+   from the other node (timed from the last step logged before the kill; the read is the fetch).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-__all__ = ["section"]
+__all__ = ["node_worker", "section"]
 
 
 def _save_worker(model_cfg: Any, lengths: list[int], rounds: int, shm_root: str, where: str) -> dict:
@@ -117,11 +119,8 @@ def _kids(pid: int) -> list[int]:
     return [k for k in kids if "spawn_main" in Path(f"/proc/{k}/cmdline").read_text(errors="replace")]
 
 
-def _recovery_run(root: Path, memory: bool, steps: int, kill_after: int, disk_every: int) -> dict:
-    from odcfn.data.records import synthetic_records, write_jsonl
-
-    write_jsonl(root / "train.jsonl", synthetic_records([24, 40, 32, 56, 28, 48, 36, 20] * 2, 128, seed=0))
-    doc = {
+def _recovery_doc(root: Path, steps: int, disk_every: int, memory: bool) -> dict:
+    return {
         "out_dir": str(root / "out"),
         "model": {"vocab_size": 128, "d_model": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2,
                   "d_ff": 192},
@@ -131,6 +130,13 @@ def _recovery_run(root: Path, memory: bool, steps: int, kill_after: int, disk_ev
         "checkpoint": {"every": disk_every, "memory_every": 1 if memory else 0},
         "log": {"progress": False},
     }
+
+
+def _recovery_run(root: Path, memory: bool, steps: int, kill_after: int, disk_every: int) -> dict:
+    from odcfn.data.records import synthetic_records, write_jsonl
+
+    write_jsonl(root / "train.jsonl", synthetic_records([24, 40, 32, 56, 28, 48, 36, 20] * 2, 128, seed=0))
+    doc = _recovery_doc(root, steps, disk_every, memory)
     (root / "run.json").write_text(json.dumps(doc))
     metrics = root / "out" / "metrics.jsonl"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -177,6 +183,59 @@ def _recovery_run(root: Path, memory: bool, steps: int, kill_after: int, disk_ev
     }
 
 
+def node_worker(doc: dict, snapshots: str, lose: tuple[int, ...] = (), secret: str | None = None) -> dict:
+    """One rank of a job of one-rank simulated nodes (whatever the launcher said), each node
+    with its own snapshot directory under ``snapshots``; the nodes in ``lose`` come back from
+    the first restart without their memory (a rebooted or new machine). ``secret``: the job's
+    ``ODCFN_JOB_SECRET`` where the launcher sets none (the tests' worker pool)."""
+    from odcfn.sft.config import config_from_dict
+    from odcfn.sft.loop import process_worker
+
+    rank = int(os.environ["RANK"])
+    os.environ.update({"LOCAL_WORLD_SIZE": "1", "LOCAL_RANK": "0", "GROUP_RANK": str(rank)})
+    if secret is not None:
+        os.environ["ODCFN_JOB_SECRET"] = secret
+    mine = Path(snapshots) / f"node{rank}"
+    os.environ["ODCFN_SNAPSHOT_DIR"] = str(mine)
+    if rank in lose and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "1":
+        shutil.rmtree(mine, ignore_errors=True)
+    mine.mkdir(parents=True, exist_ok=True)
+    out = process_worker(config_from_dict(doc))
+    out.pop("shards", None)
+    return out
+
+
+def _node_recovery_run(root: Path, steps: int, kill_after: int, disk_every: int) -> dict:
+    """Two simulated nodes, the memory tier every step; rank 1 (node 1) kills itself at the
+    start of step ``kill_after + 1`` and its node restarts with an empty snapshot directory, so
+    its files come back from node 0's copy. Timed from the last step logged before the kill."""
+    from odcfn.data.records import synthetic_records, write_jsonl
+    from odcfn.launch import launch
+
+    write_jsonl(root / "train.jsonl", synthetic_records([24, 40, 32, 56, 28, 48, 36, 20] * 2, 128, seed=0))
+    doc = _recovery_doc(root, steps, disk_every, memory=True)
+    env = {"ODCFN_TEST_KILL_AT": f"step:{kill_after + 1}:1", "OMP_NUM_THREADS": "1"}
+    out = launch(node_worker, 2, nodes=2, args=(doc, str(root / "snap"), (1,)), env=env, timeout=120,
+                 max_restarts=1)
+    recs = {r["step"]: r for r in map(json.loads, (root / "out" / "metrics.jsonl").read_text().splitlines())}
+    resumed, fetch = out[1]["start_step"], out[1]["snapshot_fetch"]
+    if fetch is None:
+        raise RuntimeError(f"node 1 restarted without its memory but read nothing back: {out}")
+    # the metrics file keeps each step's line once: the kill's time is that of the line before it
+    t_kill = recs[kill_after]["time"]
+    return {
+        "tier": "memory, 2 nodes, node lost",
+        "killed_after_step": kill_after,
+        "resumed_at_step": resumed,
+        "lost_steps": kill_after - resumed,
+        "kill_to_next_step_s": recs[resumed + 1]["time"] - t_kill,
+        "kill_to_progress_s": recs[kill_after + 1]["time"] - t_kill,
+        "fetch": {"bytes": fetch["bytes"], "seconds": fetch["seconds"], "from_nodes": fetch["from_nodes"]},
+        "breakdown_s": {"detect_teardown_spawn": None, "startup_to_resume": None,
+                        "read_snapshot": fetch["seconds"], "first_step": recs[resumed + 1]["step_time"]},
+    }
+
+
 def section(ctx: Any) -> dict:
     from odcfn.launch import launch
 
@@ -220,6 +279,15 @@ def section(ctx: Any) -> dict:
             rec.append(r)
         finally:
             shutil.rmtree(d, ignore_errors=True)
+    ctx.log("   recovery: 2 simulated nodes, a rank killed and its node back without its memory")
+    d = Path(tempfile.mkdtemp(prefix="odcfn-bench-rec-"))
+    try:
+        r = _node_recovery_run(d, steps=12, kill_after=7, disk_every=5)
+        b = r["breakdown_s"]
+        b["startup_to_resume"] = r["kill_to_next_step_s"] - b["read_snapshot"] - b["first_step"]
+        rec.append(r)
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
     res["recovery"] = rec
     res["run_id"] = uuid.uuid4().hex[:6]
     return res

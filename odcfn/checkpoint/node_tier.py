@@ -89,6 +89,7 @@ class NodeTier:
         self.run = self.root.name.rsplit("-node", 1)[0]  # the same on every node of the run
         self.leader = mesh.local_rank == 0
         self.writers = mesh.with_rank(0).shard_group  # whose files make a snapshot, in shard order
+        self.fetched: dict[str, Any] | None = None  # what resume read back from other nodes
         self.inbox = (
             Inbox(self.root, self.secret, self.run, self.node, advertised_host()) if self.leader else None
         )
@@ -296,6 +297,8 @@ class NodeTier:
             self.tier.publish(self.path(step))
             sources = sorted({src for (src, dst) in sends if dst == self.node})
             size = sum(got[n]["bytes"] for n in names)
+            self.fetched = {"step": step, "ranks": incoming, "from_nodes": sources, "bytes": size,
+                            "seconds": time.perf_counter() - t0}
             print(
                 f"odcfn: snapshot of step {step}: node {self.node} read the files of ranks {incoming} "
                 f"back from node(s) {sources} ({size / 2**20:.1f} MiB in {time.perf_counter() - t0:.2f}s)",

@@ -70,7 +70,10 @@ from odcfn.sft.prepare import PreparedData, prepare_data
 from odcfn.sft.record import Logger, data_summary, step_record
 from odcfn.sft.restart import Snapshots, clear_for_fresh_start, open_memory_tier, resume_point
 
-__all__ = ["SFTConfig", "add_arguments", "config_from_dict", "load_config", "main", "run", "train_rank"]
+__all__ = [
+    "SFTConfig", "add_arguments", "config_from_dict", "load_config", "main", "process_worker", "run",
+    "train_rank",
+]
 
 
 # --- one rank ----------------------------------------------------------------------------------
@@ -256,6 +259,7 @@ def train_rank(cfg: SFTConfig, rank: int, transport, data: PreparedData | None =
         "steps": cfg.train.steps,
         "final_loss": last,
         "resumed_from": run.resumed,
+        "snapshot_fetch": getattr(run.tier, "fetched", None),  # files read back from other nodes
         "data": run.data.report(),
     }
     if cfg.checkpoint.export_hf:
@@ -265,7 +269,7 @@ def train_rank(cfg: SFTConfig, rank: int, transport, data: PreparedData | None =
     return out
 
 
-def _process_worker(cfg: SFTConfig) -> dict[str, Any]:
+def process_worker(cfg: SFTConfig) -> dict[str, Any]:
     """Entry point of one rank under ``odcfn.launch`` or ``torchrun``."""
     import torch
 
@@ -291,7 +295,7 @@ def run(cfg: SFTConfig) -> list[dict[str, Any]]:
     from odcfn.sft.lock import RunLock
 
     if _under_torchrun() and os.environ["RANK"] != "0":  # rank 0 holds the lock for the job
-        return [_process_worker(cfg)]
+        return [process_worker(cfg)]
     with RunLock(cfg.out_dir):
         return _run_locked(cfg)
 
@@ -302,7 +306,7 @@ def _run_locked(cfg: SFTConfig) -> list[dict[str, Any]]:
 
     W = cfg.train.world_size
     if _under_torchrun():  # one rank of torchrun: no launcher to collect the weights
-        results = [_process_worker(cfg)]
+        results = [process_worker(cfg)]
         if cfg.checkpoint.export_hf:  # this rank saved the last step's checkpoint with the others
             export_checkpoint(cfg.checkpoint_dir / f"step-{cfg.train.steps:08d}", cfg.checkpoint.export_hf)
         return results
@@ -313,7 +317,7 @@ def _run_locked(cfg: SFTConfig) -> list[dict[str, Any]]:
         from odcfn.launch import launch
 
         results = launch(
-            _process_worker, W, args=(cfg,), timeout=cfg.train.timeout, max_restarts=cfg.train.max_restarts
+            process_worker, W, args=(cfg,), timeout=cfg.train.timeout, max_restarts=cfg.train.max_restarts
         )
     else:
         results = odcfn.run_local(
