@@ -29,6 +29,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -215,14 +216,27 @@ def _node_recovery_run(root: Path, steps: int, kill_after: int, disk_every: int)
     write_jsonl(root / "train.jsonl", synthetic_records([24, 40, 32, 56, 28, 48, 36, 20] * 2, 128, seed=0))
     doc = _recovery_doc(root, steps, disk_every, memory=True)
     env = {"ODCFN_TEST_KILL_AT": f"step:{kill_after + 1}:1", "OMP_NUM_THREADS": "1"}
-    out = launch(node_worker, 2, nodes=2, args=(doc, str(root / "snap"), (1,)), env=env, timeout=120,
-                 max_restarts=1)
-    recs = {r["step"]: r for r in map(json.loads, (root / "out" / "metrics.jsonl").read_text().splitlines())}
+    metrics, seen, stop = root / "out" / "metrics.jsonl", [], threading.Event()
+
+    def watch() -> None:  # when the killed step's predecessor is first logged (a rerun rewrites it)
+        while not stop.is_set() and not seen:
+            if metrics.exists() and len(metrics.read_text().splitlines()) >= kill_after:
+                seen.append(time.time())
+            time.sleep(0.002)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        out = launch(node_worker, 2, nodes=2, args=(doc, str(root / "snap"), (1,)), env=env, timeout=120,
+                     max_restarts=1)
+    finally:
+        stop.set()
+        watcher.join()
+    recs = {r["step"]: r for r in map(json.loads, metrics.read_text().splitlines())}
     resumed, fetch = out[1]["start_step"], out[1]["snapshot_fetch"]
-    if fetch is None:
+    if fetch is None or not seen:
         raise RuntimeError(f"node 1 restarted without its memory but read nothing back: {out}")
-    # the metrics file keeps each step's line once: the kill's time is that of the line before it
-    t_kill = recs[kill_after]["time"]
+    t_kill = seen[0]  # rank 1 kills itself as the next step starts, right after this line
     return {
         "tier": "memory, 2 nodes, node lost",
         "killed_after_step": kill_after,

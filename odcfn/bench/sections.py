@@ -354,6 +354,9 @@ def render(report: dict) -> str:
                 for r in rc["recovery"]]
         hdr = ["tier", "killed after", "resumed at", "lost steps", "kill->step s", "->past s"]
         out.append(table(rows, [*hdr, *rc["recovery"][0]["breakdown_s"]]))
+        out += [f"   {r['tier']}: read {r['fetch']['bytes'] / 2**20:.1f} MiB back from node(s) "
+                f"{r['fetch']['from_nodes']} in {r['fetch']['seconds']:.3f}s"
+                for r in rc["recovery"] if "fetch" in r]
     elif rc:
         out += ["", f"8. saving and recovery: {rc.get('error')}"]
     p = report.get("primitives") or {}
