@@ -50,6 +50,7 @@ from odcfn.checkpoint import sharded
 from odcfn.checkpoint.commit import CheckpointError, Staging, fsync_path, list_quietly
 from odcfn.checkpoint.memory_tier import MemoryTier, committed, held, newest_verified, remove_stale
 from odcfn.checkpoint.neighbour import Inbox, advertised_host, exchange_addresses, recv_dir, send_files
+from odcfn.checkpoint.skeleton import nodes
 from odcfn.checkpoint.verify import rank_file, sha256
 from odcfn.kernels.base import world_group
 from odcfn.kernels.rdzv import SECRET_ENV
@@ -366,13 +367,4 @@ class NodeTier:
 
 def _replicated(tree: dict) -> bool:
     """Whether the checkpoint holds tensors only rank 0's file has (every node then reads it)."""
-
-    def walk(node: Any) -> bool:
-        if not isinstance(node, dict):
-            return False
-        if node.get("type") == "tensor":
-            return True
-        items = node.get("items", ())
-        return any(walk(v) for v in (items.values() if isinstance(items, dict) else items))
-
-    return any(walk(tree.get(k)) for k in ("params", "opt_state"))
+    return any(n.get("type") == "tensor" for n in nodes(tree))

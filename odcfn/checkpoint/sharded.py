@@ -34,6 +34,7 @@ from safetensors.torch import save_file
 from odcfn._check import check_int
 from odcfn.checkpoint.commit import CheckpointError, Staging, fsync_path
 from odcfn.checkpoint.kill_point import kill_point
+from odcfn.checkpoint.skeleton import decode, encode
 from odcfn.checkpoint.verify import check_files, check_units, open_verified, rank_file, sha256
 from odcfn.model import Model
 from odcfn.sharding import Layout, Mesh, make_layout
@@ -47,61 +48,6 @@ __all__ = [
 FORMAT = "odcfn-checkpoint"
 VERSION = 2  # 2: per-file sha256/rank/bytes, the save's attempt id
 MANIFEST = "manifest.json"
-_SCALARS = (bool, int, float, str, type(None))
-
-
-# --- pytree <-> (JSON skeleton, tensors) ---------------------------------------------------
-
-
-def _encode(tree: Any, key: str, layout: Layout, tensors: dict[str, torch.Tensor], rank0: bool) -> Any:
-    """JSON skeleton of ``tree``; its tensors go into ``tensors`` under ``key``-derived names.
-
-    A dict keyed by exactly the unit names whose values are shard-sized 1-D tensors is a
-    sharded group (saved by every writer); any other tensor is replicated (saved by rank 0).
-    """
-    if isinstance(tree, Mapping):
-        if set(tree) == set(layout.names) and all(
-            isinstance(tree[u.name], torch.Tensor) and tree[u.name].shape == (u.shard_size,)
-            for u in layout.units
-        ):
-            for u in layout.units:
-                tensors[f"{key}/{u.name}"] = tree[u.name].detach().contiguous().clone()
-            return {"type": "sharded", "key": key}
-        items = {}
-        for k, v in tree.items():
-            if not isinstance(k, str) or "/" in k:
-                raise TypeError(f"checkpoint: dict key {k!r} under {key!r} must be a str without '/'")
-            items[k] = _encode(v, f"{key}/{k}", layout, tensors, rank0)
-        return {"type": "dict", "items": items}
-    if isinstance(tree, (list, tuple)):
-        kind = "list" if isinstance(tree, list) else "tuple"
-        return {
-            "type": kind,
-            "items": [_encode(v, f"{key}/{i}", layout, tensors, rank0) for i, v in enumerate(tree)],
-        }
-    if isinstance(tree, torch.Tensor):
-        if rank0:
-            tensors[key] = tree.detach().contiguous().clone()
-        return {"type": "tensor", "key": key}
-    if isinstance(tree, _SCALARS):
-        return {"type": "value", "value": tree}
-    raise TypeError(f"checkpoint: cannot save a {type(tree).__name__} at {key!r}")
-
-
-def _decode(node: dict, read_sharded, read_tensor) -> Any:
-    kind = node["type"]
-    if kind == "dict":
-        return {k: _decode(v, read_sharded, read_tensor) for k, v in node["items"].items()}
-    if kind in ("list", "tuple"):
-        items = [_decode(v, read_sharded, read_tensor) for v in node["items"]]
-        return items if kind == "list" else tuple(items)
-    if kind == "sharded":
-        return read_sharded(node["key"])
-    if kind == "tensor":
-        return read_tensor(node["key"])
-    if kind == "value":
-        return node["value"]
-    raise ValueError(f"checkpoint manifest has an unknown node type {kind!r}")
 
 
 # --- save --------------------------------------------------------------------------------
@@ -209,8 +155,8 @@ def write_rank_file(
     writers = _writers(mesh)
     tensors: dict[str, torch.Tensor] = {}
     skeleton = {
-        "params": _encode(dict(params), "params", layout, tensors, mesh.rank == 0),
-        "opt_state": _encode(opt_state, "opt_state", layout, tensors, mesh.rank == 0),
+        "params": encode(dict(params), "params", layout, tensors, mesh.rank == 0),
+        "opt_state": encode(opt_state, "opt_state", layout, tensors, mesh.rank == 0),
     }
     if mesh.rank in writers:
         target = stage.dir / rank_file(mesh.rank)
@@ -404,8 +350,8 @@ def _load(root: Path, doc: dict, model: Model, mesh: Mesh) -> tuple[dict[str, to
         return handle(0).get_tensor(key)
 
     try:
-        params = _decode(doc["tree"]["params"], read_sharded, read_tensor)
-        opt_state = _decode(doc["tree"]["opt_state"], read_sharded, read_tensor)
+        params = decode(doc["tree"]["params"], read_sharded, read_tensor)
+        opt_state = decode(doc["tree"]["opt_state"], read_sharded, read_tensor)
     finally:
         handles.clear()
     check_shards(params, layout, model.dtype, what=f"params loaded from {root}")

@@ -14,6 +14,7 @@ from typing import Any
 
 from safetensors import safe_open
 
+from odcfn.checkpoint.skeleton import nodes
 from odcfn.sharding import Layout
 
 __all__ = ["check_files", "check_units", "open_verified", "rank_file", "sha256"]
@@ -86,11 +87,4 @@ def open_verified(f: Path, entry: dict, doc: dict) -> Any:
 
 def _is_sharded_key(tree: dict, key: str) -> bool:
     group = key.rsplit("/", 1)[0]
-
-    def walk(node: dict) -> bool:
-        if node.get("type") == "sharded":
-            return node.get("key") == group
-        items = node.get("items", ())
-        return any(walk(v) for v in (items.values() if isinstance(items, dict) else items))
-
-    return any(walk(tree[k]) for k in ("params", "opt_state"))
+    return any(n.get("type") == "sharded" and n.get("key") == group for n in nodes(tree))
