@@ -1,5 +1,9 @@
 import os
+import shutil
+import uuid
+from pathlib import Path
 
+import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
@@ -23,3 +27,13 @@ from tests.mp_pool import mp_pool, warm_for  # noqa: E402, F401
 
 def pytest_collection_modifyitems(session, config, items):
     warm_for(items)  # the workers import torch while the single-process tests run
+
+
+@pytest.fixture
+def shm():
+    """A fresh directory under /dev/shm for a run's segments and snapshots (``ODCFN_SHM_DIR``),
+    so a test can assert that nothing is left in it; removed afterwards."""
+    d = Path("/dev/shm") / f"odcfn-test-{uuid.uuid4().hex[:8]}"
+    d.mkdir()
+    yield d
+    shutil.rmtree(d, ignore_errors=True)

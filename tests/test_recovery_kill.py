@@ -19,12 +19,10 @@ import json
 import os
 import random
 import re
-import shutil
 import signal
 import subprocess
 import sys
 import time
-import uuid
 from pathlib import Path
 
 import pytest
@@ -122,14 +120,6 @@ def _check(root: Path, ref: Path, shm: Path, world: int) -> None:
         b = load_file(want / f"rank-{r:05d}.safetensors")
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), f"rank {r} differs"
     assert not any(shm.iterdir()), sorted(p.name for p in shm.iterdir())  # segments and snapshots gone
-
-
-@pytest.fixture
-def shm():
-    d = Path("/dev/shm") / f"odcfn-test-{uuid.uuid4().hex[:8]}"
-    d.mkdir()
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 LENGTHS = [5, 9, 7, 12, 6, 8, 10, 4, 11, 5, 7, 9, 13, 6, 8, 10, 5, 12]

@@ -18,7 +18,6 @@ import hashlib
 import json
 import re
 import secrets
-import shutil
 import socket
 import struct
 from pathlib import Path
@@ -64,14 +63,6 @@ def _doc(root: Path) -> dict:
 def _final(root: Path) -> list[dict[str, torch.Tensor]]:
     final = root / "out" / "checkpoints" / f"step-{STEPS:08d}"
     return [load_file(final / f"rank-{r:05d}.safetensors") for r in range(2)]
-
-
-@pytest.fixture
-def shm():
-    d = Path("/dev/shm") / f"odcfn-test-{secrets.token_hex(4)}"
-    d.mkdir()
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")

@@ -142,16 +142,7 @@ class NodeTier:
             own, theirs = self.own(self.node), self.own(prev)
             sharded.wait_for_files(stage, own, step)
             if own:
-                files = [(rank_file(r), stage.dir / rank_file(r)) for r in own]
-                send_files(
-                    self.addresses[nxt],
-                    files,
-                    step=step,
-                    to=nxt,
-                    run=self.run,
-                    secret=self.secret,
-                    timeout=timeout,
-                )
+                self._send(nxt, [(rank_file(r), stage.dir / rank_file(r)) for r in own], step, timeout)
             if theirs:
                 got = self.inbox.wait(step, [rank_file(r) for r in theirs], timeout, f"node {prev}")
                 for name in got:
@@ -174,6 +165,10 @@ class NodeTier:
             stage.abort(f"{type(e).__name__}: {e}")
             raise
         return root
+
+    def _send(self, node: int, files: list[tuple[str, Path]], step: int, timeout: float, sha=None) -> None:
+        send_files(self.addresses[node], files, step=step, to=node, run=self.run, secret=self.secret,
+                   timeout=timeout, sha=sha)
 
     def publish(self, path: Path) -> None:
         """The node leader, after its part committed: verify it, point ``CURRENT`` at it, drop
@@ -276,19 +271,9 @@ class NodeTier:
             if src == self.node:
                 d, doc, _ = mine[step]
                 sha = {e["name"]: e["sha256"] for e in doc["files"] if e.get("sha256")}
-                files = [(rank_file(r), d / rank_file(r)) for r in ranks] + [
-                    (sharded.MANIFEST, d / sharded.MANIFEST)
-                ]
-                send_files(
-                    self.addresses[dst],
-                    files,
-                    step=step,
-                    to=dst,
-                    run=self.run,
-                    secret=self.secret,
-                    timeout=self.timeout,
-                    sha=sha,
-                )
+                files = [(rank_file(r), d / rank_file(r)) for r in ranks]
+                files.append((sharded.MANIFEST, d / sharded.MANIFEST))
+                self._send(dst, files, step, self.timeout, sha)
         incoming = sorted(r for (_, dst), rs in sends.items() if dst == self.node for r in rs)
         if incoming:
             t0 = time.perf_counter()
