@@ -74,14 +74,25 @@ def reference(tmp_path_factory, mp_pool):  # noqa: F811
     return _final(ref)
 
 
-@pytest.mark.parametrize("lose", [(0,), (0, 1)], ids=["node0", "both"])
-def test_a_node_that_lost_its_memory_resumes_from_its_neighbours_copy(tmp_path, shm, reference, capfd, lose):
+# (kill, nodes back without their memory, the node that reads its files back or None: disk).
+# Rank 0 (all of node 0) dies at the start of step 7: the memory tier holds step 6 (or 5, if the
+# snapshot of 6 was in flight), the disk tier step 4. Rank 1 dies in its node's commit of the
+# part of step 6 (its manifest written, the rename next): node 0 may have committed its part of 6
+# (which holds rank 1's file too), so the job resumes at 6 or 5, node 1's file from node 0.
+CASES = {
+    "node0": ("step:7:0", (0,), 0),
+    "node1-in-commit": ("commit:6:1", (1,), 1),
+    "both": ("step:7:0", (0, 1), None),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_node_that_lost_its_memory_resumes_from_its_neighbours_copy(tmp_path, shm, reference, capfd, case):
+    kill, lose, reader = CASES[case]
     run = tmp_path / "run"
     run.mkdir()
     write_jsonl(run / "train.jsonl", synthetic_records(LENGTHS, 40, seed=0))
-    # rank 0 (all of node 0) dies at the start of step 7: the memory tier holds step 6 (or 5, if
-    # the snapshot of 6 was in flight), the disk tier step 4
-    env = {"ODCFN_TEST_KILL_AT": "step:7:0", "ODCFN_SHM_DIR": str(shm), "OMP_NUM_THREADS": "1"}
+    env = {"ODCFN_TEST_KILL_AT": kill, "ODCFN_SHM_DIR": str(shm), "OMP_NUM_THREADS": "1"}
     snaps = tmp_path / "run-snap"
     launch(
         node_worker,
@@ -92,16 +103,16 @@ def test_a_node_that_lost_its_memory_resumes_from_its_neighbours_copy(tmp_path, 
         timeout=60,
         deadline=300,
         max_restarts=1,
-    )
+    )  # launch sets the job's ODCFN_JOB_SECRET
     err = capfd.readouterr().err
     resumed = re.findall(r"resuming at step (\d+) from (\S+)", err)
     assert len(resumed) == 1, err[-3000:]
     step, path = int(resumed[0][0]), resumed[0][1]
-    if lose == (0,):  # from the memory tier, node 0's file read back from node 1's copy
-        assert step in (5, 6) and path.startswith(str(snaps / "node0")), resumed
-        assert f"snapshot of step {step}: node 0 read the files of ranks [0] back from node(s) [1]" in err, (
-            err
-        )
+    if reader is not None:  # from the memory tier, the lost node's file read back from the other's copy
+        assert step in (5, 6) and path.startswith(str(snaps / "node0")), resumed  # rank 0 says where
+        other = 1 - reader
+        want = f"node {reader} read the files of ranks [{reader}] back from node(s) [{other}]"
+        assert f"snapshot of step {step}: {want}" in err, err[-3000:]
     else:  # two adjacent nodes lost: the disk tier's step 4
         assert step == 4 and path == str(run / "out" / "checkpoints" / "step-00000004"), resumed
 
