@@ -99,7 +99,7 @@ class Inbox:
                     )
             except (OSError, ValueError, TransportError) as e:
                 with self._lock:
-                    self.refused.append(f"from {peer[0]}:{peer[1]}: {e}")
+                    self.refused = [*self.refused[-15:], f"from {peer[0]}:{peer[1]}: {e}"]  # the latest
 
     def _check(self, h: dict[str, Any]) -> dict[str, Any]:
         ok = (
