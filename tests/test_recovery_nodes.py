@@ -18,6 +18,7 @@ import hashlib
 import json
 import re
 import secrets
+import shutil
 import socket
 import struct
 from pathlib import Path
@@ -125,10 +126,12 @@ def test_a_node_that_lost_its_memory_resumes_from_its_neighbours_copy(tmp_path, 
     assert not any(shm.iterdir()), sorted(p.name for p in shm.iterdir())
 
 
-def test_snapshot_parts_hold_own_and_neighbour_files_and_are_not_whole_checkpoints(tmp_path, shm):
-    """A 2-node run killed after step 2 (no cleanup) leaves in each node's tier parts holding
-    that node's file and its neighbour's copy, byte-identical across nodes, which
-    ``verify_all`` accepts only as a part."""
+def test_snapshot_parts_hold_own_and_neighbour_files_and_a_corrupt_one_is_read_back(tmp_path, shm, capfd):
+    """A 2-node run killed after step 2 or 3 (no cleanup) leaves in each node's tier parts
+    holding that node's file and its neighbour's copy, byte-identical across nodes, which
+    ``verify_all`` accepts only as a part. One bit flipped in node 0's own file of the newest
+    part both nodes have: the rerun warns naming the file, reads it back from node 1 and
+    finishes."""
     write_jsonl(tmp_path / "train.jsonl", synthetic_records(LENGTHS, 40, seed=0))
     doc = _doc(tmp_path)
     doc["train"]["steps"], doc["checkpoint"]["every"] = 4, 0
@@ -150,6 +153,26 @@ def test_snapshot_parts_hold_own_and_neighbour_files_and_are_not_whole_checkpoin
     for r in (0, 1):
         name = f"step-{both:08d}/rank-{r:05d}.safetensors"
         assert (roots[0] / name).read_bytes() == (roots[1] / name).read_bytes()
+
+    for root in roots:  # the newest step both nodes have is the one to resume from
+        for s_, d in committed(root):
+            if s_ > both:
+                shutil.rmtree(d)
+    bad = roots[0] / f"step-{both:08d}" / "rank-00000.safetensors"
+    raw = bytearray(bad.read_bytes())
+    raw[-1] ^= 1
+    bad.write_bytes(bytes(raw))
+    capfd.readouterr()
+    env.pop("ODCFN_TEST_KILL_AT")
+    launch(node_worker, 2, nodes=2, args=(doc, str(snaps), (), SECRET), env=env, timeout=30, deadline=300)
+    err = capfd.readouterr().err
+    assert f"snapshot file {bad} is missing or fails its sha256" in err, err[-3000:]
+    assert f"snapshot of step {both}: node 0 read the files of ranks [0] back from node(s) [1]" in err, err[
+        -3000:
+    ]
+    assert f"resuming at step {both} " in err, err[-3000:]
+    steps = [json.loads(x)["step"] for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4]
 
 
 # --- the wire against hostile senders ------------------------------------------------------------

@@ -167,8 +167,16 @@ class NodeTier:
         return root
 
     def _send(self, node: int, files: list[tuple[str, Path]], step: int, timeout: float, sha=None) -> None:
-        send_files(self.addresses[node], files, step=step, to=node, run=self.run, secret=self.secret,
-                   timeout=timeout, sha=sha)
+        send_files(
+            self.addresses[node],
+            files,
+            step=step,
+            to=node,
+            run=self.run,
+            secret=self.secret,
+            timeout=timeout,
+            sha=sha,
+        )
 
     def publish(self, path: Path) -> None:
         """The node leader, after its part committed: verify it, point ``CURRENT`` at it, drop
@@ -181,30 +189,38 @@ class NodeTier:
         self.inbox.forget(step)
 
     # --- restart -------------------------------------------------------------------------------
-    def _verified(self) -> dict[int, tuple[Path, dict, set[int]]]:
-        """The leader's committed parts: step -> (dir, manifest, ranks whose files verify)."""
+    def _verified(self) -> dict[int, tuple[Path, dict, set[int], list[int]]]:
+        """The leader's committed parts: step -> (dir, manifest, ranks whose files verify, the
+        row it reports: step + 1 and the mesh that saved it)."""
         out = {}
         for step, d in committed(self.root)[:_KEEP]:
             try:
                 doc = sharded.read_manifest(d)
-                ok = set()
+                ok, keep = set(), held(doc) & set(self.writers)
                 for e in doc["files"]:
-                    f = d / str(e.get("name"))
-                    if (
-                        e.get("rank") in held(doc)
-                        and f.is_file()
-                        and f.stat().st_size == e.get("bytes")
-                        and sha256(f) == e.get("sha256")
-                    ):
+                    if e.get("rank") not in keep:
+                        continue
+                    f = d / rank_file(e["rank"])
+                    if f.is_file() and f.stat().st_size == e.get("bytes") and sha256(f) == e.get("sha256"):
                         ok.add(e["rank"])
-                    elif e.get("rank") in held(doc):
+                    else:
                         warnings.warn(
-                            f"snapshot file {f} is missing or fails its sha256: fetched from a peer "
-                            "or skipped",
+                            f"snapshot file {f} is missing or fails its sha256: read from a peer or skipped",
                             stacklevel=2,
                         )
-                out[step] = (d, doc, ok)
-            except (OSError, ValueError, KeyError, TypeError) as e:
+                m = doc["mesh"]
+                row = [
+                    step + 1,
+                    m["world_size"],
+                    m["ranks_per_node"] or m["world_size"],
+                    int(m["sharding"] == "hybrid"),
+                    m["shard_count"],
+                    int(_replicated(doc["tree"])),
+                ]
+                if not all(isinstance(x, int) and x >= 0 for x in row):
+                    raise ValueError(f"its manifest's mesh is malformed: {m!r}")
+                out[step] = (d, doc, ok, row)
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
                 warnings.warn(f"skipping snapshot {d}: {e}", stacklevel=2)
         return out
 
@@ -220,18 +236,7 @@ class NodeTier:
         W = self.mesh.world_size
         rows = torch.zeros(W, _KEEP, _FIELDS, dtype=torch.int64)
         for i, step in enumerate(sorted(mine, reverse=True)):
-            doc = mine[step][1]
-            m = doc["mesh"]
-            rows[self.mesh.rank, i] = torch.tensor(
-                [
-                    step + 1,
-                    m["world_size"],
-                    m["ranks_per_node"] or m["world_size"],
-                    int(m["sharding"] == "hybrid"),
-                    m["shard_count"],
-                    int(_replicated(doc["tree"])),
-                ]
-            )
+            rows[self.mesh.rank, i] = torch.tensor(mine[step][3])
         rows = self.collectives.all_reduce(world_group(self.mesh), rows).view(-1, _FIELDS).tolist()
         steps: dict[int, bool] = {}  # step saved by this mesh -> whether it has replicated tensors
         for r in rows:
@@ -240,7 +245,7 @@ class NodeTier:
         order = sorted(steps, reverse=True)
         avail = torch.zeros(max(len(order), 1), self.nodes, W, dtype=torch.int64)
         for ci, step in enumerate(order):
-            for r in mine.get(step, (None, None, set()))[2]:
+            for r in mine[step][2] if step in mine else ():
                 avail[ci, self.node, r] = 1
         avail = self.collectives.all_reduce(world_group(self.mesh), avail) > 0
         chosen = None
@@ -269,7 +274,7 @@ class NodeTier:
             return
         for (src, dst), ranks in sorted(sends.items()):
             if src == self.node:
-                d, doc, _ = mine[step]
+                d, doc = mine[step][:2]
                 sha = {e["name"]: e["sha256"] for e in doc["files"] if e.get("sha256")}
                 files = [(rank_file(r), d / rank_file(r)) for r in ranks]
                 files.append((sharded.MANIFEST, d / sharded.MANIFEST))
@@ -283,8 +288,13 @@ class NodeTier:
             self.tier.publish(self.path(step))
             sources = sorted({src for (src, dst) in sends if dst == self.node})
             size = sum(got[n]["bytes"] for n in names)
-            self.fetched = {"step": step, "ranks": incoming, "from_nodes": sources, "bytes": size,
-                            "seconds": time.perf_counter() - t0}
+            self.fetched = {
+                "step": step,
+                "ranks": incoming,
+                "from_nodes": sources,
+                "bytes": size,
+                "seconds": time.perf_counter() - t0,
+            }
             print(
                 f"odcfn: snapshot of step {step}: node {self.node} read the files of ranks {incoming} "
                 f"back from node(s) {sources} ({size / 2**20:.1f} MiB in {time.perf_counter() - t0:.2f}s)",
@@ -298,7 +308,7 @@ class NodeTier:
         doc = json.loads((recv / sharded.MANIFEST).read_text())  # authenticated JSON; checked below
         if not isinstance(doc, dict) or doc.get("step") != step or not isinstance(doc.get("files"), list):
             raise CheckpointError(f"the manifest a peer sent for step {step} is not one of that step")
-        keep = sorted(have[2]) if have is not None else []
+        keep = sorted(have[2]) if have is not None else []  # (dir, manifest, verified ranks, row)
         final = self.path(step)
         new = final.with_name(f".{final.name}.fetch-{os.getpid()}")
         shutil.rmtree(new, ignore_errors=True)
