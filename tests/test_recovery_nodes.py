@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import secrets
 import shutil
@@ -173,6 +174,86 @@ def test_snapshot_parts_hold_own_and_neighbour_files_and_a_corrupt_one_is_read_b
     assert f"resuming at step {both} " in err, err[-3000:]
     steps = [json.loads(x)["step"] for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4]
+
+
+def tier_worker(phase: str, out: str, snaps: str, sharding: str) -> dict:
+    """One rank of 2 simulated nodes of 2 ranks. ``save``: a train step, then a snapshot of
+    the node tier (every rank's share, the leaders' push and commit); ``restore``: the tier's
+    resume, then this rank's shards read from the checkpoint it names."""
+    import odcfn
+    from odcfn.checkpoint.async_save import AsyncSaver
+    from odcfn.checkpoint.node_tier import NodeTier
+    from odcfn.checkpoint.sharded import read_shards
+    from odcfn.kernels.shm import ShmTransport
+    from odcfn.models import QwenConfig, init_params, qwen_model
+
+    rank = int(os.environ["RANK"])
+    os.environ.update(
+        {
+            "LOCAL_WORLD_SIZE": "2",
+            "LOCAL_RANK": str(rank % 2),
+            "GROUP_RANK": str(rank // 2),
+            "ODCFN_JOB_SECRET": SECRET,
+            "ODCFN_SNAPSHOT_DIR": f"{snaps}/node{rank // 2}",
+        }
+    )
+    cfg = QwenConfig(vocab_size=37, d_model=16, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=24)
+    mesh = odcfn.Mesh.from_env(sharding)
+    with ShmTransport(mesh, timeout=30) as tr:
+        tier = NodeTier(out, mesh, tr.collectives, timeout=30)
+        try:
+            if phase == "save":
+                state = odcfn.TrainState.create(
+                    params=init_params(cfg, seed=0),
+                    model=qwen_model(cfg),
+                    optimizer=odcfn.adamw(1e-2),
+                    transport=tr,
+                    step=5,
+                )
+                state, _ = odcfn.train_step(state, odcfn.random_batch([5, 7, 9, 6], 37, seed=1))
+                saver = AsyncSaver()
+                saver.save(
+                    tier.path(state.step),
+                    state.params,
+                    state.opt_state,
+                    state.step,
+                    model=state.model,
+                    mesh=mesh,
+                    writer=tier.write_part,
+                    after=tier.publish if tier.leader else None,
+                )
+                saver.wait()
+                params, moments, step = state.params, state.opt_state["mu"], state.step
+            else:
+                ck = tier.resume(Path(out) / "disk")
+                params, opt, step = read_shards(ck, model=qwen_model(cfg), mesh=mesh)
+                moments = opt["mu"]
+            return {
+                "params": {k: v.numpy().copy() for k, v in params.items()},
+                "mu": {k: v.numpy().copy() for k, v in moments.items()},
+                "step": step,
+                "fetched": tier.fetched,
+            }
+        finally:
+            tier.close()
+
+
+@pytest.mark.parametrize("sharding", ["full", "hybrid"])
+def test_nodes_of_two_ranks_restore_every_shard_after_node0_lost_its_memory(tmp_path, mp_pool, sharding):  # noqa: F811
+    """Two ranks per node: the non-leader ranks write and wait for their leader's commit; under
+    hybrid sharding only node 0's ranks write (node 1 keeps their copy). Node 0's tier is then
+    deleted; on resume node 0 reads ranks 0 and 1's files back from node 1 (node 1 needs nothing
+    under either sharding), and every rank's params and moments equal what it saved."""
+    out, snaps = str(tmp_path / "out"), str(tmp_path / "snap")
+    saved = mp_pool.run(tier_worker, 4, args=("save", out, snaps, sharding), timeout=120)
+    shutil.rmtree(tmp_path / "snap" / "node0")
+    back = mp_pool.run(tier_worker, 4, args=("restore", out, snaps, sharding), timeout=120)
+    for a, b in zip(saved, back):
+        assert a["step"] == b["step"] == 6
+        for k in ("params", "mu"):
+            assert a[k].keys() == b[k].keys() and all((a[k][u] == b[k][u]).all() for u in a[k])
+    assert back[0]["fetched"]["ranks"] == [0, 1] and back[0]["fetched"]["from_nodes"] == [1]
+    assert [b["fetched"] for b in back[1:]] == [None, None, None]
 
 
 # --- the wire against hostile senders ------------------------------------------------------------
