@@ -141,12 +141,14 @@ class NodeTier:
             prev, nxt = (self.node - 1) % self.nodes, (self.node + 1) % self.nodes
             own, theirs = self.own(self.node), self.own(prev)
             sharded.wait_for_files(stage, own, step)
+            sha = {rank_file(r): sha256(stage.dir / rank_file(r)) for r in own}  # hashed once: sent, recorded
             if own:
-                self._send(nxt, [(rank_file(r), stage.dir / rank_file(r)) for r in own], step, timeout)
+                self._send(nxt, [(rank_file(r), stage.dir / rank_file(r)) for r in own], step, timeout, sha)
             if theirs:
                 got = self.inbox.wait(step, [rank_file(r) for r in theirs], timeout, f"node {prev}")
-                for name in got:
+                for name, header in got.items():  # its sha256 was checked on arrival
                     os.replace(recv_dir(self.root, step) / name, stage.dir / name)
+                    sha[name] = header["sha256"]
             doc = sharded.manifest_for(
                 model,
                 mesh,
@@ -158,6 +160,7 @@ class NodeTier:
                 stage.dir,
                 writers,
                 held=own + theirs,
+                known=sha,
             )
             doc["part"] = {"node": self.node, "nodes": self.nodes, "held": sorted(own + theirs)}
             sharded.commit_manifest(stage, doc, step, overwrite)

@@ -207,11 +207,13 @@ def give_up(path: str | os.PathLike, step: int, mesh: Mesh, why: str, timeout: f
 
 
 def manifest_for(
-    model, mesh, layout, step, attempt, skeleton, extra, where: Path, writers, held=None
+    model, mesh, layout, step, attempt, skeleton, extra, where: Path, writers, held=None, known=None
 ) -> dict:
     """``held``: the writers whose files are in ``where`` (default all); the others' entries
-    carry no size or sha256 (a part of a snapshot, see checkpoint/node_tier.py)."""
+    carry no size or sha256 (a part of a snapshot, see checkpoint/node_tier.py). ``known``:
+    file name -> sha256 the caller already computed or checked (not hashed again)."""
     held = set(writers if held is None else held)
+    known = dict(known or {})
     return {
         "format": FORMAT,
         "version": VERSION,
@@ -224,7 +226,8 @@ def manifest_for(
             "shard_count": mesh.shard_count,
         },
         "files": [
-            {"name": rank_file(r), "rank": r, "sha256": sha256(where / rank_file(r)),
+            {"name": rank_file(r), "rank": r,
+             "sha256": known.get(rank_file(r)) or sha256(where / rank_file(r)),
              "bytes": (where / rank_file(r)).stat().st_size} if r in held
             else {"name": rank_file(r), "rank": r, "sha256": None, "bytes": None}
             for r in writers
