@@ -140,8 +140,7 @@ class NodeTier:
                 return root
             prev, nxt = (self.node - 1) % self.nodes, (self.node + 1) % self.nodes
             own, theirs = self.own(self.node), self.own(prev)
-            sharded.wait_for_files(stage, own, step)
-            sha = {rank_file(r): sha256(stage.dir / rank_file(r)) for r in own}  # hashed once: sent, recorded
+            sha = sharded.wait_for_files(stage, own, step)  # each writer hashed its own file
             if own:
                 self._send(nxt, [(rank_file(r), stage.dir / rank_file(r)) for r in own], step, timeout, sha)
             if theirs:

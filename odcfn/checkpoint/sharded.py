@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError, safe_open
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from odcfn._check import check_int
@@ -65,12 +65,18 @@ def _atomic_write_text(path: Path, text: str) -> None:
     fsync_path(path.parent)  # the rename itself
 
 
-def _file_step(path: Path) -> int | None:
+def _digest_name(rank: int) -> str:
+    return f".{rank_file(rank)}.sha256"
+
+
+def _digest(stage: Staging, rank: int, step: int) -> str | None:
+    """The sha256 ``rank`` recorded for its file of this save (None until it has)."""
     try:
-        with safe_open(str(path), framework="pt") as f:
-            return int((f.metadata() or {}).get("step", -1))
-    except Exception:  # noqa: BLE001 - absent, half-visible or foreign file: not ours yet
-        return None
+        d = json.loads((stage.dir / _digest_name(rank)).read_text())
+    except (OSError, ValueError):
+        return None  # not written yet (it is renamed into place whole)
+    ok = isinstance(d, dict) and d.get("step") == step and d.get("attempt") == stage.attempt
+    return d.get("sha256") if ok and isinstance(d.get("sha256"), str) else None
 
 
 def _writers(mesh: Mesh) -> tuple[int, ...]:
@@ -129,8 +135,9 @@ def write_shards(
     try:
         layout, skeleton, writers = write_rank_file(stage, params, opt_state, step, model=model, mesh=mesh)
         if mesh.rank == 0:
-            wait_for_files(stage, writers, step)
-            doc = manifest_for(model, mesh, layout, step, attempt, skeleton, extra, stage.dir, writers)
+            known = wait_for_files(stage, writers, step)
+            doc = manifest_for(model, mesh, layout, step, attempt, skeleton, extra, stage.dir, writers,
+                               known=known)
             commit_manifest(stage, doc, step, overwrite)
         else:
             wait_for_commit(stage, 0, step)
@@ -165,20 +172,33 @@ def write_rank_file(
         save_file(tensors, str(tmp), metadata=meta)
         fsync_path(tmp)
         os.replace(tmp, target)
+        # each writer hashes its own file (in parallel), so the committer hashes none: at W
+        # ranks it would otherwise read W files in a row before it could commit
+        record = {"step": step, "attempt": stage.attempt, "sha256": sha256(target)}
+        digest = stage.dir / _digest_name(mesh.rank)
+        tmp = _tmp_name(digest)
+        tmp.write_text(json.dumps(record))
+        # renamed whole into place, not synced: it only tells the committer, whose manifest
+        # (synced) keeps the digest; syncing the directory here would race the commit's rename
+        os.replace(tmp, digest)
         kill_point("write", step, mesh.rank)  # tests only (ODCFN_TEST_KILL_AT)
     return layout, skeleton, writers
 
 
-def wait_for_files(stage: Staging, ranks: Sequence[int], step: int) -> None:
-    """Until the files of ``ranks`` for ``step`` are in ``stage`` (their writers watched)."""
+def wait_for_files(stage: Staging, ranks: Sequence[int], step: int) -> dict[str, str]:
+    """Until the files of ``ranks`` for ``step`` are in ``stage`` (their writers watched);
+    their sha256 by file name, as each writer recorded it."""
     stage.wait(
-        lambda: [r for r in ranks if _file_step(stage.dir / rank_file(r)) != step],
+        lambda: [r for r in ranks if _digest(stage, r, step) is None],
         lambda m: f"the files of ranks {m} for step {step} in {stage.root} (did every rank call save?)",
         ranks,
     )
+    return {rank_file(r): _digest(stage, r, step) for r in ranks}
 
 
 def commit_manifest(stage: Staging, doc: dict, step: int, overwrite: bool) -> None:
+    for e in doc["files"]:  # the writers' digests are in the manifest now
+        (stage.dir / f".{e['name']}.sha256").unlink(missing_ok=True)
     _atomic_write_text(stage.dir / MANIFEST, json.dumps(doc, indent=1))
     kill_point("commit", step, stage.rank)
     stage.commit(overwrite)
