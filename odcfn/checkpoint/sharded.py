@@ -7,8 +7,9 @@ Layout of a checkpoint directory::
     rank-00001.safetensors   ...
 
 Every rank of one shard group calls ``write_shards`` (under hybrid sharding the replicas on other nodes
-hold identical shards, so only node 0 writes). Each rank writes its own file atomically; rank 0
-waits until every file of this step is on disk and then commits the manifest. There is no
+hold identical shards, so only node 0 writes). Each rank writes its own file atomically and
+leaves its sha256 beside it; rank 0 waits until every file of this step is there and commits
+the manifest with those digests (no rank hashes another's file). There is no
 communication: the file system is the barrier, so ``write_shards`` works the same on any transport.
 
 ``read_shards`` reads the manifest and cuts the saved flat units into the shards of *any* mesh: each
