@@ -219,7 +219,7 @@ def tier_worker(phase: str, out: str, snaps: str, sharding: str) -> dict:
                     state.step,
                     model=state.model,
                     mesh=mesh,
-                    writer=tier.write_part,
+                    writer=tier.write,
                     after=tier.publish if tier.leader else None,
                 )
                 saver.wait()

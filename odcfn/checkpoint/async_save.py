@@ -87,7 +87,7 @@ class AsyncSaver:
         """Snapshot ``(params, opt_state, step)`` now; write ``path`` in the background, then
         call ``after(path)`` there (e.g. verify and publish, prune older checkpoints); an error
         of ``after`` is the save's error. ``writer``: what writes and commits (default
-        ``sharded.write_shards``; the memory tier across nodes passes ``NodeTier.write_part``)."""
+        ``sharded.write_shards``; the memory tier across nodes passes ``NodeTier.write``)."""
         from odcfn.checkpoint import sharded
 
         t0 = time.perf_counter()

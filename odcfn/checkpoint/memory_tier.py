@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from odcfn.checkpoint.commit import CheckpointError, fsync_path, list_quietly
-from odcfn.checkpoint.sharded import MANIFEST, read_manifest
+from odcfn.checkpoint.sharded import MANIFEST, read_manifest, write_shards
 from odcfn.checkpoint.verify import check_files, sha256
 from odcfn.kernels.shm_sync import shm_dir
 
@@ -112,16 +112,33 @@ def remove_stale(root: Path, newer_than: int) -> None:
 
 
 class MemoryTier:
-    """The shared-memory snapshots of the run whose output directory is ``out_dir``."""
+    """The shared-memory snapshots of the run whose output directory is ``out_dir``.
 
-    def __init__(self, out_dir: str | os.PathLike, node: int | None = None) -> None:
+    Its face to the training loop (``sft/restart.py``), which ``NodeTier`` shares: ``leader``
+    (the rank that publishes, clears and cleans up), ``write`` (what a snapshot's save commits
+    with), ``resume(disk)``, ``clear``, ``cleanup``, ``close`` and ``fetched`` (what a restart
+    read back from other nodes: nothing, on one node)."""
+
+    write = staticmethod(write_shards)
+    fetched = None
+
+    def __init__(self, out_dir: str | os.PathLike, node: int | None = None, *, leader: bool = True) -> None:
         """``node``: this node's index in a job of several (its snapshots are parts, see
         ``checkpoint/node_tier.py``). The directory is under ``ODCFN_SNAPSHOT_DIR`` if set
-        (e.g. another memory file system), else the shared-memory directory."""
+        (e.g. another memory file system), else the shared-memory directory. ``leader``: this
+        rank is the one that publishes, clears and cleans up (rank 0)."""
         key = hashlib.sha256(os.fsencode(os.path.abspath(out_dir))).hexdigest()[:16]
         base = os.environ.get("ODCFN_SNAPSHOT_DIR") or shm_dir()
-        self.parts = node is not None
+        self.parts, self.leader = node is not None, leader
         self.root = Path(base) / (f"odcfn-snap-{key}" if node is None else f"odcfn-snap-{key}-node{node}")
+
+    def resume(self, disk: Path) -> Path | None:
+        """The newest verified snapshot of this tier or of the ``disk`` tier (this one on a tie)."""
+        return newest_verified([self.root, disk])
+
+    def clear(self, newer_than: int) -> None:
+        """The leader, before the first step: drop snapshots past ``newer_than`` and leftovers."""
+        remove_stale(self.root, newer_than)
 
     def path(self, step: int) -> Path:
         return self.root / f"step-{step:08d}"
@@ -150,4 +167,7 @@ class MemoryTier:
 
     def cleanup(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)
+
+    def close(self) -> None:
+        """Nothing to release on one node (``NodeTier`` closes its inbox)."""
 

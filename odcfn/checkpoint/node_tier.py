@@ -113,7 +113,7 @@ class NodeTier:
         return self.tier.path(step)
 
     # --- save ----------------------------------------------------------------------------------
-    def write_part(
+    def write(
         self,
         path: str | os.PathLike,
         params: Any,
@@ -290,16 +290,17 @@ class NodeTier:
             self.tier.publish(self.path(step))
             sources = sorted({src for (src, dst) in sends if dst == self.node})
             size = sum(got[n]["bytes"] for n in names)
+            took = time.perf_counter() - t0
             self.fetched = {
                 "step": step,
                 "ranks": incoming,
                 "from_nodes": sources,
                 "bytes": size,
-                "seconds": time.perf_counter() - t0,
+                "seconds": took,
             }
             print(
                 f"odcfn: snapshot of step {step}: node {self.node} read the files of ranks {incoming} "
-                f"back from node(s) {sources} ({size / 2**20:.1f} MiB in {time.perf_counter() - t0:.2f}s)",
+                f"back from node(s) {sources} ({size / 2**20:.1f} MiB in {took:.2f}s)",
                 file=sys.stderr,
                 flush=True,
             )
@@ -344,8 +345,6 @@ class NodeTier:
     def clear(self, newer_than: int) -> None:
         """The node leader, before the first step: drop parts past ``newer_than`` and every
         leftover of an interrupted save, fetch or delivery (no save of this job is in flight)."""
-        if not self.leader:
-            return
         remove_stale(self.root, newer_than)
         for pattern in (".recv-*", ".step-*.fetch-*", ".step-*.old-*"):
             for d in list_quietly(self.root, pattern):
@@ -354,8 +353,7 @@ class NodeTier:
 
     def cleanup(self) -> None:
         """The node leader at the run's normal end: the tier's directory goes."""
-        if self.leader:
-            self.tier.cleanup()
+        self.tier.cleanup()
 
     def close(self) -> None:
         if self.inbox is not None:

@@ -251,15 +251,14 @@ def train_rank(cfg: SFTConfig, rank: int, transport, data: PreparedData | None =
     finally:
         if logger is not None:
             logger.close()
-        if hasattr(run.tier, "close"):
-            run.tier.close()
+        run.tier.close()
     out: dict[str, Any] = {
         "rank": rank,
         "start_step": run.start,
         "steps": cfg.train.steps,
         "final_loss": last,
         "resumed_from": run.resumed,
-        "snapshot_fetch": getattr(run.tier, "fetched", None),  # files read back from other nodes
+        "snapshot_fetch": run.tier.fetched,  # files read back from other nodes
         "data": run.data.report(),
     }
     if cfg.checkpoint.export_hf:

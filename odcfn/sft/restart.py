@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from odcfn.checkpoint.async_save import AsyncSaver
-from odcfn.checkpoint.memory_tier import MemoryTier, newest_verified, remove_stale
+from odcfn.checkpoint.memory_tier import MemoryTier, remove_stale
 from odcfn.checkpoint.node_tier import NodeTier
 from odcfn.checkpoint.state_io import savable
 from odcfn.sft.config import SFTConfig
@@ -40,17 +40,13 @@ def open_memory_tier(cfg: SFTConfig, mesh: Any, collectives: Any) -> MemoryTier 
     several nodes) this node's part of the cross-node tier, which is a collective to open."""
     if cfg.checkpoint.memory_every and mesh.num_nodes > 1:
         return NodeTier(cfg.out_dir, mesh, collectives, timeout=cfg.train.timeout)
-    return MemoryTier(cfg.out_dir)
+    return MemoryTier(cfg.out_dir, leader=mesh.rank == 0)
 
 
 def resume_point(cfg: SFTConfig, tier: MemoryTier | NodeTier) -> Path | None:
     """The newest verified snapshot of the run in ``cfg.out_dir`` (memory tier first on a tie);
     across nodes a collective that may fetch this node's files from its neighbour."""
-    if not cfg.checkpoint.resume:
-        return None
-    if isinstance(tier, NodeTier):
-        return tier.resume(Path(cfg.checkpoint_dir))
-    return newest_verified([tier.root, Path(cfg.checkpoint_dir)])
+    return tier.resume(Path(cfg.checkpoint_dir)) if cfg.checkpoint.resume else None
 
 
 def clear_for_fresh_start(cfg: SFTConfig, start: int, tier: MemoryTier | NodeTier, rank: int) -> None:
@@ -61,10 +57,8 @@ def clear_for_fresh_start(cfg: SFTConfig, start: int, tier: MemoryTier | NodeTie
     newer_than = start if cfg.checkpoint.resume else -1
     if rank == 0:
         remove_stale(Path(cfg.checkpoint_dir), newer_than)
-    if isinstance(tier, NodeTier):
+    if tier.leader:
         tier.clear(newer_than)
-    elif rank == 0:
-        remove_stale(tier.root, newer_than)
 
 
 class Snapshots:
@@ -83,6 +77,7 @@ class Snapshots:
         self.disk, self.memory = AsyncSaver(), AsyncSaver()
         self.tier = tier if cfg.checkpoint.memory_every else None
         self.config = asdict(cfg)
+
     def _extra(self, done: int) -> dict[str, Any]:
         return {"config": self.config, "data_sha256": self.data_sha, "data_step": done}
 
@@ -105,12 +100,11 @@ class Snapshots:
             if not c.async_save or last:
                 self.disk.wait()
         if self.tier is not None and done % c.memory_every == 0 and not last:
-            nodes = isinstance(self.tier, NodeTier)
-            publish = self.tier.publish if (self.tier.leader if nodes else self.rank == 0) else None
+            publish = self.tier.publish if self.tier.leader else None
             params, model, extra = savable(state, self._extra(done), self.base)
             self.memory.save(self.tier.path(done), params, state.opt_state, state.step,
                              model=model, mesh=state.mesh, extra=extra, timeout=t, after=publish,
-                             writer=self.tier.write_part if nodes else None)
+                             writer=self.tier.write)
 
     def finish(self, state: Any) -> None:
         """Normal end: every background write committed (or its error raised here); then, once
@@ -120,7 +114,5 @@ class Snapshots:
         self.disk.wait()
         if self.tier is not None:
             state.transport.collectives.barrier()
-            if isinstance(self.tier, NodeTier):
-                self.tier.cleanup()  # each node leader its node's
-            elif self.rank == 0:
+            if self.tier.leader:  # rank 0, or each node leader its node's
                 self.tier.cleanup()
