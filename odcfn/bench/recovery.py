@@ -117,10 +117,21 @@ def _kids(pid: int) -> list[int]:
         kids = [int(x) for x in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
     except OSError:
         return []
-    return [k for k in kids if "spawn_main" in Path(f"/proc/{k}/cmdline").read_text(errors="replace")]
+    out = []
+    for k in kids:
+        try:
+            if "spawn_main" in Path(f"/proc/{k}/cmdline").read_text(errors="replace"):
+                out.append(k)
+        except OSError:
+            continue  # listed, then gone
+    return out
 
 
-def _recovery_doc(root: Path, steps: int, disk_every: int, memory: bool) -> dict:
+def _recovery_job(root: Path, steps: int, disk_every: int, memory: bool) -> dict:
+    """The recovery runs' data (written under ``root``) and config."""
+    from odcfn.data.records import synthetic_records, write_jsonl
+
+    write_jsonl(root / "train.jsonl", synthetic_records([24, 40, 32, 56, 28, 48, 36, 20] * 2, 128, seed=0))
     return {
         "out_dir": str(root / "out"),
         "model": {"vocab_size": 128, "d_model": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2,
@@ -134,10 +145,7 @@ def _recovery_doc(root: Path, steps: int, disk_every: int, memory: bool) -> dict
 
 
 def _recovery_run(root: Path, memory: bool, steps: int, kill_after: int, disk_every: int) -> dict:
-    from odcfn.data.records import synthetic_records, write_jsonl
-
-    write_jsonl(root / "train.jsonl", synthetic_records([24, 40, 32, 56, 28, 48, 36, 20] * 2, 128, seed=0))
-    doc = _recovery_doc(root, steps, disk_every, memory)
+    doc = _recovery_job(root, steps, disk_every, memory)
     (root / "run.json").write_text(json.dumps(doc))
     metrics = root / "out" / "metrics.jsonl"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -148,7 +156,10 @@ def _recovery_run(root: Path, memory: bool, steps: int, kill_after: int, disk_ev
         lines = len(metrics.read_text().splitlines()) if metrics.exists() else 0
         ranks = _kids(proc.pid)
         if lines >= kill_after and len(ranks) == 2:
-            os.kill(ranks[-1], signal.SIGKILL)
+            try:
+                os.kill(ranks[-1], signal.SIGKILL)
+            except ProcessLookupError:
+                continue  # gone between the listing and the kill: list again
             t_kill = time.time()
             old = set(ranks)
         time.sleep(0.002)
@@ -210,11 +221,9 @@ def _node_recovery_run(root: Path, steps: int, kill_after: int, disk_every: int)
     """Two simulated nodes, the memory tier every step; rank 1 (node 1) kills itself at the
     start of step ``kill_after + 1`` and its node restarts with an empty snapshot directory, so
     its files come back from node 0's copy. Timed from the last step logged before the kill."""
-    from odcfn.data.records import synthetic_records, write_jsonl
     from odcfn.launch import launch
 
-    write_jsonl(root / "train.jsonl", synthetic_records([24, 40, 32, 56, 28, 48, 36, 20] * 2, 128, seed=0))
-    doc = _recovery_doc(root, steps, disk_every, memory=True)
+    doc = _recovery_job(root, steps, disk_every, memory=True)
     env = {"ODCFN_TEST_KILL_AT": f"step:{kill_after + 1}:1", "OMP_NUM_THREADS": "1"}
     metrics, seen, stop = root / "out" / "metrics.jsonl", [], threading.Event()
 

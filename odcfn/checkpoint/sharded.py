@@ -199,7 +199,7 @@ def wait_for_files(stage: Staging, ranks: Sequence[int], step: int) -> dict[str,
 
 def commit_manifest(stage: Staging, doc: dict, step: int, overwrite: bool) -> None:
     for e in doc["files"]:  # the writers' digests are in the manifest now
-        (stage.dir / f".{e['name']}.sha256").unlink(missing_ok=True)
+        (stage.dir / _digest_name(e["rank"])).unlink(missing_ok=True)
     _atomic_write_text(stage.dir / MANIFEST, json.dumps(doc, indent=1))
     kill_point("commit", step, stage.rank)
     stage.commit(overwrite)
