@@ -12,7 +12,7 @@ import pytest
 from odcfn import bench
 from odcfn.bench.report import chrome_trace, losses_match, policy_summary, ratio, step_bubble_rate
 from odcfn.bench.runner import RunSpec, run
-from odcfn.bench.sections import TARGETS
+from odcfn.bench.summary import TARGETS
 from odcfn.bench.workload import Workload, make_batch, make_lengths, model_config
 from tests.mp_pool import mp_pool  # noqa: F401 - the session fixture
 

@@ -82,7 +82,7 @@ def main(args: argparse.Namespace) -> int:
     if args.memory:
         return memory_main(args)
     from odcfn.bench import lora_section as LS
-    from odcfn.bench import recovery
+    from odcfn.bench import recovery, summary
     from odcfn.bench import rl_section as RL
     from odcfn.bench import sections as S
     from odcfn.bench.runner import pick_backend
@@ -149,7 +149,7 @@ def main(args: argparse.Namespace) -> int:
         except Exception as e:  # one crashed section must not cost the other sections
             report[name] = {"error": f"{type(e).__name__}: {e}"}
             _log(f"   {name} failed: {type(e).__name__}: {e}")
-    S.fill_ratios(report)
+    summary.fill_ratios(report)
     report["elapsed_s"] = time.perf_counter() - t_start
     text = json.dumps(report, indent=1, default=_jsonable)
     if args.out:
@@ -158,7 +158,7 @@ def main(args: argparse.Namespace) -> int:
     if args.json:
         print(text)
     else:
-        print(S.render(report) + LS.render(report.get("lora")))
+        print(summary.render(report) + LS.render(report.get("lora")))
     # a section that crashed (not one skipped for want of processes) fails the command
     return 1 if any(isinstance(report.get(n), dict) and "error" in report[n] for n in sections) else 0
 
