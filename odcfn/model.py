@@ -16,6 +16,8 @@ import torch
 
 from odcfn._check import check_int
 from odcfn.batch import Batch, Microbatch, pack
+from odcfn.moe.experts import LocalExperts
+from odcfn.moe.router import RouterSpec
 from odcfn.tree import PyTree, tree_flatten_with_path
 
 __all__ = ["Model", "Unit", "check_params", "reference_loss", "unit_inputs"]
@@ -31,10 +33,18 @@ class Unit:
     # earlier units whose parameters fwd reads too (tied weights): fwd gets each one's subtree
     # under its unit name next to its own; the gradient of that use adds to the owner's
     uses: tuple[str, ...] = ()
+    # expert units (a mixture of experts) fwd reads on demand, after its router has chosen:
+    # not steps of the forward chain; fwd gets ``p["experts"]``, an expert source
+    # (``odcfn.moe.experts``) over them, and their gradients reach them through it
+    experts: tuple[str, ...] = ()
 
 
-def unit_inputs(unit: Unit, own: PyTree, used: Mapping[str, PyTree]) -> PyTree:
-    """The params ``unit.fwd`` receives: its own subtree plus ``{name: subtree}`` of its uses."""
+def unit_inputs(unit: Unit, own: PyTree, used: Mapping[str, PyTree], log: Any = None) -> PyTree:
+    """The params ``unit.fwd`` receives: its own subtree plus ``{name: subtree}`` of its uses
+    (and, for a unit with experts, ``"experts"``: the in-memory source over ``used``'s experts,
+    with the microbatch's router log ``log``)."""
+    if unit.experts:
+        own = {**own, "experts": LocalExperts([used[e] for e in unit.experts], log)}
     if not unit.uses:
         return own
     return {**own, **{n: used[n] for n in unit.uses}}
@@ -55,6 +65,7 @@ class Model:
     vocab_size: int | None = None
     config_key: str = ""
     frozen: tuple[str, ...] = ()
+    router: RouterSpec | None = None  # a mixture of experts' routers (aux loss, load metrics)
 
     def __post_init__(self) -> None:
         v = self.vocab_size
@@ -72,6 +83,12 @@ class Model:
         object.__setattr__(self, "frozen", tuple(n for n in names if n in set(self.frozen)))  # model order
         if len(self.frozen) == len(names):
             raise ValueError("Model.frozen freezes every unit: nothing would be trained")
+        experts = [e for u in self.units for e in u.experts]
+        if len(set(experts)) != len(experts) or not set(experts) <= set(names):
+            raise ValueError("Model: every expert unit must be a unit of the model read by exactly one unit")
+        for u in self.units:
+            if u.name in experts and (u.experts or u.uses):
+                raise ValueError(f"expert unit {u.name!r} cannot have experts or uses of its own")
         for i, u in enumerate(self.units):
             for n in u.uses:
                 if n not in names[:i]:
@@ -98,14 +115,27 @@ class Model:
         return tuple((u.name, u.uses) for u in self.units if u.uses)
 
     @property
+    def routed(self) -> tuple[tuple[str, tuple[str, ...]], ...]:
+        """``(unit, its expert units)`` for each unit with experts (``ScheduleOptions.routed``)."""
+        return tuple((u.name, u.experts) for u in self.units if u.experts)
+
+    @property
+    def chain(self) -> tuple[str, ...]:
+        """The units the forward runs through in order: every unit but the expert units."""
+        experts = {e for _, es in self.routed for e in es}
+        return tuple(n for n in self.unit_names if n not in experts)
+
+    @property
     def shapes(self) -> dict[str, PyTree]:
         return {u.name: u.shapes for u in self.units}
 
-    def apply(self, params: Mapping[str, PyTree], mb: Microbatch) -> torch.Tensor:
-        """Summed token loss of one microbatch on unsharded params."""
+    def apply(self, params: Mapping[str, PyTree], mb: Microbatch, log: Any = None) -> torch.Tensor:
+        """Summed token loss of one microbatch on unsharded params. ``log``: the microbatch's
+        router log for a mixture of experts (``odcfn.moe.RouterLog``; None: none kept)."""
         x = None
-        for u in self.units:
-            x = u.fwd(unit_inputs(u, params[u.name], params), x, mb)
+        for name in self.chain:
+            u = self.unit(name)
+            x = u.fwd(unit_inputs(u, params[u.name], params, log), x, mb)
         return x
 
 
@@ -140,10 +170,15 @@ def reference_loss(model: Model, params: Mapping[str, PyTree], batch: Batch) -> 
     """The minibatch loss on unsharded params in one process: the definition every path matches.
 
     Each sample is its own microbatch, so the reference shares no packing code path with the
-    sharded runtime beyond ``pack`` of one sample.
+    sharded runtime beyond ``pack`` of one sample. A mixture of experts with an aux loss adds
+    ``coef * mean over sequences`` of it (``odcfn.moe.router``).
     """
-    total = None
+    total, aux = None, 0.0
     for i in range(len(batch)):
-        s = model.apply(params, pack(batch, [i]))
+        mb = pack(batch, [i])
+        log = None if model.router is None else model.router.log(mb.seqlens, len(batch), graph=True)
+        s = model.apply(params, mb, log)
         total = s if total is None else total + s
-    return total / batch.num_loss_tokens
+        if log is not None:
+            aux = aux + log.aux_loss().to(s.dtype)
+    return total / batch.num_loss_tokens + aux

@@ -1,10 +1,11 @@
 from odcfn.models.hf import config_from_hf, config_to_hf, from_hf, shard_from_hf, to_hf
-from odcfn.models.qwen import QwenConfig, QwenModule, init_params, qwen_model
+from odcfn.models.qwen import QwenConfig, QwenModule, QwenMoeConfig, init_params, qwen_model
 from odcfn.models.rope import RopeScaling
 
 __all__ = [
     "QwenConfig",
     "QwenModule",
+    "QwenMoeConfig",
     "RopeScaling",
     "config_from_hf",
     "config_to_hf",

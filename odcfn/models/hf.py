@@ -36,6 +36,9 @@ def hf_name(unit: str, path: str) -> str:
     """odcfn ``(unit, path)`` -> the Hugging Face tensor name."""
     if unit == "embed":
         return f"model.{path}"
+    if ".experts." in unit:  # layers.{i}.experts.{e}: the Hub's per-expert tensors
+        layer, expert = unit.split(".experts.")
+        return f"model.{layer}.mlp.experts.{expert}.{path}"
     if unit.startswith("layers."):
         return f"model.{unit}.{path}"
     if unit == "head":

@@ -17,18 +17,27 @@ from dataclasses import dataclass
 from functools import partial
 
 import torch
-import torch.nn.functional as F
-from einops import rearrange
 from torch import nn
 
 from odcfn._check import check_int
 from odcfn.batch import Microbatch
-from odcfn.losses import head_stats
 from odcfn.model import Model, Unit
-from odcfn.models.rope import RopeScaling, apply_rope
+from odcfn.models.layers import (  # noqa: F401 (re-exported: their historical home)
+    attention,
+    block_fwd,
+    causal_attention,
+    embed_fwd,
+    head_fwd,
+    linear,
+    rms_norm,
+)
+from odcfn.models.moe import expert_name, moe_layer_fwd, moe_layer_shapes, sparse_layers
+from odcfn.models.rope import RopeScaling
+from odcfn.moe.router import RouterSpec
 from odcfn.tree import PyTree, tree_flatten_with_path, tree_leaves, tree_named_leaves, tree_unflatten
 
-__all__ = ["QwenConfig", "QwenModule", "RopeScaling", "init_params", "qwen_model", "unit_shapes"]
+__all__ = ["QwenConfig", "QwenModule", "QwenMoeConfig", "RopeScaling", "init_params", "qwen_model",
+           "unit_shapes"]
 
 
 @dataclass(frozen=True)
@@ -78,7 +87,74 @@ class QwenConfig:
         return sum(math.prod(s) for u in unit_shapes(self).values() for s in tree_leaves(u))
 
 
+@dataclass(frozen=True)
+class QwenMoeConfig(QwenConfig):
+    """Qwen3-MoE (``qwen3_moe``) and, with a shared expert, Qwen2-MoE (``qwen2_moe``): a
+    ``QwenConfig`` whose sparse layers (``odcfn.models.moe.sparse_layers``) replace the dense MLP
+    (``d_ff``, transformers' ``intermediate_size``) with ``num_experts`` experts of
+    ``moe_intermediate_size``, ``num_experts_per_tok`` of them per token. The field names are
+    transformers'. ``router_aux_loss_coef`` counts only when ``output_router_logits`` (as in
+    transformers): the loss then adds the coefficient times the mean over the minibatch's
+    sequences of each sequence's load-balancing loss."""
+
+    num_experts: int = 8
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 64
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    shared_expert_intermediate_size: int = 0  # > 0: Qwen2-MoE's sigmoid-gated shared expert
+    router_aux_loss_coef: float = 0.001
+    output_router_logits: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name, least in (("num_experts", 1), ("num_experts_per_tok", 1), ("moe_intermediate_size", 1),
+                            ("decoder_sparse_step", 1), ("shared_expert_intermediate_size", 0)):
+            check_int(getattr(self, name), f"QwenMoeConfig.{name}", at_least=least)
+        if self.num_experts_per_tok > self.num_experts:
+            raise ValueError(f"QwenMoeConfig.num_experts_per_tok={self.num_experts_per_tok} exceeds "
+                             f"num_experts={self.num_experts}")
+        layers = tuple(self.mlp_only_layers)
+        for i in layers:
+            check_int(i, "QwenMoeConfig.mlp_only_layers[*]", at_least=0)
+        object.__setattr__(self, "mlp_only_layers", layers)
+        coef = self.router_aux_loss_coef
+        if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not (0 <= coef < math.inf):
+            raise ValueError(f"QwenMoeConfig.router_aux_loss_coef must be a finite number >= 0, got {coef!r}")
+        for name in ("norm_topk_prob", "output_router_logits"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"QwenMoeConfig.{name} must be a bool, got {getattr(self, name)!r}")
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token computes with: every unit but the experts, plus top-k of each
+        sparse layer's experts (the cost model's measure of a sparse layer)."""
+        shapes = unit_shapes(self)
+        expert = sum(math.prod(s) for s in tree_leaves(shapes[expert_name(sparse_layers(self)[0], 0)])) \
+            if sparse_layers(self) else 0
+        dense = sum(math.prod(s) for n, u in shapes.items() if ".experts." not in n for s in tree_leaves(u))
+        return dense + expert * self.num_experts_per_tok * len(sparse_layers(self))
+
+
 def unit_shapes(cfg: QwenConfig) -> dict[str, PyTree]:
+    """Each unit's parameter shapes, in model order (a sparse layer's experts before it)."""
+    dense = _dense_shapes(cfg)
+    if not isinstance(cfg, QwenMoeConfig):
+        return dense
+    out: dict[str, PyTree] = {}
+    sparse = set(sparse_layers(cfg))
+    for unit, shapes in dense.items():
+        i = int(unit.split(".")[1]) if unit.startswith("layers.") else None
+        if i in sparse:
+            layer, expert = moe_layer_shapes(cfg, shapes)
+            out.update({expert_name(i, e): expert for e in range(cfg.num_experts)})
+            shapes = layer
+        out[unit] = shapes
+    return out
+
+
+def _dense_shapes(cfg: QwenConfig) -> dict[str, PyTree]:
     D, V, F_, hd = cfg.d_model, cfg.vocab_size, cfg.d_ff, cfg.head_dim
     S = torch.Size
 
@@ -128,91 +204,33 @@ def init_params(cfg: QwenConfig, *, seed: int = 0, dtype: torch.dtype = torch.fl
     return out
 
 
-# --- the math -----------------------------------------------------------------------------
-
-
-def rms_norm(x_TxD: torch.Tensor, w_D: torch.Tensor, eps: float) -> torch.Tensor:
-    var_T1 = x_TxD.float().pow(2).mean(-1, keepdim=True)
-    return (x_TxD.float() * torch.rsqrt(var_T1 + eps)).to(x_TxD.dtype) * w_D
-
-
-def linear(x: torch.Tensor, p: dict) -> torch.Tensor:
-    y = F.linear(x, p["weight"], p.get("bias"))
-    if "lora_A" in p:  # a LoRA-adapted projection (odcfn.lora): PEFT's W x + b + scale * B (A x)
-        x_a = x
-        if "lora_drop" in p:  # LoRA dropout (training): on the A path's input only, as PEFT's
-            x_a = x.masked_fill(p["lora_drop"], 0) * p["lora_keep_scale"]
-        y = y + F.linear(F.linear(x_a, p["lora_A"]), p["lora_B"]) * p["lora_scale"]
-    return y
-
-
-def causal_attention(q_HxTxK: torch.Tensor, k_GxTxK: torch.Tensor, v_GxTxK: torch.Tensor) -> torch.Tensor:
-    """Causal GQA attention of one sample through a kernel whose memory is O(T), never the
-    T x T scores. SDPA picks flash / memory-efficient kernels only for batched 4-D inputs (3-D
-    ones take the math kernel, O(T^2): 3.1 GB at 8K tokens on CPU). On CPU the flash kernel
-    takes grouped kv heads (``enable_gqa``) in every dtype; on CUDA GQA reaches only flash
-    (fp16/bf16) and math, so other dtypes get kv heads repeated (O(T)) for the memory-efficient
-    kernel."""
-    q, k, v = q_HxTxK[None], k_GxTxK[None], v_GxTxK[None]
-    gqa = q.shape[1] != k.shape[1]
-    if gqa and q.is_cuda and q.dtype not in (torch.float16, torch.bfloat16):
-        rep = q.shape[1] // k.shape[1]  # query head h reads kv head h // rep, as enable_gqa does
-        k, v, gqa = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1), False
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)[0]
-
-
-def attention(p: dict, x_TxD: torch.Tensor, mb: Microbatch, cfg: QwenConfig) -> torch.Tensor:
-    hd = cfg.head_dim
-    q_HxTxK = rearrange(linear(x_TxD, p["q_proj"]), "t (h k) -> h t k", k=hd)
-    k_GxTxK = rearrange(linear(x_TxD, p["k_proj"]), "t (g k) -> g t k", k=hd)
-    v_GxTxK = rearrange(linear(x_TxD, p["v_proj"]), "t (g k) -> g t k", k=hd)
-    if cfg.qk_norm:
-        q_HxTxK = rms_norm(q_HxTxK, p["q_norm"]["weight"], cfg.rms_eps)
-        k_GxTxK = rms_norm(k_GxTxK, p["k_norm"]["weight"], cfg.rms_eps)
-    q_HxTxK = apply_rope(q_HxTxK, mb.positions_T, cfg.rope_theta, cfg.rope_scaling)
-    k_GxTxK = apply_rope(k_GxTxK, mb.positions_T, cfg.rope_theta, cfg.rope_scaling)
-    # one causal attention per packed sample: nothing attends across a sample boundary
-    outs = [
-        causal_attention(q, k, v)
-        for q, k, v in zip(
-            q_HxTxK.split(mb.seqlens, dim=1),
-            k_GxTxK.split(mb.seqlens, dim=1),
-            v_GxTxK.split(mb.seqlens, dim=1),
-        )
-    ]
-    o_HxTxK = torch.cat(outs, dim=1)
-    return linear(rearrange(o_HxTxK, "h t k -> t (h k)"), p["o_proj"])
-
-
-def embed_fwd(p: dict, x: None, mb: Microbatch, *, pad: int | None = None) -> torch.Tensor:
-    return F.embedding(mb.input_ids_T, p["embed_tokens"]["weight"], padding_idx=pad)
-
-
-def block_fwd(p: dict, x_TxD: torch.Tensor, mb: Microbatch, *, cfg: QwenConfig) -> torch.Tensor:
-    h_TxD = x_TxD + attention(
-        p["self_attn"], rms_norm(x_TxD, p["input_layernorm"]["weight"], cfg.rms_eps), mb, cfg
-    )
-    m = p["mlp"]
-    n_TxD = rms_norm(h_TxD, p["post_attention_layernorm"]["weight"], cfg.rms_eps)
-    return h_TxD + linear(F.silu(linear(n_TxD, m["gate_proj"])) * linear(n_TxD, m["up_proj"]), m["down_proj"])
-
-
-def head_fwd(p: dict, x_TxD: torch.Tensor, mb: Microbatch, *, cfg: QwenConfig) -> torch.Tensor:
-    """The final norm, then the loss seam (``odcfn.losses.head_stats``: the fused head, never a
-    T×V tensor). Tied: the LM head is the embedding matrix (``p["embed"]``, the used unit's
-    subtree)."""
-    w_VxD = p["embed"]["embed_tokens"]["weight"] if cfg.tie_embeddings else p["lm_head"]["weight"]
-    return head_stats(rms_norm(x_TxD, p["norm"]["weight"], cfg.rms_eps), w_VxD, mb)
-
-
 def qwen_model(cfg: QwenConfig, *, dtype: torch.dtype = torch.float32) -> Model:
+    """The model of any config ``from_hf`` returns: dense, or a mixture of experts
+    (``QwenMoeConfig``: its sparse layers read their expert units on demand)."""
     shapes = unit_shapes(cfg)
     units = [Unit("embed", partial(embed_fwd, pad=cfg.pad_token_id), shapes["embed"])]
+    sparse = sparse_layers(cfg) if isinstance(cfg, QwenMoeConfig) else ()
     for i in range(cfg.n_layers):
-        units.append(Unit(f"layers.{i}", partial(block_fwd, cfg=cfg), shapes[f"layers.{i}"]))
+        name = f"layers.{i}"
+        if i in sparse:
+            experts = tuple(expert_name(i, e) for e in range(cfg.num_experts))
+            units += [Unit(e, _expert_unit, shapes[e]) for e in experts]
+            fwd = partial(moe_layer_fwd, cfg=cfg, moe_index=sparse.index(i))
+            units.append(Unit(name, fwd, shapes[name], experts=experts))
+        else:
+            units.append(Unit(name, partial(block_fwd, cfg=cfg), shapes[name]))
     uses = ("embed",) if cfg.tie_embeddings else ()
     units.append(Unit("head", partial(head_fwd, cfg=cfg), shapes["head"], uses=uses))
-    return Model(tuple(units), dtype=dtype, vocab_size=cfg.vocab_size, config_key=repr(cfg))
+    router = None
+    if sparse:
+        coef = cfg.router_aux_loss_coef if cfg.output_router_logits else 0.0
+        router = RouterSpec(len(sparse), cfg.num_experts, float(coef))
+    return Model(tuple(units), dtype=dtype, vocab_size=cfg.vocab_size, config_key=repr(cfg), router=router)
+
+
+def _expert_unit(p: dict, x: object, mb: Microbatch) -> object:
+    """An expert unit is read through its layer's expert source, never run as a chain step."""
+    raise RuntimeError("an expert unit is not a step of the forward chain (Unit.experts)")
 
 
 # --- the nn.Module mirror (same names, same math) -----------------------------------------
@@ -252,6 +270,8 @@ class QwenModule(nn.Module):
 
     def __init__(self, cfg: QwenConfig) -> None:
         super().__init__()
+        if isinstance(cfg, QwenMoeConfig):
+            raise TypeError("QwenModule mirrors dense models only; use qwen_model(cfg) for a QwenMoeConfig")
         shapes = unit_shapes(cfg)
         self.embed = _UnitModule(shapes["embed"], partial(embed_fwd, pad=cfg.pad_token_id))
         self.layers = nn.ModuleList(
