@@ -39,12 +39,9 @@ class Unit:
     experts: tuple[str, ...] = ()
 
 
-def unit_inputs(unit: Unit, own: PyTree, used: Mapping[str, PyTree], log: Any = None) -> PyTree:
+def unit_inputs(unit: Unit, own: PyTree, used: Mapping[str, PyTree]) -> PyTree:
     """The params ``unit.fwd`` receives: its own subtree plus ``{name: subtree}`` of its uses
-    (and, for a unit with experts, ``"experts"``: the in-memory source over ``used``'s experts,
-    with the microbatch's router log ``log``)."""
-    if unit.experts:
-        own = {**own, "experts": LocalExperts([used[e] for e in unit.experts], log)}
+    (a unit with experts also needs ``"experts"``, an expert source: the caller adds it)."""
     if not unit.uses:
         return own
     return {**own, **{n: used[n] for n in unit.uses}}
@@ -135,7 +132,10 @@ class Model:
         x = None
         for name in self.chain:
             u = self.unit(name)
-            x = u.fwd(unit_inputs(u, params[u.name], params, log), x, mb)
+            p = unit_inputs(u, params[u.name], params)
+            if u.experts:  # in memory: every expert at hand, differentiated by plain autograd
+                p = {**p, "experts": LocalExperts([params[e] for e in u.experts], log)}
+            x = u.fwd(p, x, mb)
         return x
 
 

@@ -158,7 +158,8 @@ class _OnDemand(torch.autograd.Function):
         gw_R = torch.zeros(w_NxK.numel(), dtype=w_NxK.dtype, device=w_NxK.device)
         w_R = w_NxK.reshape(-1)
         for grp in _groups(_segments(ctx.counts), fetcher.group):
-            got = fetcher.fetch([e for e, _, _ in grp], grad=fetcher.trained)
+            with torch.enable_grad():  # the tree's views must record their flat (backward runs no-grad)
+                got = fetcher.fetch([e for e, _, _ in grp], grad=fetcher.trained)
             for (e, off, c), (flat, tree) in zip(grp, got):
                 rows = order[off:off + c]
                 tok = rows // K

@@ -59,6 +59,10 @@ class Forward:
     mb: int
     remat: bool = False  # keep only the input; recompute the unit inside Backward
     uses: tuple[str, ...] = ()  # other units whose gathered parameters it reads (tied weights)
+    # > 0: a routed gather inside the step (a mixture of experts, ODC): after the unit's router
+    # has run, only the experts its tokens chose are gathered, at most this many at once, each
+    # group released when its tokens are done (the set is decided at run time)
+    routed: int = 0
 
 
 @dataclass(frozen=True)
@@ -66,6 +70,9 @@ class Backward:
     unit: str
     mb: int
     uses: tuple[str, ...] = ()  # their gradient from this use adds to their own backward's
+    # > 0: the used experts re-gathered in groups of at most this many, and each one's gradient
+    # scatter-accumulated into its owners as soon as it is complete (unused experts: no bytes)
+    routed: int = 0
 
 
 @dataclass(frozen=True)
@@ -112,10 +119,19 @@ class ScheduleOptions:
     # units whose fwd reads none of their own parameters and returns x (LoRA's adapter units,
     # read by the layer after them): never gathered for their own Forward/Backward
     passthrough: frozenset[str] = field(default_factory=frozenset)
+    # (unit, its expert units): a mixture of experts (``Model.routed``, filled by train_step).
+    # The experts are not steps of the chain: ODC gathers them inside the unit's steps
+    # (``Forward.routed``), collective mode all-gathers every one of them with the unit, as FSDP
+    routed: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    expert_group: int = 8  # ODC: experts of one unit gathered (resident) at once
 
     def __post_init__(self) -> None:
         if not isinstance(self.prefetch, int) or self.prefetch < 0:
             raise ValueError(f"ScheduleOptions.prefetch must be an int >= 0, got {self.prefetch!r}")
+        g = self.expert_group
+        if isinstance(g, bool) or not isinstance(g, int) or g < 1:
+            raise ValueError(f"ScheduleOptions.expert_group must be an int >= 1, got {g!r}")
+        object.__setattr__(self, "routed", tuple((str(u), tuple(es)) for u, es in self.routed))
         object.__setattr__(self, "remat", frozenset(self.remat))
         object.__setattr__(self, "frozen", frozenset(self.frozen))
         object.__setattr__(self, "passthrough", frozenset(self.passthrough))
@@ -153,8 +169,16 @@ class Plan:
                 args.append("remat")
             if getattr(s, "uses", ()):
                 args.append("uses " + ",".join(s.uses))
+            if getattr(s, "routed", 0):
+                args.append(f"routed gather: chosen experts, <={s.routed} at once")
             lines.append(f"  {i:4d}  {type(s).__name__:<18}{' '.join(args)}".rstrip())
         return "\n".join(lines)
+
+
+def chain(units: Sequence[str], options: ScheduleOptions) -> list[str]:
+    """The units the forward runs through: all but the expert units (``ScheduleOptions.routed``)."""
+    experts = {e for _, es in options.routed for e in es}
+    return [u for u in units if u not in experts]
 
 
 def microbatch_steps(units: Sequence[str], mb: int, comm: Comm, options: ScheduleOptions) -> list[Step]:
@@ -162,7 +186,12 @@ def microbatch_steps(units: Sequence[str], mb: int, comm: Comm, options: Schedul
     gather = Gather if comm == "odc" else AllGather
     push = ScatterAccumulate if comm == "odc" else ReduceScatter
     reshard = options.reshard_after_forward
+    units = chain(units, options)
     uses = dict(options.uses)
+    experts = dict(options.routed)
+    # collective mode gathers every expert with its unit (FSDP); ODC routes inside the step
+    held_with = {u: (*uses.get(u, ()), *(experts.get(u, ()) if comm == "collective" else ())) for u in units}
+    routed = {u: options.expert_group for u in experts} if comm == "odc" else {}
     last = len(units) - 1
     steps: list[Step] = []
     held: set[str] = set()
@@ -186,8 +215,8 @@ def microbatch_steps(units: Sequence[str], mb: int, comm: Comm, options: Schedul
     first = first_trained(units, options.frozen)
     for i, u in enumerate(units):
         get(own(u))
-        extra = get(uses.get(u, ()))
-        steps.append(Forward(u, mb, remat=u in options.remat, uses=uses.get(u, ())))
+        extra = get(held_with[u])
+        steps.append(Forward(u, mb, remat=u in options.remat, uses=uses.get(u, ()), routed=routed.get(u, 0)))
         if (reshard and i < last) or i < first:  # the last unit's backward follows at once: keep it
             drop([u, *extra])
         else:
@@ -195,10 +224,12 @@ def microbatch_steps(units: Sequence[str], mb: int, comm: Comm, options: Schedul
     for i in range(last, first - 1, -1):
         u = units[i]
         get(own(u))
-        extra = borrowed.pop(u, []) + get(uses.get(u, ()))
-        steps.append(Backward(u, mb, uses=uses.get(u, ())))
+        extra = borrowed.pop(u, []) + get(held_with[u])
+        steps.append(Backward(u, mb, uses=uses.get(u, ()), routed=routed.get(u, 0)))
         if u not in options.frozen:
             steps.append(push(u))
+        if comm == "collective":  # every expert joins the reduce-scatter, used or not
+            steps.extend(push(e) for e in experts.get(u, ()) if e not in options.frozen)
         drop([u, *extra])
     return steps
 
@@ -314,14 +345,17 @@ def compile_forward_plan(
     options = _check_args(assignment, rank, comm, options)
     mbs = tuple(tuple(m) for m in assignment[rank])
     gather = Gather if comm == "odc" else AllGather
-    uses = dict(options.uses)
+    uses, experts = dict(options.uses), dict(options.routed)
     steps: list[Step] = []
     if mbs or comm == "collective":
-        for u in units:
-            # tied weights: the units it reads are gathered with it
-            held = (*([] if u in options.passthrough else [u]), *uses.get(u, ()))
+        for u in chain(units, options):
+            # tied weights: the units it reads are gathered with it; so are all of a unit's
+            # experts in collective mode (ODC routes them inside the step)
+            held = (*([] if u in options.passthrough else [u]), *uses.get(u, ()),
+                    *(experts.get(u, ()) if comm == "collective" else ()))
+            routed = options.expert_group if comm == "odc" and u in experts else 0
             steps += [gather(n) for n in held]
-            steps += [Forward(u, i, uses=uses.get(u, ())) for i in range(len(mbs))]
+            steps += [Forward(u, i, uses=uses.get(u, ()), routed=routed) for i in range(len(mbs))]
             steps += [Release(n) for n in held]
     steps = hoist_gathers(steps, options.prefetch)
     steps.append(Sync())

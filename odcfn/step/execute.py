@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -35,6 +35,7 @@ from odcfn.schedule.plan import (
 )
 from odcfn.schedule.program import Piece, assemble_plan
 from odcfn.sharding import Layout
+from odcfn.step.experts import expert_source
 from odcfn.step.ordered_push import push_in_rank_order
 from odcfn.trace import Event
 
@@ -50,6 +51,7 @@ class ExecResult:
     events: list[Event] = field(default_factory=list)
     riders: torch.Tensor | None = None  # the summed extra stats the caller had ride the sync
     loss_metrics: tuple[float, ...] = ()  # a loss object's metric sums, in its metric_names order
+    expert_loads: torch.Tensor | None = None  # a mixture's tokens per expert, sparse layers x E, summed
 
 
 @dataclass
@@ -58,6 +60,7 @@ class _Saved:
     flat: torch.Tensor | None
     y: Any
     used: tuple[torch.Tensor, ...] = ()  # flat buffers of used units (tied weights) in the graph
+    experts: tuple[tuple[str, torch.Tensor], ...] = ()  # all-gathered experts (collective) in the graph
 
 
 class Executor:
@@ -73,22 +76,31 @@ class Executor:
     ) -> None:
         self.model, self.layout, self.batch = model, layout, batch
         self.t, self.dtype, self.device = transport, compute_dtype, device
-        self.rank, self.last = transport.mesh.rank, model.unit_names[-1]
+        chain = model.chain  # the forward's units: all but a mixture's experts (Unit.experts)
+        self.rank, self.last = transport.mesh.rank, chain[-1]
         self.riders: torch.Tensor | None = None
         self.units = {u.name: u for u in model.units}
         # frozen units (Model.frozen): weights never differentiated, never pushed; the units
         # before the first trained one run forward only (nothing upstream needs their gradient)
         self.frozen = frozenset(model.frozen)
-        first = first_trained(model.unit_names, self.frozen)
-        self.no_grad = frozenset(model.unit_names[:first])
+        first = first_trained(chain, self.frozen)
+        self.no_grad = frozenset(chain[:first])
         # units whose fwd is x -> x and reads no own weights (ScheduleOptions.passthrough): their
         # gradient arrives through the unit that uses them, not through the activations
         self.passthrough = frozenset(u.name for u in model.units if getattr(u.fwd, "passthrough", False))
         # the input gradient is needed after the first unit whose Backward yields a weight gradient
-        pulls = [i for i, u in enumerate(model.units) if (u.name not in self.frozen | self.passthrough)
-                 or any(v not in self.frozen for v in u.uses)]
-        self.needs_dx = frozenset(model.unit_names[pulls[0] + 1:] if pulls else ())
-        self.prev = {u: (model.units[i - 1].name if i else None) for i, u in enumerate(model.unit_names)}
+        pulls = [i for i, n in enumerate(chain) if (n not in self.frozen | self.passthrough)
+                 or any(v not in self.frozen for v in self.units[n].uses + self.units[n].experts)]
+        self.needs_dx = frozenset(chain[pulls[0] + 1:] if pulls else ())
+        self.prev = {u: (chain[i - 1] if i else None) for i, u in enumerate(chain)}
+        # a mixture of experts: one router log per microbatch (aux loss, routing record) and
+        # this rank's tokens per expert of each sparse layer, summed in the one sync
+        self.router = model.router
+        self.logs: dict[int, Any] = {}
+        self.loads = None if self.router is None else torch.zeros(
+            self.router.num_layers, self.router.num_experts, dtype=torch.float64)
+        self.events: list[Event] = []
+        self.t0 = time.perf_counter()
         self.bufs: dict[str, torch.Tensor] = {}
         self.wbufs: dict[str, torch.Tensor] = {}
         self.pending: dict[str, Handle] = {}
@@ -134,18 +146,30 @@ class Executor:
         flat = self.bufs[unit].detach().requires_grad_(unit not in self.frozen)
         return flat, self.layout[unit].unflatten(flat)
 
-    def _inputs(self, s: Forward | Backward) -> tuple[torch.Tensor, Any, tuple[torch.Tensor, ...]]:
-        """``(own flat, what fwd receives, used units' flats)``; the plan must gather the uses."""
+    def _inputs(self, s: Forward | Backward) -> tuple[torch.Tensor, Any, tuple[torch.Tensor, ...], tuple]:
+        """``(own flat, what fwd receives, used units' flats, all-gathered experts' (name, flat))``;
+        the plan must gather the uses (and, in collective mode, the experts)."""
         unit = self.units[s.unit]
         if s.unit in self.passthrough:  # reads no weights of its own; never gathered for itself
-            return None, {}, ()
+            return None, {}, (), ()
         if s.uses != unit.uses:
             raise ValueError(f"plan step {s} does not gather what unit {s.unit!r} uses: {unit.uses}")
         flat, params = self._params(s.unit)
         used = {v: self._params(v) for v in unit.uses}
-        return flat, unit_inputs(unit, params, {v: t for v, (_, t) in used.items()}), tuple(
-            f for f, _ in used.values()
-        )
+        fwd_in = unit_inputs(unit, params, {v: t for v, (_, t) in used.items()})
+        experts: list = []
+        if unit.experts:
+            log = self._log(s.mb)
+            fwd_in["experts"], experts = expert_source(self, s.unit, unit.experts, s.routed, s.mb, log)
+        return flat, fwd_in, tuple(f for f, _ in used.values()), tuple(experts)
+
+    def _log(self, mb: int) -> Any:
+        """Microbatch ``mb``'s router log (None for a dense model)."""
+        if self.router is None:
+            return None
+        if mb not in self.logs:
+            self.logs[mb] = self.router.log(self._mb(mb).seqlens, len(self.batch))
+        return self.logs[mb]
 
     def _mb(self, mb: int) -> Microbatch:
         if mb not in self.packed:
@@ -174,7 +198,8 @@ class Executor:
         if isinstance(x, torch.Tensor) and x.is_floating_point() and s.unit in self.needs_dx:
             x = x.detach().requires_grad_()
         fwd = self.units[s.unit].fwd
-        flat, params, used = self._inputs(s)
+        s = replace(s, mb=mb)  # the rank's microbatch number (the step's is the piece's)
+        flat, params, used, experts = self._inputs(s)
         if s.unit in self.no_grad:  # forward only: no Backward follows
             with torch.no_grad():
                 y = fwd(params, x, data)
@@ -185,9 +210,14 @@ class Executor:
         else:
             with torch.enable_grad():
                 y = fwd(params, x, data)
-            self.saved[(s.unit, mb)] = _Saved(x, flat, y, used)
+            self.saved[(s.unit, mb)] = _Saved(x, flat, y, used, experts)
         if s.unit == self.last:
             self.loss_sum += y.detach().double()
+            log = self.logs.get(mb)
+            if log is not None:  # the microbatch's aux loss (its gradient rides the routers' graphs)
+                self.loss_sum[0] += log.aux_loss().to(self.loss_sum.device)
+                for layer, load in log.loads.items():
+                    self.loads[layer] += load
         else:
             self.outs[(s.unit, mb)] = y.detach()
 
@@ -202,9 +232,9 @@ class Executor:
                 self.grads[s.unit] = self.shared.pop(s.unit, None)
             return
         sv = self.saved.pop((s.unit, mb))
-        flat, y, used = sv.flat, sv.y, sv.used
-        if flat is None:  # rematerialise
-            flat, params, used = self._inputs(s)
+        flat, y, used, experts = sv.flat, sv.y, sv.used, sv.experts
+        if flat is None:  # rematerialise (a mixture's routers reuse the forward's choice: RouterLog)
+            flat, params, used, experts = self._inputs(replace(s, mb=mb))
             with torch.enable_grad():
                 y = self.units[s.unit].fwd(params, sv.x_in, data)
         else:
@@ -216,11 +246,13 @@ class Executor:
             gy[0] = 1.0
         own = s.unit not in self.frozen
         trained_uses = [(v, f) for v, f in zip(s.uses, used) if v not in self.frozen]
-        inputs = ([flat] if own else []) + [f for _, f in trained_uses]
+        inputs = ([flat] if own else []) + [f for _, f in trained_uses] + [f for _, f in experts]
         has_x = isinstance(sv.x_in, torch.Tensor) and sv.x_in.requires_grad
         if has_x:
             inputs.append(sv.x_in)
         if not inputs:
+            if s.routed and y.requires_grad:  # only the routed experts learn: their backward pushes
+                torch.autograd.backward(y, gy)
             return
         # allow_unused: a unit whose fwd reads none of its own weights (LoRA's adapter units
         # pass x through; the layer that uses them differentiates them)
@@ -232,6 +264,8 @@ class Executor:
         g_own = grads[0] if own else None
         for (v, _), g in zip(trained_uses, grads[int(own):]):  # the used unit pushes the sum, once
             self.shared[v] = g if v not in self.shared else self.shared[v] + g
+        for (e, _), g in zip(experts, grads[int(own) + len(trained_uses):]):  # joins the reduce-scatter
+            self.grads[e] = g
         if own:
             shared = self.shared.pop(s.unit, None)
             if shared is None:
@@ -283,15 +317,19 @@ class Executor:
         return g
 
     def _scatter(self, s: ScatterAccumulate, offset: int) -> None:
-        g = self._grad_out(s.unit)
+        self.push(s.unit, self._grad_out(s.unit))
+
+    def push(self, unit: str, g: torch.Tensor) -> None:
+        """Scatter-accumulate a unit's padded flat gradient into its owners (a plan step, or a
+        routed expert's backward)."""
         with torch.no_grad():
             if self.local is None:
-                self.pushes.append(self.t.scatter_accumulate(s.unit, g))
+                self.pushes.append(self.t.scatter_accumulate(unit, g))
                 return
             # deterministic: summed here, pushed in rank order at the sync
-            acc = self.local.get(s.unit)
+            acc = self.local.get(unit)
             if acc is None:
-                self.local[s.unit] = g.to(torch.float32, copy=True)
+                self.local[unit] = g.to(torch.float32, copy=True)
             else:
                 acc.add_(g)
 
@@ -321,8 +359,10 @@ class Executor:
                 norm2 += piece.double().square().sum()
         # after the replica all-reduce every replica holds the same shard: count it once
         norm2 = norm2 / len(self.t.mesh.replica_group)
-        s = self.loss_sum.reshape(-1)  # [loss sum, grad-norm^2, the loss's metric sums, riders]
+        s = self.loss_sum.reshape(-1)  # [loss sum, grad-norm^2, the loss's metric sums, expert loads, riders]
         stats = torch.cat([s[:1], norm2.reshape(1), s[1:]])
+        if self.loads is not None:
+            stats = torch.cat([stats, self.loads.reshape(-1).to(stats.device)])
         if self.riders is not None:  # e.g. the minibatch fingerprint: same sync, no extra trip
             stats = torch.cat([stats, self.riders.to(stats.device, torch.float64)])
         return self.t.sync(stats)
@@ -363,10 +403,10 @@ def execute(
     ``deterministic``: ODC pushes summed locally and pushed in rank order (``StepConfig``)."""
     t0 = time.perf_counter()
     ex = Executor(model, layout, batch, transport, compute_dtype, torch.device(device), loss)
-    ex.riders = riders
+    ex.riders, ex.t0 = riders, t0
     if deterministic and comm == "odc":
         ex.local = {}
-    events: list[Event] = []
+    events = ex.events
     ran: list[Piece] = []
     stats = None
     for piece in program:
@@ -380,5 +420,8 @@ def execute(
     plan = assemble_plan(ex.rank, comm, model.unit_names, ran)
     m = len(loss.metric_names)
     extra = tuple(float(x) for x in stats[2:2 + m])
-    result = ExecResult(float(stats[0]), float(stats[1].clamp_min(0).sqrt()), events, stats[2 + m:], extra)
+    n = 0 if ex.loads is None else ex.loads.numel()
+    loads = None if ex.loads is None else stats[2 + m:2 + m + n].reshape(ex.loads.shape).cpu()
+    norm = float(stats[1].clamp_min(0).sqrt())
+    result = ExecResult(float(stats[0]), norm, events, stats[2 + m + n:], extra, loads)
     return result, plan

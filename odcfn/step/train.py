@@ -68,6 +68,9 @@ def schedule_options(options: ScheduleOptions | None, model: Model, remat: bool 
             f"ScheduleOptions.frozen={sorted(options.frozen)} differs from the model's {model.frozen}"
         )
     options = replace(options, uses=model.uses) if model.uses else options
+    if options.routed and options.routed != model.routed:
+        raise ValueError("ScheduleOptions.routed differs from the model's experts (Model.routed)")
+    options = replace(options, routed=model.routed) if model.routed else options
     passthrough = frozenset(u.name for u in model.units if getattr(u.fwd, "passthrough", False))
     if options.passthrough and options.passthrough != passthrough:
         raise ValueError(
