@@ -226,6 +226,8 @@ class Executor:
         if data.empty:
             if s.unit not in self.frozen:
                 self.grads[s.unit] = self.shared.pop(s.unit, None)
+            if not s.routed:  # collective: every expert still joins its reduce-scatter (zeros)
+                self.grads.update((e, None) for e in self.units[s.unit].experts if e not in self.frozen)
             return
         if s.unit in self.passthrough:  # the activation gradient passes through unchanged
             if s.unit not in self.frozen:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -48,7 +49,8 @@ class _ForwardOnly(Executor):
         if got is None:
             return
         data, x = got
-        _, params, _ = self._inputs(s)  # its own params and those it reads (tied weights)
+        # its own params, those it reads (tied weights) and a mixture's expert source
+        _, params, _, _ = self._inputs(replace(s, mb=mb))
         with torch.no_grad():
             y = self.units[s.unit].fwd(params, x, data)
         if s.unit == self.last:

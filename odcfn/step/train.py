@@ -167,7 +167,20 @@ def _grads(state: TrainState, batch: Batch) -> tuple[dict[str, torch.Tensor], St
     )
     if not finite:
         metrics.extra["skipped_nonfinite"] = True
+    if result.expert_loads is not None:
+        metrics.extra.update(expert_load_metrics(model, result.expert_loads))
     return transport.grad_shards(), metrics, layout
+
+
+def expert_load_metrics(model: Model, loads: torch.Tensor) -> dict[str, Any]:
+    """Each sparse layer's tokens per expert over the minibatch (``moe/load/<unit>``, E values)
+    and their max over mean (``moe/load_max_over_mean/<unit>``; 1.0 is perfect balance)."""
+    out: dict[str, Any] = {}
+    for (unit, _), load in zip(model.routed, loads):
+        out[f"moe/load/{unit}"] = load.clone()
+        mean = float(load.mean())
+        out[f"moe/load_max_over_mean/{unit}"] = float(load.max()) / mean if mean else 0.0
+    return out
 
 
 def grad_step(state: TrainState, batch: Batch) -> tuple[dict[str, torch.Tensor], StepMetrics]:
