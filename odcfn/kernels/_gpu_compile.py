@@ -157,7 +157,7 @@ def _table(arch: int) -> list[tuple[str, object, dict, dict, tuple, dict | None]
         )
     rows += _fused_head_rows()
     try:
-        libs = {"libnvshmem_device": nv.device_bitcode(arch)}
+        libs = dict(nv.extern_libs(arch))  # ordered: the shim first
     except RuntimeError as e:  # no nvidia-nvshmem wheel: say so, compile the rest
         print(f"skipping NVSHMEM kernels: {e}", file=sys.stderr)
         return rows
@@ -286,7 +286,7 @@ def warmup_launches(arch: int = 90, names: list[str] | None = None) -> list[dict
             ),
         ]
     try:
-        libs = {"extern_libs": (("libnvshmem_device", nv.device_bitcode(arch)),)}
+        libs = {"extern_libs": nv.extern_libs(arch)}
     except RuntimeError as e:
         print(f"skipping NVSHMEM kernels: {e}", file=sys.stderr)
         libs = None

@@ -130,10 +130,10 @@ def _launch(kernel: Any, grid: tuple[int, ...], *args: Any, **consts: Any) -> No
     then hits the cache) and registered the first time it is seen."""
     from nvshmem import bindings  # type: ignore[import-not-found]
 
-    from odcfn.kernels._gpu_nvshmem_device import device_bitcode
+    from odcfn.kernels._gpu_nvshmem_device import extern_libs
 
     # a tuple of pairs (hashable: it becomes part of triton's kernel cache key)
-    libs = (("libnvshmem_device", device_bitcode(_bitcode_arch(torch.cuda.get_device_capability()))),)
+    libs = extern_libs(_bitcode_arch(torch.cuda.get_device_capability()))
     with _COMPILE_LOCK:  # the main and drain threads may both reach a first launch
         compiled = kernel.warmup(*args, grid=grid, extern_libs=libs, **consts)
         key = (id(compiled), torch.cuda.current_device())
