@@ -112,11 +112,15 @@ def test_sender_rejects_a_credit_for_ids_never_sent():
     clients=st.integers(1, 8),
     slots=st.sampled_from([1, 2, 4, 8]),
     slot_elems=st.integers(1, 3000),
+    frozen_bits=st.integers(0, 31),
 )
-def test_arena_regions_are_aligned_disjoint_and_inside_the_arena(sizes, isz, clients, slots, slot_elems):
-    al = ArenaLayout.build(sizes, isz, isz, clients, slots, slot_elems)
+def test_arena_regions_are_aligned_disjoint_and_inside_the_arena(
+    sizes, isz, clients, slots, slot_elems, frozen_bits
+):
+    frozen = [bool(frozen_bits >> i & 1) for i in range(len(sizes))]
+    al = ArenaLayout.build(sizes, isz, isz, clients, slots, slot_elems, frozen)
     regions = sorted(al.regions(), key=lambda r: r[1])
-    assert len(regions) == 2 * len(sizes) + clients * slots
+    assert len(regions) == 2 * len(sizes) - sum(frozen) + clients * slots
     for (_, _, hi), (_, lo2, _) in zip(regions, regions[1:]):
         assert hi <= lo2  # disjoint
     for name, lo, hi in regions:
@@ -129,6 +133,23 @@ def test_arena_regions_are_aligned_disjoint_and_inside_the_arena(sizes, isz, cli
         ch = al.chunks(s)
         assert sum(n for _, n in ch) == s and all(n <= al.slot_elems for _, n in ch)
         assert [lo for lo, _ in ch] == [sum(n for _, n in ch[:i]) for i in range(len(ch))]
+
+
+def test_frozen_units_get_no_accumulator_in_the_arena():
+    """A frozen unit (LoRA base) is gather-only on every path: the arena reserves (and
+    ``begin_step`` zeroes) fp32 accumulator bytes for trained units only."""
+    sizes = [1000, 3000, 500, 2000]
+    full = ArenaLayout.build(sizes, 2, 2, 2, 2, 256)
+    lora = ArenaLayout.build(sizes, 2, 2, 2, 2, 256, frozen=[True, True, False, True])
+    assert lora.acc_offsets[0] is None and lora.acc_offsets[1] is None and lora.acc_offsets[3] is None
+    assert lora.acc_offsets[2] == lora.params_end  # the only accumulator, right after the params
+    assert lora.acc_end - lora.params_end == -(-500 * 4 // ALIGN) * ALIGN
+    assert full.nbytes - lora.nbytes == sum(-(-s * 4 // ALIGN) * ALIGN for s in (1000, 3000, 2000))
+    assert [n for n, _, _ in lora.regions() if n.startswith("acc")] == ["acc[2]"]
+    all_frozen = ArenaLayout.build(sizes, 2, 2, 2, 2, 256, frozen=[True] * 4)
+    assert all_frozen.acc_end == all_frozen.params_end
+    with pytest.raises(ValueError, match="3 frozen flags for 4 units"):
+        ArenaLayout.build(sizes, 2, 2, 2, frozen=[True] * 3)
 
 
 def test_signal_words_are_distinct_and_in_range():
