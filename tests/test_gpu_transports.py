@@ -253,7 +253,6 @@ def _fake_nvshmem_fabric(monkeypatch, mesh, views):
     fab.sig = torch.zeros(16, dtype=torch.int64)
     fab.peer_views, fab._pes = dict(views), {}
     fab._staging = torch.empty(0, dtype=torch.uint8)
-    fab._poll = threading.local()
     fab.fence = lambda: None
     return fab, launches
 
@@ -286,49 +285,6 @@ def test_nvshmem_put_signal_stages_header_and_data_in_one_put(monkeypatch):
     assert sig_addr == fab.sig.data_ptr() + 8 * 7 and vals.tolist() == [99] and pes.tolist() == [3]
     assert src[:32].view(torch.int64).tolist() == [1, 2, 3, 4]
     assert torch.equal(src[HEADER_BYTES : HEADER_BYTES + 40].view(torch.float32), data)
-
-
-def test_nvshmem_signal_reads_poll_on_a_side_stream_not_the_compute_stream(monkeypatch):
-    """A poll must not queue behind compute: the word is copied on the polling thread's own
-    stream, which alone is synchronised; each thread (main, drain) gets its own."""
-    mesh = odcfn.Mesh(2, 0)
-    fab, _ = _fake_nvshmem_fabric(monkeypatch, mesh, {})
-    events: list = []
-
-    class Stream:
-        def __init__(self, device=None):
-            self.name = f"poll{len([e for e in events if e[0] == 'new'])}"
-            events.append(("new", self.name))
-
-        def synchronize(self):
-            events.append(("sync", self.name))
-
-    class Ctx:
-        def __init__(self, stream):
-            self.stream = stream
-
-        def __enter__(self):
-            events.append(("enter", self.stream.name))
-
-        def __exit__(self, *a):
-            events.append(("exit", self.stream.name))
-
-    def compute_stream(*a, **k):
-        raise AssertionError("a poll touched the compute stream")
-
-    monkeypatch.setattr(torch.cuda, "Stream", Stream)
-    monkeypatch.setattr(torch.cuda, "stream", Ctx)
-    monkeypatch.setattr(torch.cuda, "current_stream", compute_stream)
-    monkeypatch.setattr(torch.Tensor, "item", lambda self: compute_stream())
-    fab.sig[5] = 42
-    assert fab.signal_read(5) == 42 and fab.signal_read(5) == 42
-    assert events == [("new", "poll0"), ("enter", "poll0"), ("exit", "poll0"), ("sync", "poll0")] + [
-        ("enter", "poll0"), ("exit", "poll0"), ("sync", "poll0")]  # fmt: skip
-    got = []
-    t = threading.Thread(target=lambda: got.append(fab.signal_read(5)))
-    t.start()
-    t.join()
-    assert got == [42] and ("new", "poll1") in events  # the drain thread polls on its own stream
 
 
 def test_nvshmem_unique_id_survives_the_byte_broadcast():
