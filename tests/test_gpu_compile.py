@@ -82,7 +82,8 @@ def test_nvshmem_kernels_link_the_device_library(stats, name):
     # the nvshmemx_* entry points were inlined from the bitcode: only NVSHMEM's internal
     # transfer helpers remain as calls, and nothing is left undefined except the CUDA
     # runtime's printf/assert, which the driver provides
-    assert not any(c.startswith("nvshmemx_") or c.startswith("nvshmem_") for c in s["calls"]), s["calls"]
+    # the odcfn_* shim (void prototypes, see _gpu_nvshmem_device) is always-inlined away as well
+    assert not any(c.startswith(("nvshmemx_", "nvshmem_", "odcfn_")) for c in s["calls"]), s["calls"]
     assert any("nvshmemi_transfer" in c for c in s["calls"]), s["calls"]
     assert set(s["externs_unresolved"]) <= {"vprintf", "__assertfail"}, s["externs_unresolved"]
 

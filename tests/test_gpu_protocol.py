@@ -112,11 +112,15 @@ def test_sender_rejects_a_credit_for_ids_never_sent():
     clients=st.integers(1, 8),
     slots=st.sampled_from([1, 2, 4, 8]),
     slot_elems=st.integers(1, 3000),
+    frozen_bits=st.integers(0, 31),
 )
-def test_arena_regions_are_aligned_disjoint_and_inside_the_arena(sizes, isz, clients, slots, slot_elems):
-    al = ArenaLayout.build(sizes, isz, isz, clients, slots, slot_elems)
+def test_arena_regions_are_aligned_disjoint_and_inside_the_arena(
+    sizes, isz, clients, slots, slot_elems, frozen_bits
+):
+    frozen = [bool(frozen_bits >> i & 1) for i in range(len(sizes))]
+    al = ArenaLayout.build(sizes, isz, isz, clients, slots, slot_elems, frozen)
     regions = sorted(al.regions(), key=lambda r: r[1])
-    assert len(regions) == 2 * len(sizes) + clients * slots
+    assert len(regions) == 2 * len(sizes) - sum(frozen) + clients * slots
     for (_, _, hi), (_, lo2, _) in zip(regions, regions[1:]):
         assert hi <= lo2  # disjoint
     for name, lo, hi in regions:
@@ -129,6 +133,23 @@ def test_arena_regions_are_aligned_disjoint_and_inside_the_arena(sizes, isz, cli
         ch = al.chunks(s)
         assert sum(n for _, n in ch) == s and all(n <= al.slot_elems for _, n in ch)
         assert [lo for lo, _ in ch] == [sum(n for _, n in ch[:i]) for i in range(len(ch))]
+
+
+def test_frozen_units_get_no_accumulator_in_the_arena():
+    """A frozen unit (LoRA base) is gather-only on every path: the arena reserves (and
+    ``begin_step`` zeroes) fp32 accumulator bytes for trained units only."""
+    sizes = [1000, 3000, 500, 2000]
+    full = ArenaLayout.build(sizes, 2, 2, 2, 2, 256)
+    lora = ArenaLayout.build(sizes, 2, 2, 2, 2, 256, frozen=[True, True, False, True])
+    assert lora.acc_offsets[0] is None and lora.acc_offsets[1] is None and lora.acc_offsets[3] is None
+    assert lora.acc_offsets[2] == lora.params_end  # the only accumulator, right after the params
+    assert lora.acc_end - lora.params_end == -(-500 * 4 // ALIGN) * ALIGN
+    assert full.nbytes - lora.nbytes == sum(-(-s * 4 // ALIGN) * ALIGN for s in (1000, 3000, 2000))
+    assert [n for n, _, _ in lora.regions() if n.startswith("acc")] == ["acc[2]"]
+    all_frozen = ArenaLayout.build(sizes, 2, 2, 2, 2, 256, frozen=[True] * 4)
+    assert all_frozen.acc_end == all_frozen.params_end
+    with pytest.raises(ValueError, match="3 frozen flags for 4 units"):
+        ArenaLayout.build(sizes, 2, 2, 2, frozen=[True] * 3)
 
 
 def test_signal_words_are_distinct_and_in_range():
@@ -145,3 +166,103 @@ def test_layout_errors_name_the_culprit():
         ArenaLayout.build([3], 4, 4, 2, slots=6)
     with pytest.raises(IndexError, match="landing slot"):
         ArenaLayout.build([3], 4, 4, 2, slots=2).landing_offset(2, 0)
+
+
+# --- devices: which GPU is which under per-rank CUDA_VISIBLE_DEVICES ---------------------------
+
+GPUS = ["uuid:GPU-A", "uuid:GPU-B", "uuid:GPU-C", "uuid:GPU-D"]
+P2P = {frozenset(p) for p in [("uuid:GPU-A", "uuid:GPU-B"), ("uuid:GPU-C", "uuid:GPU-D")]}  # NVLink pairs
+
+
+def _setups() -> dict[str, list[tuple[list[str], int]]]:
+    """Per scenario, per rank: (this process's visible GPUs in local index order, compute index)."""
+    return {
+        "all visible, cuda:rank": [(GPUS, r) for r in range(4)],
+        "per-rank CUDA_VISIBLE_DEVICES": [([g], 0) for g in GPUS],
+        "reversed order": [(GPUS[::-1], 3 - r) for r in range(4)],
+        "two ranks per GPU": [([GPUS[r // 2]], 0) for r in range(4)],
+        "pairs visible": [(GPUS[r // 2 * 2 : r // 2 * 2 + 2], r % 2) for r in range(4)],
+    }
+
+
+@pytest.mark.parametrize("scenario", sorted(_setups()))
+def test_peer_handles_open_on_the_compute_device_in_every_index_space(scenario):
+    from odcfn.kernels._gpu_devices import open_device_for_peer
+
+    ranks = _setups()[scenario]
+    for me, (visible, compute) in enumerate(ranks):
+        mine = visible[compute]
+        for peer, (pvis, pcompute) in enumerate(ranks):
+            if peer == me:
+                continue
+            peer_gpu = pvis[pcompute]  # what the peer records: its GPU's UUID, not its index
+            asked: list[tuple[str, str]] = []
+
+            def can_access(a, b, visible=visible, asked=asked):
+                asked.append((visible[a], visible[b]))
+                return frozenset((visible[a], visible[b])) in P2P
+
+            reachable = peer_gpu == mine or frozenset((mine, peer_gpu)) in P2P
+            if peer_gpu in visible and not reachable:
+                with pytest.raises(Exception, match="cannot access the peer's GPU"):
+                    open_device_for_peer(peer_gpu, compute, visible, can_access)
+                continue
+            assert open_device_for_peer(peer_gpu, compute, visible, can_access) == compute
+            # the P2P query, when one is possible, is about the two PHYSICAL GPUs involved
+            if peer_gpu != mine and peer_gpu in visible:
+                assert asked == [(mine, peer_gpu)]
+            else:
+                assert asked == []
+
+
+def test_open_cuda_maps_a_peer_handle_on_the_compute_device(monkeypatch):
+    """Through ``_open_cuda`` with CUDA mocked: rank 1 of 'all visible' computes on cuda:1 and
+    opens rank 0's handle (recorded as device 0) under cuda:1, not cuda:0; a refusal from CUDA
+    for a GPU outside CUDA_VISIBLE_DEVICES becomes a TransportError that says so."""
+    from types import SimpleNamespace
+
+    import torch
+    from torch.multiprocessing import reductions
+
+    from odcfn.kernels import cuda_ipc
+    from odcfn.kernels.base import TransportError
+    from odcfn.kernels.rdzv import b64
+
+    visible = list(GPUS)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: len(visible))
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda i: SimpleNamespace(uuid=visible[i].split(":", 1)[1])
+    )
+    monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: {a, b} in ({0, 1}, {2, 3}))
+    opened: list[int] = []
+
+    def rebuild(*args):
+        opened.append(args[6])  # storage_device
+        return torch.zeros(args[1], dtype=torch.uint8)
+
+    monkeypatch.setattr(reductions, "rebuild_cuda_tensor", rebuild)
+    rec = {"device": 0, "device_id": GPUS[0], "handle": b64(b"h"), "size": 4096, "offset": 0,
+           "rc_handle": b64(b"r"), "rc_offset": 0, "ev_handle": b64(b"e"), "ev_sync": False}  # fmt: skip
+    cuda_ipc._open_cuda(rec, 1024, torch.device("cuda", 1))
+    assert opened == [1]
+    with pytest.raises(TransportError, match="cannot access the peer's GPU cuda:0"):
+        cuda_ipc._open_cuda(rec, 1024, torch.device("cuda", 2))  # A and C: no P2P
+    visible[:] = [GPUS[1]]  # per-rank CUDA_VISIBLE_DEVICES: A is invisible, B is cuda:0
+
+    def refuse(*args):
+        raise RuntimeError("CUDA error: peer access is not supported between these two devices")
+
+    monkeypatch.setattr(reductions, "rebuild_cuda_tensor", refuse)
+    with pytest.raises(TransportError, match="not visible in this process"):
+        cuda_ipc._open_cuda(rec, 1024, torch.device("cuda", 0))
+    with pytest.raises(TransportError, match="malformed"):
+        cuda_ipc._open_cuda({k: v for k, v in rec.items() if k != "device_id"}, 1024, torch.device("cuda", 0))
+
+
+def test_pointer_tables_refuse_misaligned_peer_bases():
+    from odcfn.kernels._gpu_devices import check_aligned
+    from odcfn.kernels.base import TransportError
+
+    check_aligned([0x7F0000000000, 0x7F0000000100], (0, 1))
+    with pytest.raises(TransportError, match=r"not 16-byte aligned: \[\(1, '0x7f0000000108'\)\]"):
+        check_aligned([0x7F0000000000, 0x7F0000000108], (0, 1))

@@ -157,7 +157,7 @@ def _table(arch: int) -> list[tuple[str, object, dict, dict, tuple, dict | None]
         )
     rows += _fused_head_rows()
     try:
-        libs = {"libnvshmem_device": nv.device_bitcode(arch)}
+        libs = dict(nv.extern_libs(arch))  # ordered: the shim first
     except RuntimeError as e:  # no nvidia-nvshmem wheel: say so, compile the rest
         print(f"skipping NVSHMEM kernels: {e}", file=sys.stderr)
         return rows
@@ -184,15 +184,21 @@ def _fused_head_rows() -> list:
         consts = ("BLOCK_T", "BLOCK_V", "BLOCK_D", "PRECISION", "UPCAST")
         fwd |= {k: "constexpr" for k in (*consts, "WANT_ENTROPY")}
         bwd = {n: f"*{dt}" for n in ("h_ptr", "w_ptr")} | {"y_ptr": "*i64"}
-        bwd |= {n: "*fp32" for n in ("lse_ptr", "ent_ptr", "gl_ptr", "gh_ptr", "dh_ptr", "dw_ptr")}
+        bwd |= {n: "*fp32" for n in ("lse_ptr", "ent_ptr", "gl_ptr", "gh_ptr", "dw_ptr")}
         bwd |= ints | {"inv_tau": "fp32"}
         bwd |= {k: "constexpr" for k in (*consts, "WITH_ENTROPY")}
         flags = {"PRECISION": prec, "UPCAST": False}
         div = ("h_ptr", "w_ptr", "D")
         for kind, fn, sig, flag in (("fwd", F._head_fwd_kernel, fwd, "WANT_ENTROPY"),
-                                    ("bwd", F._head_bwd_kernel, bwd, "WITH_ENTROPY")):
+                                    ("bwd", F._head_bwd_dw_kernel, bwd, "WITH_ENTROPY")):
             cx = {**blocks(kind, half), **flags, flag: True}
             rows.append((f"fused_head_{kind}[{dt}]", fn, sig, cx, div, None, F.GPU_BLOCKS[kind, half]))
+        # the backward's second kernel (dh): same tiles, its own partial buffer and slice width
+        types = bwd | {"dh_ptr": "*fp32", "v_per_split": "i32"}
+        dh = {n: types[n] for n in F._head_bwd_dh_kernel.arg_names}
+        cx = {**blocks("bwd", half), **flags, "WITH_ENTROPY": True}
+        gb = F.GPU_BLOCKS["bwd", half]
+        rows.append((f"fused_head_bwd_dh[{dt}]", F._head_bwd_dh_kernel, dh, cx, div, None, gb))
     return rows
 
 
@@ -286,7 +292,7 @@ def warmup_launches(arch: int = 90, names: list[str] | None = None) -> list[dict
             ),
         ]
     try:
-        libs = {"extern_libs": (("libnvshmem_device", nv.device_bitcode(arch)),)}
+        libs = {"extern_libs": nv.extern_libs(arch)}
     except RuntimeError as e:
         print(f"skipping NVSHMEM kernels: {e}", file=sys.stderr)
         libs = None

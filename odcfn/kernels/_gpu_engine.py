@@ -151,19 +151,20 @@ class ArenaTransport(StepCollectives):
         self._stop = threading.Event()
         self._error: BaseException | None = None
         self._unit_index: dict[str, int] = {}
-        self._views: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._views: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
         self.dtype: torch.dtype | None = None
 
     # --- setup ------------------------------------------------------------------------------
     def _ensure_arena(self, layout: Layout, dtype: torch.dtype) -> None:
         sizes = tuple(u.shard_size for u in layout.units)
+        frozen = tuple(u.frozen for u in layout.units)
         isz = torch.empty((), dtype=dtype).element_size()
         al = self.arena_layout
-        if al is not None and al.shard_sizes == sizes and self.dtype == dtype:
+        if al is not None and al.shard_sizes == sizes and al.frozen == frozen and self.dtype == dtype:
             return
         self._stop_drain()
         self.generation += 1
-        al = ArenaLayout.build(sizes, isz, isz, len(self.group), self.slots, self.slot_elems)
+        al = ArenaLayout.build(sizes, isz, isz, len(self.group), self.slots, self.slot_elems, frozen)
         self.fabric.setup(al.nbytes, self.sig.words, f"{self.prefix}/arena/{self.generation}")
         self.arena_layout, self.dtype = al, dtype
         self._unit_index = {u.name: i for i, u in enumerate(layout.units)}
@@ -171,7 +172,8 @@ class ArenaTransport(StepCollectives):
         a = self.fabric.arena
         for i, u in enumerate(layout.units):
             p = a[al.param_offsets[i] : al.param_offsets[i] + u.shard_size * isz].view(dtype)
-            g = a[al.acc_offsets[i] : al.acc_offsets[i] + u.shard_size * 4].view(torch.float32)
+            o = al.acc_offsets[i]
+            g = None if o is None else a[o : o + u.shard_size * 4].view(torch.float32)
             self._views[u.name] = (p, g)
         self.senders = [SlotSender(self.slots, self.ids) for _ in self.group]
         self.receivers = [SlotReceiver(self.slots, self.ids) for _ in self.group]
@@ -250,6 +252,8 @@ class ArenaTransport(StepCollectives):
 
     def scatter_accumulate(self, unit: str, grad: torch.Tensor) -> Handle:
         i_u = self._unit_index[unit]
+        if self.arena_layout.acc_offsets[i_u] is None:
+            raise ValueError(f"unit {unit!r} is frozen: it has no accumulator to scatter into")
         size = self.layout[unit].shard_size
         for i in range(len(self.group)):  # never push into an owner before it zeroed (cached)
             self._wait_version(i)
@@ -361,19 +365,22 @@ class ArenaTransport(StepCollectives):
                 lambda c=c: done(c), f"rank {self.group[c]} to finish pushing into rank {self.mesh.rank}"
             )
         if self.host_grads:
-            self._host = {name: acc.cpu() for name, (_, acc) in self._views.items()}
+            self._host = {name: acc.cpu() for name, (_, acc) in self._views.items() if acc is not None}
 
     # --- the collective half: base.StepCollectives over these buffers (and _accumulate) -------
     def _published(self, unit: str) -> torch.Tensor:
         return self._views[unit][0]
 
     def _accumulator(self, unit: str) -> torch.Tensor:
-        return self._views[unit][1]
+        acc = self._views[unit][1]
+        if acc is None:
+            raise ValueError(f"unit {unit!r} is frozen: it has no accumulator")
+        return acc
 
     def grad_shards(self) -> dict[str, torch.Tensor]:
         if self.host_grads:
             return self._host
-        return {name: acc for name, (_, acc) in self._views.items()}
+        return {name: acc for name, (_, acc) in self._views.items() if acc is not None}
 
     def _counter_key(self, step: int, counter: int) -> str:
         return f"{self.prefix}/c/{step}/{counter}"

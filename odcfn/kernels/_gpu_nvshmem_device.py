@@ -3,10 +3,15 @@
 Stock Triton has no NVSHMEM bindings, so the device API is reached through
 ``core.extern_elementwise`` on the bitcode the nvidia-nvshmem wheels ship (``device_bitcode``);
 the compiler links it into the kernel.
-Pointers cross the boundary as int64 (symmetric addresses are plain device addresses), sizes as
-uint64, PEs as int32. Functions that return void in C are declared here as returning int32 and
-the result is discarded; NVSHMEM's ``*_block`` functions must be called by every thread of the
-CTA, which is what a scalar call in a Triton program does.
+Triton's ``extern_elementwise`` cannot declare a void function (its op must yield a value), and
+declaring NVSHMEM's void functions as returning i32 is a call through a mismatched prototype
+(undefined behaviour in LLVM IR; it only compiled because InstCombine rewrote the unused
+result). So every NVSHMEM function is reached through a small LLVM IR shim generated from
+``DEVICE_FUNCTIONS`` (the C prototypes exactly as NVSHMEM's headers declare them, checked
+against the installed wheel's headers by tests/test_gpu_nvshmem_headers.py): ``odcfn_<name>``
+takes pointers as int64, calls the real function with its real types (void result, ``ptr``
+arguments) and returns i32 0 to Triton. NVSHMEM's ``*_block`` functions must be called by every
+thread of the CTA, which is what a scalar call in a Triton program does.
 
 A module that uses these kernels must be registered with NVSHMEM (``nvshmemx_cumodule_init``)
 before its first launch; ``odcfn.kernels.nvshmem`` does that. Importing this file needs only
@@ -17,22 +22,125 @@ NVSHMEM job.
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
+import tempfile
 
 import triton
 import triton.language as tl
 from triton.language import core
 
 __all__ = [
+    "DEVICE_FUNCTIONS",
     "KERNELS",
+    "NVSHMEM_SIGNAL_ADD",
+    "NVSHMEM_SIGNAL_SET",
     "device_bitcode",
+    "extern_libs",
+    "shim_ir",
     "nvshmem_gather_kernel",
     "nvshmem_put_signal_kernel",
     "nvshmem_signal_kernel",
 ]
 
-SIGNAL_SET = tl.constexpr(0)  # NVSHMEM_SIGNAL_SET
-SIGNAL_ADD = tl.constexpr(5)  # NVSHMEM_SIGNAL_ADD
+# nvshmemx_signal_op_t in device_host_transport/nvshmem_common_transport.h (3.4.5 and 3.8.0):
+# ``typedef enum { NVSHMEM_SIGNAL_SET = 9, NVSHMEM_SIGNAL_ADD = 10 }``. Any other value is an
+# invalid operation: the receiver's wait would never see the word change.
+NVSHMEM_SIGNAL_SET = 9
+NVSHMEM_SIGNAL_ADD = 10
+SIGNAL_SET = tl.constexpr(NVSHMEM_SIGNAL_SET)
+SIGNAL_ADD = tl.constexpr(NVSHMEM_SIGNAL_ADD)
+
+# The C prototypes (return type, argument types) of every NVSHMEM device function called here,
+# spelled as in host/nvshmemx_api.h and host/nvshmem_api.h. The shim's declarations and the
+# Triton-side argument types are both derived from this table, and the table is compared with
+# the installed headers in CI, so neither can drift from NVSHMEM.
+DEVICE_FUNCTIONS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "nvshmemx_getmem_block": ("void", ("void*", "const void*", "size_t", "int")),
+    "nvshmemx_putmem_signal_nbi_block": (
+        "void",
+        ("void*", "const void*", "size_t", "uint64_t*", "uint64_t", "int", "int"),
+    ),
+    "nvshmemx_signal_op": ("void", ("uint64_t*", "uint64_t", "int", "int")),
+    "nvshmem_quiet": ("void", ()),
+}
+
+# C type -> (LLVM type of the real call, LLVM type of the shim's argument, Triton type)
+_C_TYPES = {
+    "void*": ("ptr", "i64", core.int64),
+    "const void*": ("ptr", "i64", core.int64),
+    "uint64_t*": ("ptr", "i64", core.int64),
+    "size_t": ("i64", "i64", core.uint64),  # size_t is 64-bit on nvptx64
+    "uint64_t": ("i64", "i64", core.uint64),
+    "int": ("i32", "i32", core.int32),
+}
+_SHIM_LIB = "odcfn_nvshmem_shim"
+
+
+def _ctype(t: str) -> str:
+    return " ".join(t.replace("*", " * ").split()).replace(" *", "*")
+
+
+def shim_ir() -> str:
+    """The LLVM IR (text) of the wrappers: ``i32 @odcfn_<f>(...)`` calls ``void @<f>(...)``
+    with the header's types. ``alwaysinline``: nothing of the shim survives into the PTX."""
+    lines = ['target triple = "nvptx64-nvidia-cuda"', ""]
+    for name, (ret, args) in DEVICE_FUNCTIONS.items():
+        if ret != "void":
+            raise ValueError(f"{name}: only void functions are wrapped (returns {ret})")
+        real = [_C_TYPES[_ctype(a)][0] for a in args]
+        outer = [_C_TYPES[_ctype(a)][1] for a in args]
+        lines.append(f"declare void @{name}({', '.join(real)})")
+        params = ", ".join(f"{t} %a{i}" for i, t in enumerate(outer))
+        lines.append(f"define linkonce_odr i32 @odcfn_{name}({params}) #0 {{")
+        call_args = []
+        for i, (r, o) in enumerate(zip(real, outer)):
+            if r == "ptr" and o == "i64":  # symmetric addresses travel as int64
+                lines.append(f"  %p{i} = inttoptr i64 %a{i} to ptr")
+                call_args.append(f"ptr %p{i}")
+            else:
+                call_args.append(f"{r} %a{i}")
+        lines.append(f"  call void @{name}({', '.join(call_args)})")
+        lines += ["  ret i32 0", "}", ""]
+    lines.append("attributes #0 = { alwaysinline nounwind }")
+    return "\n".join(lines) + "\n"
+
+
+@functools.cache
+def shim_path() -> str:
+    """The shim written once per content into a private (0700) per-user directory: triton's
+    ``extern_libs`` take paths, and its LLVM parses textual IR as well as bitcode. Private,
+    because a file another user could pre-create would be linked into our kernels."""
+    text = shim_ir()
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    d = os.path.join(base, "odcfn")
+    os.makedirs(d, mode=0o700, exist_ok=True)
+    st = os.stat(d)
+    if st.st_uid != os.getuid() or st.st_mode & 0o022:
+        raise RuntimeError(f"{d} must be owned by this user and not group/world writable")
+    path = os.path.join(d, f"nvshmem_shim_{hashlib.sha256(text.encode()).hexdigest()[:16]}.ll")
+    try:
+        with open(path) as f:
+            if f.read() == text:
+                return path
+    except FileNotFoundError:
+        pass
+    fd, tmp = tempfile.mkstemp(dir=d, suffix=".ll")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)  # atomic: a concurrent rank reads the old or the new, both whole
+    return path
+
+
+def extern_libs(arch: int = 90) -> tuple[tuple[str, str], ...]:
+    """What the NVSHMEM kernels link, in order. The shim comes FIRST: triton links each library
+    with LinkOnlyNeeded, so NVSHMEM's bitcode must come after the shim that references it."""
+    return ((_SHIM_LIB, shim_path()), ("libnvshmem_device", device_bitcode(arch)))
+
+
+def triton_arg_types(name: str) -> tuple:
+    """The Triton argument types of ``odcfn_<name>`` (derived from ``DEVICE_FUNCTIONS``)."""
+    return tuple(_C_TYPES[_ctype(a)][2] for a in DEVICE_FUNCTIONS[name][1])
 
 
 @functools.cache
@@ -60,61 +168,42 @@ def device_bitcode(arch: int = 90) -> str:
     raise RuntimeError(f"none of {list(names)} found under {roots}")
 
 
-_LIB = "libnvshmem_device"
-
-
 def _path() -> str:
     # extern_elementwise wants a path at trace time; the options' extern_libs decide what is
-    # linked, so an empty string is enough here (see ``compile_options``).
+    # linked, so an empty string is enough here (see ``extern_libs``).
     return ""
+
+
+def _call(name: str, args: list, _semantic):
+    return core.extern_elementwise(
+        _SHIM_LIB,
+        _path(),
+        args,
+        {triton_arg_types(name): (f"odcfn_{name}", core.int32)},  # the shim's i32 0
+        is_pure=False,
+        _semantic=_semantic,
+    )
 
 
 @core.extern
 def getmem_block(dest, source, nbytes, pe, _semantic=None):
-    return core.extern_elementwise(
-        _LIB,
-        _path(),
-        [dest, source, nbytes, pe],
-        {(core.int64, core.int64, core.uint64, core.int32): ("nvshmemx_getmem_block", core.int32)},
-        is_pure=False,
-        _semantic=_semantic,
-    )
+    return _call("nvshmemx_getmem_block", [dest, source, nbytes, pe], _semantic)
 
 
 @core.extern
 def putmem_signal_nbi_block(dest, source, nbytes, sig_addr, signal, sig_op, pe, _semantic=None):
-    return core.extern_elementwise(
-        _LIB,
-        _path(),
-        [dest, source, nbytes, sig_addr, signal, sig_op, pe],
-        {
-            (core.int64, core.int64, core.uint64, core.int64, core.uint64, core.int32, core.int32): (
-                "nvshmemx_putmem_signal_nbi_block",
-                core.int32,
-            )
-        },
-        is_pure=False,
-        _semantic=_semantic,
-    )
+    args = [dest, source, nbytes, sig_addr, signal, sig_op, pe]
+    return _call("nvshmemx_putmem_signal_nbi_block", args, _semantic)
 
 
 @core.extern
 def signal_op(sig_addr, signal, sig_op, pe, _semantic=None):
-    return core.extern_elementwise(
-        _LIB,
-        _path(),
-        [sig_addr, signal, sig_op, pe],
-        {(core.int64, core.uint64, core.int32, core.int32): ("nvshmemx_signal_op", core.int32)},
-        is_pure=False,
-        _semantic=_semantic,
-    )
+    return _call("nvshmemx_signal_op", [sig_addr, signal, sig_op, pe], _semantic)
 
 
 @core.extern
 def quiet(_semantic=None):
-    return core.extern_elementwise(
-        _LIB, _path(), [], {(): ("nvshmem_quiet", core.int32)}, is_pure=False, _semantic=_semantic
-    )
+    return _call("nvshmem_quiet", [], _semantic)
 
 
 # --- kernels ----------------------------------------------------------------------------------

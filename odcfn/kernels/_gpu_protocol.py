@@ -6,7 +6,8 @@ symmetric heap) and one *signal array* (int64 words peers write). Every rank com
 
 Arena (byte offsets, each region 256-byte aligned so every kernel sees 16-byte aligned bases):
   params[u]   this rank's shard of unit u in the compute dtype   (peers *read*: gather)
-  acc[u]      this rank's fp32 gradient accumulator of unit u     (peers add: remote-add mode)
+  acc[u]      this rank's fp32 gradient accumulator of unit u     (peers add: remote-add mode);
+              none for a frozen unit (gather-only, e.g. a LoRA base: never scattered into)
   landing[c][s]  slot s of client c: a 256-byte header (unit, element offset, count, request
               id as int64) then ``slot_elems`` grad elements   (peers *write*: landing mode)
 
@@ -97,6 +98,7 @@ class ArenaLayout:
     clients: int  # shard-group size: how many peers may push into this rank
     slots: int  # landing slots per client (power of two)
     slot_elems: int  # elements per landing slot
+    frozen: tuple[bool, ...] = ()  # per unit (empty: none); a frozen unit has no accumulator
 
     @classmethod
     def build(
@@ -107,6 +109,7 @@ class ArenaLayout:
         clients: int,
         slots: int = 4,
         slot_elems: int = 1 << 20,
+        frozen: Sequence[bool] | None = None,
     ) -> ArenaLayout:
         if not shard_sizes or any(int(s) < 1 for s in shard_sizes):
             raise ValueError(f"ArenaLayout: shard sizes must be positive, got {list(shard_sizes)}")
@@ -115,11 +118,17 @@ class ArenaLayout:
         SeqIds().slot(0, slots)  # validates power of two
         if slot_elems < 1:
             raise ValueError(f"ArenaLayout: slot_elems must be >= 1, got {slot_elems}")
+        fz = tuple(bool(f) for f in frozen) if frozen is not None else (False,) * len(shard_sizes)
+        if len(fz) != len(shard_sizes):
+            raise ValueError(f"ArenaLayout: {len(fz)} frozen flags for {len(shard_sizes)} units")
         # a slot never needs to be larger than the largest shard
         slot_elems = min(slot_elems, max(shard_sizes))
         return cls(
-            tuple(int(s) for s in shard_sizes), param_itemsize, grad_itemsize, clients, slots, slot_elems
+            tuple(int(s) for s in shard_sizes), param_itemsize, grad_itemsize, clients, slots, slot_elems, fz
         )
+
+    def is_frozen(self, unit: int) -> bool:
+        return bool(self.frozen) and self.frozen[unit]
 
     @functools.cached_property  # computed once: the engine asks per chunk
     def param_offsets(self) -> tuple[int, ...]:
@@ -134,16 +143,26 @@ class ArenaLayout:
         return self.param_offsets[-1] + _up(self.shard_sizes[-1] * self.param_itemsize)
 
     @functools.cached_property
-    def acc_offsets(self) -> tuple[int, ...]:
-        offs, at = [], self.params_end
-        for s in self.shard_sizes:
-            offs.append(at)
-            at += _up(s * 4)
-        return tuple(offs)
+    def _acc(self) -> tuple[tuple[int | None, ...], int]:
+        # frozen units take no bytes: the CPU transports hold no accumulator for them either
+        offs: list[int | None] = []
+        at = self.params_end
+        for u, s in enumerate(self.shard_sizes):
+            if self.is_frozen(u):
+                offs.append(None)
+            else:
+                offs.append(at)
+                at += _up(s * 4)
+        return tuple(offs), at
 
-    @functools.cached_property
+    @property
+    def acc_offsets(self) -> tuple[int | None, ...]:
+        """Byte offset of each unit's accumulator; None for a frozen unit."""
+        return self._acc[0]
+
+    @property
     def acc_end(self) -> int:
-        return self.acc_offsets[-1] + _up(self.shard_sizes[-1] * 4)
+        return self._acc[1]
 
     @functools.cached_property
     def slot_bytes(self) -> int:
@@ -164,7 +183,8 @@ class ArenaLayout:
         for u, (o, s) in enumerate(zip(self.param_offsets, self.shard_sizes)):
             out.append((f"params[{u}]", o, o + s * self.param_itemsize))
         for u, (o, s) in enumerate(zip(self.acc_offsets, self.shard_sizes)):
-            out.append((f"acc[{u}]", o, o + s * 4))
+            if o is not None:
+                out.append((f"acc[{u}]", o, o + s * 4))
         for c in range(self.clients):
             for k in range(self.slots):
                 o = self.landing_offset(c, k)

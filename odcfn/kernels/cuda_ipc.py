@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from odcfn.kernels._gpu_devices import check_aligned, device_id, open_device_for_peer
 from odcfn.kernels._gpu_engine import ArenaTransport
 from odcfn.kernels.base import Collectives, TransportError
 from odcfn.kernels.collective import TorchCollectives
@@ -99,26 +100,40 @@ def _share_cuda(t: torch.Tensor) -> dict[str, Any]:
     return {
         "device": int(device), "handle": b64(handle), "size": int(size), "offset": int(offset),
         "rc_handle": b64(rc_handle), "rc_offset": int(rc_offset), "ev_handle": b64(ev_handle),
-        "ev_sync": bool(ev_sync),
+        "ev_sync": bool(ev_sync), "device_id": device_id(int(device)),
     }
 
 
-def _open_cuda(rec: dict[str, Any], nbytes: int) -> torch.Tensor:
-    """A peer's arena from its plain-data handle, through torch's fixed rebuild function."""
+def _open_cuda(rec: dict[str, Any], nbytes: int, compute: torch.device) -> torch.Tensor:
+    """A peer's arena from its plain-data handle, through torch's fixed rebuild function,
+    opened on the COMPUTE device (see ``open_device_for_peer``): the peer's own index
+    (``rec["device"]``) is an index in the peer's CUDA_VISIBLE_DEVICES space, meaningless here."""
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
     try:
-        device, size, offset = int(rec["device"]), int(rec["size"]), int(rec["offset"])
+        peer_id = rec["device_id"]
+        if not isinstance(peer_id, str):
+            raise TypeError("device_id is not a string")
+        size, offset = int(rec["size"]), int(rec["offset"])
         rc_offset, ev_sync = int(rec["rc_offset"]), bool(rec["ev_sync"])
         handle, rc_handle, ev_handle = unb64(rec["handle"]), unb64(rec["rc_handle"]), unb64(rec["ev_handle"])
     except (KeyError, TypeError, ValueError) as e:
         raise TransportError(f"a peer's CUDA IPC record is malformed: {e}") from None
     if size < nbytes:
         raise TransportError(f"a peer's CUDA IPC allocation has {size} bytes, the arena needs {nbytes}")
-    return rebuild_cuda_tensor(
-        torch.Tensor, (nbytes,), (1,), 0, torch.storage.TypedStorage, torch.uint8, device, handle,
-        size, offset, False, rc_handle, rc_offset, ev_handle, ev_sync,
-    )
+    visible = [device_id(i) for i in range(torch.cuda.device_count())]
+    device = open_device_for_peer(peer_id, compute.index, visible, torch.cuda.can_device_access_peer)
+    try:
+        return rebuild_cuda_tensor(
+            torch.Tensor, (nbytes,), (1,), 0, torch.storage.TypedStorage, torch.uint8, device, handle,
+            size, offset, False, rc_handle, rc_offset, ev_handle, ev_sync,
+        )
+    except RuntimeError as e:  # e.g. cudaErrorPeerAccessUnsupported for a GPU not visible here
+        where = "visible here" if peer_id in visible else "not visible in this process (CUDA_VISIBLE_DEVICES)"
+        raise TransportError(
+            f"cannot map the peer's arena on GPU {peer_id} ({where}) into cuda:{compute.index} "
+            f"({visible[compute.index]}): {e}. CUDA IPC needs P2P between the two GPUs."
+        ) from e
 
 
 class IpcFabric:
@@ -137,6 +152,8 @@ class IpcFabric:
         self.device = torch.device(device)
         if self.device.type == "cuda":
             require_cuda()
+            if self.device.index is None:  # handles are opened on it: it must be one device
+                self.device = torch.device("cuda", torch.cuda.current_device())
         elif self.device.type != "cpu":
             raise ValueError(f"IpcFabric: device must be cuda or cpu, got {self.device}")
         elif platform.machine() not in ("x86_64", "AMD64"):
@@ -205,7 +222,7 @@ class IpcFabric:
                 path = check_shm_path(arena.get("path"), self.shm_dir, prefix)
                 self.peers[peer] = _shm(path, nbytes, False)
             else:
-                self.peers[peer] = _open_cuda(arena, nbytes)
+                self.peers[peer] = _open_cuda(arena, nbytes, self.device)
         # everyone has mapped everyone: the files can go (mappings stay valid, a crash leaks nothing)
         mapped = f"{key}/mapped/{self.group[0]}"  # one counter per shard group
         self.store.add(mapped, 1)
@@ -239,6 +256,7 @@ class IpcFabric:
         t = self._tables.get(key)
         if t is None:
             ptrs = [self.peers[o].data_ptr() + offset for o in owners]
+            check_aligned(ptrs, owners)
             t = self._tables[key] = torch.tensor(ptrs, dtype=torch.int64, device=self.device)
         return t
 

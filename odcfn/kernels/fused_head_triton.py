@@ -11,16 +11,16 @@ over ``BLOCK_D`` pieces of D, keeping per token a running max ``m``, ``s = Σ e^
 (O(T × splits)). Splitting the vocabulary lets a short sequence (T=2K: 32 token blocks) still
 fill every SM; one slice per program would leave most of an H200 idle.
 
-Backward (``_head_bwd_kernel``): a program owns one ``BLOCK_T × BLOCK_V`` tile: it recomputes
-the tile's logits, forms ``dz = g_logp·(onehot − p) − g_H·p·(log p + H)`` (``1/τ`` folded into
-the upstream gradients) and adds ``dz W`` into an fp32 T×D buffer and ``dzᵀ h`` into ONE fp32
-V×D buffer with atomic adds, D piece by D piece. Why atomics: a program that owned whole rows
-of dW would have to keep ``BLOCK_V × D`` fp32 accumulators (D up to 8192) or recompute the
-logits once per D piece; a split-and-reduce would need one fp32 V×D buffer per split (0.5 GiB
-each at V=151,936, D=896). Atomic adds keep one buffer and recompute each tile once — Apple's
-Cut Cross-Entropy makes the same choice. Programs are ordered token-block fastest, so the
-programs in flight share a vocabulary tile of W (read from memory once, then from L2). The
-price: the summation order of dW/dh varies run to run (fp32 rounding only).
+Backward: two kernels, no atomics, bit-identical run to run. Both recompute a tile's logits
+from h, W and the saved lse (``_tile_dz``) and form ``dz = g_logp·(onehot − p) − g_H·p·(log p +
+H)`` (``1/τ`` folded into the upstream gradients). ``_head_bwd_dw_kernel``: a program OWNS one
+vocabulary tile of dW (BLOCK_V rows × all of D) and walks every token block in order, adding
+``dzᵀ h`` by plain load/add/store into rows no other program touches. ``_head_bwd_dh_kernel``:
+a program owns a token block of dh (per vocabulary slice: short sequences still fill the GPU,
+the ≤ 4 slice partials are summed in slice order) and walks its slice's tiles in order. The
+price: the logits are recomputed twice (8·T·V·D backward FLOPs instead of 6), against ~T·V·D/
+BLOCK_T fp32 atomics (10¹¹ at 32K × 151,936 × 3,584) and a run-to-run varying sum order in the
+atomic design this replaces; docs/gpu.md estimates both on an H200.
 
 Labels equal to -100 are not targets: their rows are dropped before the kernels (logp, entropy
 and lse 0, no gradient). fp32 inputs use full-precision dots (``ieee``, as torch's fp32 GEMMs
@@ -131,18 +131,13 @@ def _head_fwd_kernel(
 
 
 @triton.jit
-def _head_bwd_kernel(
-    h_ptr, w_ptr, y_ptr, lse_ptr, ent_ptr, gl_ptr, gh_ptr, dh_ptr, dw_ptr,
-    T, V, D, inv_tau,
+def _tile_dz(
+    h_ptr, w_ptr, y_ptr, lse_ptr, ent_ptr, gl_ptr, gh_ptr, rows, cols, T, V, D, inv_tau,
     BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
     WITH_ENTROPY: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
-    """dh (T×D fp32) and dW (V×D fp32) += this tile's share, by atomic adds. ``gl``/``gh`` are
-    the upstream gradients already multiplied by 1/τ (the logits' scale)."""
-    pid_t = tl.program_id(0)
-    pid_v = tl.program_id(1)
-    rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    cols = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    """The logits' gradient ``dz`` of one BLOCK_T × BLOCK_V tile, recomputed from h, W and the
+    saved lse (0 outside the tile's valid rows/columns), in the dtype of the gradient dots."""
     row_ok = rows < T
     col_ok = cols < V
     h_row = h_ptr + rows.to(tl.int64)[:, None] * D
@@ -172,19 +167,74 @@ def _head_bwd_kernel(
     dz_c = dz.to(h_ptr.dtype.element_ty)  # as autograd's bf16 backward rounds the logits' grad
     if UPCAST:
         dz_c = dz_c.to(tl.float32)
-    for d0 in range(0, D, BLOCK_D):
-        ds = d0 + tl.arange(0, BLOCK_D)
-        d_ok = ds < D
-        h = tl.load(h_row + ds[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-        w = tl.load(w_row + ds[None, :], mask=col_ok[:, None] & d_ok[None, :], other=0.0)
-        if UPCAST:
-            h, w = h.to(tl.float32), w.to(tl.float32)
-        dh = tl.dot(dz_c, w, input_precision=PRECISION)  # BLOCK_T × BLOCK_D
-        tl.atomic_add(dh_ptr + rows.to(tl.int64)[:, None] * D + ds[None, :], dh,
-                      mask=row_ok[:, None] & d_ok[None, :], sem="relaxed")
-        dw = tl.dot(tl.trans(dz_c), h, input_precision=PRECISION)  # BLOCK_V × BLOCK_D
-        tl.atomic_add(dw_ptr + cols.to(tl.int64)[:, None] * D + ds[None, :], dw,
-                      mask=col_ok[:, None] & d_ok[None, :], sem="relaxed")
+    return dz_c
+
+
+@triton.jit
+def _head_bwd_dh_kernel(
+    h_ptr, w_ptr, y_ptr, lse_ptr, ent_ptr, gl_ptr, gh_ptr, dh_ptr,
+    T, V, D, v_per_split, inv_tau,
+    BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+    WITH_ENTROPY: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    """Program (t, k) owns rows ``t`` of the fp32 partial ``dh[k]`` (k: vocabulary slice) and
+    walks its slice's tiles IN ORDER, adding ``dz W`` by plain load/add/store: no other program
+    writes those bytes, so no atomics and the same order every run."""
+    pid_t = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_ok = rows < T
+    dh_rows = dh_ptr + pid_k.to(tl.int64) * T * D + rows.to(tl.int64)[:, None] * D
+    for v0 in range(0, v_per_split, BLOCK_V):
+        cols = pid_k * v_per_split + v0 + tl.arange(0, BLOCK_V)
+        col_ok = cols < V
+        dz_c = _tile_dz(h_ptr, w_ptr, y_ptr, lse_ptr, ent_ptr, gl_ptr, gh_ptr, rows, cols, T, V, D, inv_tau,
+                        BLOCK_T, BLOCK_V, BLOCK_D, WITH_ENTROPY, PRECISION, UPCAST)  # fmt: skip
+        w_row = w_ptr + cols.to(tl.int64)[:, None] * D
+        for d0 in range(0, D, BLOCK_D):
+            ds = d0 + tl.arange(0, BLOCK_D)
+            d_ok = ds < D
+            w = tl.load(w_row + ds[None, :], mask=col_ok[:, None] & d_ok[None, :], other=0.0)
+            if UPCAST:
+                w = w.to(tl.float32)
+            # one pointer tensor for the load and the store: each element is read and written
+            # by the same thread, iteration after iteration (program order, no race)
+            ptrs = dh_rows + ds[None, :]
+            m = row_ok[:, None] & d_ok[None, :]
+            dh = tl.dot(dz_c, w, input_precision=PRECISION)  # BLOCK_T × BLOCK_D
+            tl.store(ptrs, tl.load(ptrs, mask=m, other=0.0) + dh, mask=m)
+
+
+@triton.jit
+def _head_bwd_dw_kernel(
+    h_ptr, w_ptr, y_ptr, lse_ptr, ent_ptr, gl_ptr, gh_ptr, dw_ptr,
+    T, V, D, inv_tau,
+    BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+    WITH_ENTROPY: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    """Program v owns rows ``v`` of dW (one vocabulary tile, all of D) and walks every token
+    block IN ORDER, recomputing the tile's dz from the saved lse and adding ``dzᵀ h``: each dW
+    element has one writer, so no atomics and a bit-identical result run to run."""
+    pid_v = tl.program_id(0)
+    cols = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    col_ok = cols < V
+    dw_rows = dw_ptr + cols.to(tl.int64)[:, None] * D
+    for t0 in range(0, T, BLOCK_T):
+        rows = t0 + tl.arange(0, BLOCK_T)
+        row_ok = rows < T
+        dz_c = _tile_dz(h_ptr, w_ptr, y_ptr, lse_ptr, ent_ptr, gl_ptr, gh_ptr, rows, cols, T, V, D, inv_tau,
+                        BLOCK_T, BLOCK_V, BLOCK_D, WITH_ENTROPY, PRECISION, UPCAST)  # fmt: skip
+        h_row = h_ptr + rows.to(tl.int64)[:, None] * D
+        for d0 in range(0, D, BLOCK_D):
+            ds = d0 + tl.arange(0, BLOCK_D)
+            d_ok = ds < D
+            h = tl.load(h_row + ds[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+            if UPCAST:
+                h = h.to(tl.float32)
+            ptrs = dw_rows + ds[None, :]
+            m = col_ok[:, None] & d_ok[None, :]
+            dw = tl.dot(tl.trans(dz_c), h, input_precision=PRECISION)  # BLOCK_V × BLOCK_D
+            tl.store(ptrs, tl.load(ptrs, mask=m, other=0.0) + dw, mask=m)
 
 
 # --- launchers ---------------------------------------------------------------------------------
@@ -299,6 +349,7 @@ def triton_head_backward(
     block_t: int | None = None,
     block_v: int | None = None,
     block_d: int | None = None,
+    splits: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(dh_TxD in h's dtype, dw_VxD fp32)``, the gradients of ``Σ g_logp·logp + Σ g_H·H``: as
     ``fused_head.head_backward``. ``entropy_T``/``g_entropy_T`` may be None (no entropy term)."""
@@ -322,13 +373,21 @@ def triton_head_backward(
     else:
         gh = ent = gl  # never read (WITH_ENTROPY is False)
     y, lse = pick(labels_T).contiguous(), pick(lse_T).float().contiguous()
-    dh32 = torch.zeros(n, D, dtype=torch.float32, device=dev)
     b = _blocks("bwd", h.dtype, {"block_t": block_t, "block_v": block_v, "block_d": block_d})
-    grid = (triton.cdiv(n, b["block_t"]), triton.cdiv(V, b["block_v"]))
+    n_t, n_v = triton.cdiv(n, b["block_t"]), triton.cdiv(V, b["block_v"])
+    # dh: vocabulary slices give a short sequence enough programs; each slice has its own fp32
+    # partial (k × n × D), summed below in slice order: deterministic. Capped at 4 slices.
+    k = max(1, min(splits or min(_splits(n_t, n_v, dev), 4), n_v))
+    v_per_split = triton.cdiv(n_v, k) * b["block_v"]
+    k = triton.cdiv(V, v_per_split)
+    dh_parts = torch.zeros(k, n, D, dtype=torch.float32, device=dev)
     meta = {"BLOCK_T": b["block_t"], "BLOCK_V": b["block_v"], "BLOCK_D": b["block_d"],
             "WITH_ENTROPY": with_h, **_dot_meta(h.dtype), "num_warps": b["num_warps"]}
-    args = (h, w_VxD.contiguous(), y, lse, ent, gl, gh, dh32, dw_VxD, n, V, D, inv_tau)
-    _launch(_head_bwd_kernel, grid, args, meta)
+    w = w_VxD.contiguous()
+    common = (h, w, y, lse, ent, gl, gh)
+    _launch(_head_bwd_dh_kernel, (n_t, k), (*common, dh_parts, n, V, D, v_per_split, inv_tau), meta)
+    _launch(_head_bwd_dw_kernel, (n_v,), (*common, dw_VxD, n, V, D, inv_tau), meta)
+    dh32 = dh_parts[0] if k == 1 else dh_parts.sum(0)
     if rows is None:
         dh_TxD = dh32.to(h_TxD.dtype)
     else:

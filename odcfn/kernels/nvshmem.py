@@ -130,10 +130,10 @@ def _launch(kernel: Any, grid: tuple[int, ...], *args: Any, **consts: Any) -> No
     then hits the cache) and registered the first time it is seen."""
     from nvshmem import bindings  # type: ignore[import-not-found]
 
-    from odcfn.kernels._gpu_nvshmem_device import device_bitcode
+    from odcfn.kernels._gpu_nvshmem_device import extern_libs
 
     # a tuple of pairs (hashable: it becomes part of triton's kernel cache key)
-    libs = (("libnvshmem_device", device_bitcode(_bitcode_arch(torch.cuda.get_device_capability()))),)
+    libs = extern_libs(_bitcode_arch(torch.cuda.get_device_capability()))
     with _COMPILE_LOCK:  # the main and drain threads may both reach a first launch
         compiled = kernel.warmup(*args, grid=grid, extern_libs=libs, **consts)
         key = (id(compiled), torch.cuda.current_device())
@@ -169,6 +169,7 @@ class NvshmemFabric:
         self.peer_views: dict[int, torch.Tensor] = {}  # same-node peers, through nvshmem_ptr
         self._staging = torch.empty(0, dtype=torch.uint8, device=self.device)
         self._pes: dict[tuple, torch.Tensor] = {}
+        self._poll = threading.local()
 
     def _same_node(self, rank: int) -> bool:
         return rank // self.mesh.node_size == self.mesh.node
@@ -198,8 +199,27 @@ class NvshmemFabric:
         self._pes = {}
 
     # --- signals ------------------------------------------------------------------------------
+    def _poll_state(self) -> Any:
+        """This thread's poll stream and pinned word (the main and drain threads both poll)."""
+        st = getattr(self._poll, "state", None)
+        if st is None:
+            cuda = self.device.type == "cuda"
+            stream = torch.cuda.Stream(self.device)
+            host = torch.empty(1, dtype=torch.int64, pin_memory=cuda)
+            st = self._poll.state = (stream, host)
+        return st
+
     def signal_read(self, idx: int) -> int:
-        return int(self.sig[idx].item())
+        # Not ``.item()`` on the current stream: that copy queues behind every kernel already
+        # launched there, so each poll would wait for the queued compute. A copy on this
+        # thread's own stream (torch's pool streams are cudaStreamNonBlocking: no implicit
+        # ordering with the compute stream) into pinned memory waits for the word only. The
+        # word is written remotely by NVSHMEM (not by any stream here), so no ordering is lost.
+        stream, host = self._poll_state()
+        with torch.cuda.stream(stream):
+            host.copy_(self.sig[idx : idx + 1], non_blocking=True)
+        stream.synchronize()
+        return int(host[0])
 
     def signal_write(self, rank: int, idx: int, value: int) -> None:
         self.fence()
