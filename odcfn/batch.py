@@ -21,9 +21,17 @@ class Sample:
     """One sequence. ``loss_mask[t]`` says whether token ``t`` is a prediction target
     (predicted from position ``t - 1``); token 0 is never a target.
 
-    ``extras`` maps names to per-token 1-D float tensors of the tokens' length (RL rollout data:
-    ``advantages``, ``old_logprobs``, ``ref_logprobs``); ``extras[k][t]`` belongs to token ``t``
-    as a target, like ``loss_mask[t]``. They are stored (copied) as float32.
+    ``extras`` maps names to per-token tensors whose first dimension is the tokens' length
+    ``T``; any trailing shape. Their dtype says which token row ``t`` belongs to:
+
+    - floating (RL rollout data: ``advantages``, ``old_logprobs``, ``ref_logprobs``): row ``t``
+      belongs to token ``t`` as a prediction target, like ``loss_mask[t]``; stored as float32,
+      and ``pack`` aligns them with ``labels_T``;
+    - integer or bool (e.g. ``routed_experts`` of shape (T, MoE layers, top-k)): row ``t``
+      belongs to input position ``t``; kept in their dtype, and ``pack`` aligns them with
+      ``input_ids_T`` (plain concatenation).
+
+    Every sample of a ``Batch`` carries the same keys, each with one dtype and trailing shape.
     """
 
     tokens: torch.Tensor
@@ -87,13 +95,7 @@ class Batch:
         for i, s in enumerate(samples):
             if not isinstance(s, Sample):
                 raise TypeError(f"Batch.samples[{i}] is {type(s).__name__}, expected odcfn.Sample")
-        keys = set(samples[0].extras)
-        for i, s in enumerate(samples):
-            if set(s.extras) != keys:
-                raise ValueError(
-                    f"Batch.samples[{i}] has extras {sorted(s.extras)}, samples[0] has {sorted(keys)}: "
-                    "every sample of a minibatch carries the same extras"
-                )
+        _check_batch_extras(samples)
         object.__setattr__(self, "samples", samples)
         object.__setattr__(self, "lengths", tuple(s.length for s in samples))
         object.__setattr__(self, "num_loss_tokens", sum(s.num_loss_tokens for s in samples))
@@ -116,7 +118,8 @@ class Microbatch:
     positions_T: torch.Tensor
     seqlens: tuple[int, ...]
     sample_ids: tuple[int, ...]
-    # per target token, aligned with labels_T (0 after each sample's last token)
+    # first dim T: float extras per target token, aligned with labels_T (0 after each sample's
+    # last token); integer / bool extras per input position, aligned with input_ids_T
     extras: Mapping[str, torch.Tensor] = field(default_factory=dict)
     # the loss seam (``odcfn.losses``): the loss the head unit computes and its per-token weights
     # from the whole minibatch; None: the head returns the summed cross-entropy (the default)
@@ -144,8 +147,14 @@ class Microbatch:
 
 
 def _shift(x: torch.Tensor) -> torch.Tensor:
-    """Per-token values of a sample -> per-position values aligned with its labels."""
-    return torch.cat([x[1:], x.new_zeros(1)])
+    """Per-token values of a sample -> per-position values aligned with its labels (dim 0)."""
+    return torch.cat([x[1:], x.new_zeros((1, *x.shape[1:]))])
+
+
+def _pack_extra(v: torch.Tensor) -> torch.Tensor:
+    """A sample's extra as its rows of the microbatch (see ``Sample``): float extras belong to
+    targets, so they move to the position that predicts them; others stay at their input."""
+    return _shift(v) if v.is_floating_point() else v
 
 
 def pack(
@@ -171,13 +180,16 @@ def pack(
         mask.append(_shift(m))
         pos.append(torch.arange(t.numel()))
         for k, v in s.extras.items():
-            extras[k].append(_shift(v))
+            extras[k].append(_pack_extra(v))
         if weights is not None:
             w.append(_shift(weights[i].float()))
     if not ids:
         z = torch.zeros(0, dtype=torch.long)
         zf = torch.zeros(0)
-        return Microbatch(z, z, zf, z, (), (), {k: zf for k in extras}, loss,
+        # empty extras keep their key's dtype and trailing shape, as a non-empty pack would
+        first = batch.samples[0].extras
+        ex = {k: v.new_zeros((0, *v.shape[1:])) for k, v in first.items()}
+        return Microbatch(z, z, zf, z, (), (), ex, loss,
                           None if weights is None else zf, batch.step)
     return Microbatch(
         input_ids_T=torch.cat(ids),
@@ -210,18 +222,47 @@ def _check_extras(extras: Any, n: int) -> Mapping[str, torch.Tensor]:
     for k, v in extras.items():
         if not isinstance(k, str):
             raise TypeError(f"Sample.extras keys must be str, got {k!r}")
-        if not isinstance(v, torch.Tensor) or v.dim() != 1 or v.numel() != n:
+        if not isinstance(v, torch.Tensor) or v.dim() < 1 or v.shape[0] != n:
             raise ValueError(
-                f"Sample.extras[{k!r}] must be a 1-D tensor of the tokens' length {n}, got {_desc(v)}"
+                f"Sample.extras[{k!r}] must be a tensor whose first dimension is the tokens' "
+                f"length {n}, got {_desc(v)}"
             )
+        if v.is_complex():  # neither a per-target value nor an index: nothing reads it
+            raise TypeError(f"Sample.extras[{k!r}] must be a float, integer or bool tensor, got {v.dtype}")
         if not v.is_floating_point():
-            raise TypeError(f"Sample.extras[{k!r}] must be a float tensor, got {v.dtype}")
+            out[k] = v.detach()  # indices (routed experts): exact, in their own dtype
+            continue
         v = v.detach().to(torch.float32)
         if not bool(torch.isfinite(v).all()):
             bad = int((~torch.isfinite(v)).nonzero()[0, 0])
-            raise ValueError(f"Sample.extras[{k!r}] is not finite at token {bad} ({float(v[bad])})")
+            value = float(v[~torch.isfinite(v)][0])
+            raise ValueError(f"Sample.extras[{k!r}] is not finite at token {bad} ({value})")
         out[k] = v
     return out
+
+
+def _check_batch_extras(samples: tuple[Sample, ...]) -> None:
+    """Same keys, dtypes and trailing shapes in every sample: ``pack`` concatenates each key's
+    rows, so a mismatch would fail (or silently promote) on some ranks' microbatches only."""
+    first = samples[0].extras
+    for i, s in enumerate(samples):
+        if set(s.extras) != set(first):
+            raise ValueError(
+                f"Batch.samples[{i}] has extras {sorted(s.extras)}, samples[0] has {sorted(first)}: "
+                "every sample of a minibatch carries the same extras"
+            )
+        for k, v in s.extras.items():
+            if v.dtype != first[k].dtype:
+                raise TypeError(
+                    f"Batch.samples[{i}].extras[{k!r}] has dtype {v.dtype}, samples[0]'s has "
+                    f"{first[k].dtype}: each extra has one dtype across the minibatch"
+                )
+            if v.shape[1:] != first[k].shape[1:]:
+                raise ValueError(
+                    f"Batch.samples[{i}].extras[{k!r}] has per-token shape {tuple(v.shape[1:])}, "
+                    f"samples[0]'s has {tuple(first[k].shape[1:])}: each extra has one shape per "
+                    "token across the minibatch"
+                )
 
 
 def _desc(x: object) -> str:

@@ -148,6 +148,14 @@ class TokenLoss:
                     f"{type(self).__name__} needs extras {list(need)}; batch.samples[{i}] lacks "
                     f"{missing} (it has {sorted(s.extras)})"
                 )
+            for k in need:  # per target token: only 1-D float extras are aligned with labels_T
+                v = s.extras[k]
+                if v.dim() != 1 or not v.is_floating_point():
+                    raise TypeError(
+                        f"{type(self).__name__} reads extras[{k!r}] per target token: it must be a "
+                        f"1-D float tensor, batch.samples[{i}] has shape {tuple(v.shape)} and "
+                        f"dtype {v.dtype}"
+                    )
 
     def weights(self, batch: Batch) -> tuple[torch.Tensor, ...]:
         return aggregation_weights(batch, self.loss_agg_mode, self.loss_scale_factor)

@@ -148,8 +148,8 @@ def test_bad_extras_are_named():
         odcfn.Sample(t, extras={"adv": torch.zeros(3)})
     with pytest.raises(ValueError, match=r"extras\['adv'\] is not finite at token 2"):
         odcfn.Sample(t, extras={"adv": torch.tensor([0.0, 1.0, float("inf"), 0.0])})
-    with pytest.raises(TypeError, match=r"extras\['adv'\] must be a float"):
-        odcfn.Sample(t, extras={"adv": torch.zeros(4, dtype=torch.long)})
+    with pytest.raises(TypeError, match=r"extras\['adv'\] must be a float, integer or bool"):
+        odcfn.Sample(t, extras={"adv": torch.zeros(4, dtype=torch.complex64)})
     with pytest.raises(TypeError, match="extras must be a dict"):
         odcfn.Sample(t, extras=[1.0])
     ok = odcfn.Sample(t, extras={"adv": torch.zeros(4)})
@@ -165,6 +165,13 @@ def test_missing_extras_name_sample_and_key():
     sft = odcfn.random_batch([4, 5], CFG.vocab_size)
     with pytest.raises(ValueError, match=r"samples\[0\] lacks \['advantages', 'old_logprobs'\]"):
         losses.policy_gradient().validate(sft)
+    # integer extras are per input position (routed experts), not per target: refused by the loss
+    ones = lambda s: torch.ones(s.length, dtype=torch.long)
+    ints = odcfn.Batch(tuple(
+        odcfn.Sample(s.tokens, s.loss_mask, {**s.extras, "advantages": ones(s)}) for s in batch.samples
+    ))
+    with pytest.raises(TypeError, match=r"extras\['advantages'\].*1-D float.*samples\[0\].*torch.int64"):
+        losses.policy_gradient().validate(ints)
 
 
 @pytest.mark.parametrize(

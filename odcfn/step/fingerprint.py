@@ -54,6 +54,15 @@ def _word(*parts: bytes | str) -> int:
     return int.from_bytes(h.digest(), "little") & ((1 << BITS) - 1)
 
 
+def _extra_bytes(key: str, v: torch.Tensor) -> bytes:
+    """Key, dtype, shape and raw bytes of one extra: an int64 and an int32 tensor with the same
+    values (or the same bytes in two shapes) differ, as they would in the microbatches."""
+    head = f"{key}|{v.dtype}|{tuple(v.shape)}|".encode()
+    # a byte view works for every dtype (numpy has no bfloat16 / unsigned 16-64 for .numpy())
+    raw = v.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+    return head + raw.numpy().tobytes()
+
+
 def minibatch_words(batch: Batch, config: Any, layout_key: str) -> list[int]:
     """This rank's fingerprint words, in the order of ``WHAT``."""
     tokens = hashlib.blake2b(digest_size=16)
@@ -61,8 +70,8 @@ def minibatch_words(batch: Batch, config: Any, layout_key: str) -> list[int]:
         tokens.update(s.tokens.to("cpu", torch.int64).contiguous().numpy().tobytes())
         mask = s.loss_mask
         tokens.update(b"-" if mask is None else mask.to("cpu", torch.uint8).contiguous().numpy().tobytes())
-        for k in sorted(s.extras):  # RL rollout data (advantages, log-probs) must agree too
-            tokens.update(k.encode() + s.extras[k].to("cpu", torch.float32).contiguous().numpy().tobytes())
+        for k in sorted(s.extras):  # RL rollout data (advantages, routed experts) must agree too
+            tokens.update(_extra_bytes(k, s.extras[k]))
     return [
         _word(repr(tuple(batch.lengths)), str(batch.num_loss_tokens)),
         _word(tokens.digest()),
