@@ -17,7 +17,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from odcfn.sft.config import SFTConfig, config_from_dict, model_config
+from odcfn.sft.config import SFTConfig, config_from_stored, model_config
 
 __all__ = ["add_arguments", "export_checkpoint", "export_params", "find_checkpoint", "main"]
 
@@ -107,7 +107,7 @@ def export_checkpoint(
     stored = read_manifest(ck).get("extra", {}).get("config")
     if not isinstance(stored, dict):
         raise ValueError(f"{ck}: the checkpoint has no odcfn train config (was it written by odcfn train?)")
-    cfg = config_from_dict(stored)
+    cfg = config_from_stored(stored)
     if tokenizer is not None:
         cfg = replace(cfg, data=replace(cfg.data, tokenizer=str(tokenizer)))
     qcfg = model_config(cfg)
