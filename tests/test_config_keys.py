@@ -91,11 +91,13 @@ def test_every_bad_value_names_the_file_and_the_key(tmp_path, section, key, valu
         ({"train": {"max_grad_norm": 0}}, "train.max_grad_norm must be a number > 0 (or unset), got 0"),
         ({"train": {"lr": -1e-3}}, "train.lr must be a number > 0, got -0.001"),
         ({"train": {"warmup_steps": 5}}, "train.warmup_steps must be <= train.steps (2), got 5"),
-        ({"model": {"hf_path": "base", "d_model": 64}}, "model.hf_path is given, so model.d_model must be left out"),
+        ({"model": {"hf_path": "base", "d_model": 64}},
+         "model.hf_path is given, so model.d_model must be left out"),
         ({"lora": {"alpha": 8.0}}, "lora.rank is required in a [lora] section"),
         ({"train": {"max_restarts": 2}}, 'train.max_restarts = 2 needs train.backend = "processes"'),
         ({"data": {"path": "missing.jsonl"}}, "data.path {tmp}/missing.jsonl does not exist"),
-        ({"model": {"n_heads": 3}}, "[model] does not describe a model odcfn builds: d_model=64 is not divisible"),
+        ({"model": {"n_heads": 3}},
+         "[model] does not describe a model odcfn builds: d_model=64 is not divisible"),
         ({"lora": {"rank": 2, "targets": ["qkv"]}}, "lora.targets must be a list of ['q_proj',"),
         ({"checkpoint": {"keep": 0}}, "checkpoint.keep must be an integer >= 1 (or unset), got 0"),
     ],
@@ -121,7 +123,8 @@ def test_a_stored_config_with_an_hf_base_reads_back(tmp_path):
     """A checkpoint stores every key (the shape keys beside hf_path): export must read it."""
     from dataclasses import asdict
 
-    cfg = C.config_from_dict({"model": {"hf_path": "/base"}, "data": {"path": "/d.jsonl"}, "train": {"steps": 1}})
+    doc = {"model": {"hf_path": "/base"}, "data": {"path": "/d.jsonl"}, "train": {"steps": 1}}
+    cfg = C.config_from_dict(doc)
     assert C.config_from_stored(json.loads(json.dumps(asdict(cfg)))).model.hf_path == "/base"
 
 

@@ -41,7 +41,8 @@ def _write(tmp_path, text=BASE, name="run.toml"):
     "edit, match",
     [
         (lambda t: t.replace("lr = 1e-2", 'lr = "fast"'), r"train\.lr must be a number > 0, got str 'fast'"),
-        (lambda t: t.replace("steps = 4", "steps = true"), r"train\.steps must be an integer >= 1, got bool True"),
+        (lambda t: t.replace("steps = 4", "steps = true"),
+         r"train\.steps must be an integer >= 1, got bool True"),
         (
             lambda t: t.replace("batch_size = 4", "batch_size = 4.5"),
             r"data\.batch_size must be an integer >= 1, got float",

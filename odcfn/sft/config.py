@@ -174,7 +174,9 @@ class SFTConfig:
         if t.steps < 1:
             raise ValueError(f"config: train.steps is required, an integer >= 1, got {t.steps!r}")
         if t.warmup_steps > t.steps:
-            raise ValueError(f"config: train.warmup_steps must be <= train.steps ({t.steps}), got {t.warmup_steps}")
+            raise ValueError(
+                f"config: train.warmup_steps must be <= train.steps ({t.steps}), got {t.warmup_steps}"
+            )
         if t.max_restarts and t.backend != "processes":
             raise ValueError(
                 f"config: train.max_restarts = {t.max_restarts} needs train.backend = \"processes\" "
@@ -207,7 +209,9 @@ _PATH_KEYS = {
 }
 
 
-def config_from_dict(doc: dict[str, Any], *, base_dir: str | os.PathLike = ".", strict: bool = True) -> SFTConfig:
+def config_from_dict(
+    doc: dict[str, Any], *, base_dir: str | os.PathLike = ".", strict: bool = True
+) -> SFTConfig:
     """Build an ``SFTConfig``; unknown sections or keys, missing required keys and bad values are
     errors naming them. Relative paths are resolved against ``base_dir`` (the config file's
     directory). ``strict=False``: a stored config (``config_from_stored``)."""
@@ -249,10 +253,12 @@ def _check_document(doc: dict[str, Any]) -> None:
     required keys, a ``[lora]`` section with its rank, no model shape next to ``hf_path``."""
     for name in _SECTIONS:
         if name in doc and not isinstance(doc[name], dict):
-            raise ArgTypeError(f"config: [{name}] must be a table, got {type(doc[name]).__name__} {doc[name]!r}")
+            got = f"{type(doc[name]).__name__} {doc[name]!r}"
+            raise ArgTypeError(f"config: [{name}] must be a table, got {got}")
     for section, key in (("data", "path"), ("train", "steps")):
         if key not in doc.get(section, {}):
-            raise ValueError(f"config: {section}.{key} is required ({KEYS[(section, key)].doc.split(': ', 1)[1]})")
+            what = KEYS[(section, key)].doc.split(": ", 1)[1]
+            raise ValueError(f"config: {section}.{key} is required ({what})")
     if "lora" in doc and "rank" not in doc["lora"]:
         raise ValueError(
             "config: lora.rank is required in a [lora] section (the adapter rank, e.g. 16; without it "

@@ -58,7 +58,8 @@ KEYS: dict[tuple[str, str], Rule] = {
     ("model", "d_model"): Rule("fresh model: hidden width", **_POS),
     ("model", "n_layers"): Rule("fresh model: decoder layers", **_POS),
     ("model", "n_heads"): Rule("fresh model: query heads (d_model / n_heads is the head width)", **_POS),
-    ("model", "n_kv_heads"): Rule("fresh model: key/value heads (divides n_heads: grouped-query attention)", **_POS),
+    ("model", "n_kv_heads"): Rule("fresh model: key/value heads (divides n_heads: grouped-query attention)",
+                                  **_POS),
     ("model", "d_ff"): Rule("fresh model: MLP width", **_POS),
     ("model", "rope_theta"): Rule("fresh model: RoPE base", lo=0, strict=True),
     ("model", "qkv_bias"): Rule("fresh model: biases on q/k/v (Qwen2: true, Llama: false)"),
@@ -73,7 +74,8 @@ KEYS: dict[tuple[str, str], Rule] = {
     ("data", "batch_size"): Rule("samples per minibatch (one optimizer step)", **_POS),
     ("data", "seed"): Rule("seed of the per-epoch shuffle", **_NONNEG),
     ("data", "shuffle"): Rule("shuffle the samples each epoch (false: file order)"),
-    ("data", "max_length"): Rule("longest sample in tokens (longer ones: see long_samples); unset: no limit", **_POS),
+    ("data", "max_length"): Rule("longest sample in tokens (longer ones: see long_samples); unset: no limit",
+                                 **_POS),
     ("data", "tokenizer"): Rule("a local tokenizer directory: data.path then holds {\"messages\": [...]} "
                                 "chat lines, tokenized with its chat template"),
     ("data", "cache_dir"): Rule("where tokenized chat shards go (unset: beside the data file)"),
@@ -96,7 +98,8 @@ KEYS: dict[tuple[str, str], Rule] = {
                             choices=("odc", "collective")),
     ("train", "balance"): Rule("how samples are spread over ranks (unset: lb_mini for odc, lb_micro "
                                "for collective)", choices=_balancers),
-    ("train", "max_tokens_per_microbatch"): Rule("token cap of one microbatch; unset: one sample each", **_POS),
+    ("train", "max_tokens_per_microbatch"): Rule("token cap of one microbatch; unset: one sample each",
+                                                 **_POS),
     ("train", "compute_dtype"): Rule("dtype of the forward/backward (weights stay float32)",
                                      choices=("float32", "bfloat16")),
     ("train", "remat"): Rule("recompute every unit in its backward: O(T) activations, ~1/3 more compute"),
@@ -115,7 +118,8 @@ KEYS: dict[tuple[str, str], Rule] = {
                                    "deleting them)"),
     ("checkpoint", "resume_anyway"): Rule("resume although the stored run's config or data differ"),
     ("checkpoint", "export_hf"): Rule("after the run, write the final weights as a Hugging Face model here"),
-    ("checkpoint", "async_save"): Rule("write disk checkpoints in the background (the step waits for a copy)"),
+    ("checkpoint", "async_save"): Rule("write disk checkpoints in the background (the step waits for a "
+                                       "copy)"),
     ("checkpoint", "memory_every"): Rule("a /dev/shm snapshot every N steps that restarts resume from "
                                          "(0: off)", **_NONNEG),
     # [log]
