@@ -25,6 +25,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from odcfn.models.hf_config import config_from_hf, config_to_hf
+from odcfn.models.hf_names import record_source
 from odcfn.models.qwen import QwenConfig, qwen_model, unit_shapes
 from odcfn.sharding import Mesh, make_layout
 from odcfn.tree import tree_flatten_with_path, tree_unflatten
@@ -119,6 +120,7 @@ def _resolve(path: str | os.PathLike) -> tuple[QwenConfig, dict[str, Any], dict[
 def from_hf(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32) -> tuple[QwenConfig, dict]:
     """Load a local HF Qwen2/Llama checkpoint: ``(config, params)`` for ``qwen_model(config)``."""
     cfg, where, names = _resolve(path)
+    record_source(cfg, path)  # save_peft's base_model_name_or_path
     params = {}
     for unit, shapes in unit_shapes(cfg).items():
         treedef = tree_flatten_with_path(shapes)[2]
@@ -133,6 +135,7 @@ def shard_from_hf(
     """This rank's flat shards, equal to ``shard(from_hf(path)[1], qwen_model(cfg), mesh)``, read
     without materialising the full model: only the rows that overlap the rank's range."""
     cfg, where, names = _resolve(path)
+    record_source(cfg, path)
     layout = make_layout(qwen_model(cfg), mesh)
     shards = {}
     for u in layout.units:
