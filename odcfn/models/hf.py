@@ -25,23 +25,12 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from odcfn.models.hf_config import config_from_hf, config_to_hf
-from odcfn.models.hf_names import record_source
+from odcfn.models.hf_names import hf_name, record_source
 from odcfn.models.qwen import QwenConfig, qwen_model, unit_shapes
 from odcfn.sharding import Mesh, make_layout
 from odcfn.tree import tree_flatten_with_path, tree_unflatten
 
 __all__ = ["config_from_hf", "config_to_hf", "from_hf", "hf_name", "shard_from_hf", "to_hf"]
-
-
-def hf_name(unit: str, path: str) -> str:
-    """odcfn ``(unit, path)`` -> the Hugging Face tensor name."""
-    if unit == "embed":
-        return f"model.{path}"
-    if unit.startswith("layers."):
-        return f"model.{unit}.{path}"
-    if unit == "head":
-        return f"model.{path}" if path.startswith("norm.") else path
-    raise ValueError(f"unit {unit!r} has no Hugging Face name")
 
 
 def _read_tensors(root: Path) -> dict[str, Any]:

@@ -12,7 +12,7 @@ odcfn ``(unit, path)``      Hugging Face name
 ==========================  =====================================================
 
 ``hf_state_dict(params)`` applies it to a whole tree (what an RL loop pushes to its inference
-engine after ``gather_params``); ``odcfn.models.hf.hf_name`` maps one leaf.
+engine after ``gather_params``); ``hf_name`` maps one leaf (also ``odcfn.models.hf.hf_name``).
 
 It also remembers where ``from_hf`` read each base from (``record_source``), so that
 ``odcfn.lora.save_peft`` can write the adapter's ``base_model_name_or_path`` without being told.
@@ -29,7 +29,18 @@ import torch
 
 from odcfn.tree import tree_flatten_with_path
 
-__all__ = ["hf_state_dict", "record_source", "recorded_source"]
+__all__ = ["hf_name", "hf_state_dict", "record_source", "recorded_source"]
+
+
+def hf_name(unit: str, path: str) -> str:
+    """odcfn ``(unit, path)`` -> the Hugging Face tensor name."""
+    if unit == "embed":
+        return f"model.{path}"
+    if unit.startswith("layers."):
+        return f"model.{unit}.{path}"
+    if unit == "head":
+        return f"model.{path}" if path.startswith("norm.") else path
+    raise ValueError(f"unit {unit!r} has no Hugging Face name")
 
 
 def hf_state_dict(params: Mapping[str, Any]) -> dict[str, torch.Tensor]:
@@ -37,8 +48,6 @@ def hf_state_dict(params: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     (``gather_params``, ``odcfn.unshard``, ``from_hf``). The tensors are the tree's own (no copy).
     LoRA adapter units have no Hugging Face name: merge them first (``gather_params(...,
     merged=True)`` or ``odcfn.lora.merge``), or write PEFT's names (``odcfn.lora.peft_state_dict``)."""
-    from odcfn.models.hf import hf_name
-
     if not isinstance(params, Mapping):
         got = type(params).__name__
         raise TypeError(f"hf_state_dict: params must be a mapping of unit -> subtree, got {got}")
