@@ -62,7 +62,7 @@ def test_debug_shows_the_traceback(tmp_path, capsys):
     assert cli.main(["train", "--config", str(tmp_path / "missing.toml")]) == 2
     assert "missing.toml" in capsys.readouterr().err
     cfg.write_text(cfg.read_text().replace("steps = 2", "steps = 0"))
-    with pytest.raises(ValueError, match="train.steps must be a positive int"):
+    with pytest.raises(ValueError, match="train.steps must be an integer >= 1, got 0"):
         cli.main(["--debug", "train", "--config", str(cfg)])
 
 

@@ -171,7 +171,8 @@ def test_cli_subprocess_end_to_end_bf16_collective(tmp_path):
     assert "step      3/3" in proc.stdout
     recs = _metrics(tmp_path)
     assert len(recs) == 3 and all(r["collective_bytes"] > 0 and r["gather_bytes"] == 0 for r in recs)
-    assert not (tmp_path / "out" / "checkpoints").exists()
+    # every = 0: no periodic checkpoint, the final one only
+    assert [p.name for p in (tmp_path / "out" / "checkpoints").iterdir()] == ["step-00000003"]
 
 
 @pytest.mark.parametrize(

@@ -40,15 +40,16 @@ def _write(tmp_path, text=BASE, name="run.toml"):
 @pytest.mark.parametrize(
     "edit, match",
     [
-        (lambda t: t.replace("lr = 1e-2", 'lr = "fast"'), r"train\.lr must be float, got str 'fast'"),
-        (lambda t: t.replace("steps = 4", "steps = true"), r"train\.steps must be int, got bool True"),
+        (lambda t: t.replace("lr = 1e-2", 'lr = "fast"'), r"train\.lr must be a number > 0, got str 'fast'"),
+        (lambda t: t.replace("steps = 4", "steps = true"),
+         r"train\.steps must be an integer >= 1, got bool True"),
         (
             lambda t: t.replace("batch_size = 4", "batch_size = 4.5"),
-            r"data\.batch_size must be int, got float",
+            r"data\.batch_size must be an integer >= 1, got float",
         ),
-        (lambda t: t.replace("d_ff = 24", 'd_ff = "24"'), r"model\.d_ff must be int, got str"),
-        (lambda t: t + "keep = 1.5\n", r"checkpoint\.keep must be int or None, got float"),
-        (lambda t: t.replace("lr = 1e-2", "lr = nan"), r"train\.lr must be finite"),
+        (lambda t: t.replace("d_ff = 24", 'd_ff = "24"'), r"model\.d_ff must be an integer >= 1, got str"),
+        (lambda t: t + "keep = 1.5\n", r"checkpoint\.keep must be an integer >= 1 \(or unset\), got float"),
+        (lambda t: t.replace("lr = 1e-2", "lr = nan"), r"train\.lr must be a number > 0, got nan"),
         (lambda t: t.replace("steps = 4", "steps = = 4"), "cannot parse the config"),
     ],
     ids=["lr_str", "steps_bool", "batch_float", "dff_str", "keep_float", "lr_nan", "syntax"],

@@ -39,9 +39,39 @@ def check_units(doc: dict, layout: Layout, path: Path) -> None:
     for u in layout.units:
         s = saved[u.name]
         if s["paths"] != list(u.paths) or [tuple(x) for x in s["shapes"]] != list(u.shapes):
-            raise ValueError(f"checkpoint {path}: unit {u.name!r} has different parameters than the model")
+            raise ValueError(f"checkpoint {path}: {_first_difference(u, s)}")
         if s["numel"] != u.numel:
             raise ValueError(f"checkpoint {path}: unit {u.name!r} has numel {s['numel']}, model {u.numel}")
+
+
+# the model config fields that decide a parameter's shape, by the parameter's name
+_SHAPED_BY = [
+    ("embed_tokens", "vocab_size, d_model"), ("lm_head", "vocab_size, d_model"),
+    ("q_proj", "d_model, n_heads, head_dim"), ("k_proj", "d_model, n_kv_heads, head_dim"),
+    ("v_proj", "d_model, n_kv_heads, head_dim"), ("o_proj", "d_model, n_heads, head_dim"),
+    ("q_norm", "head_dim"), ("k_norm", "head_dim"), ("mlp", "d_model, d_ff"), ("norm", "d_model"),
+    ("lora_A", "lora.rank, d_model"), ("lora_B", "lora.rank, d_model"),
+]
+
+
+def _first_difference(u: Any, saved: dict) -> str:
+    """The first parameter in which the checkpoint's unit and the model's differ: its name, both
+    shapes, and the config fields that decide that shape."""
+    have = {p: tuple(x) for p, x in zip(saved["paths"], saved["shapes"])}
+    want = dict(zip(u.paths, u.shapes))
+    for p in list(want) + [p for p in have if p not in want]:
+        if have.get(p) == want.get(p):
+            continue
+        fields = next((f for key, f in _SHAPED_BY if key in p), "the model's config")
+        if p not in have:
+            what = f"parameter {u.name}.{p} {tuple(want[p])} of the model is not in the checkpoint"
+        elif p not in want:
+            what = f"parameter {u.name}.{p} {tuple(have[p])} of the checkpoint is not in the model"
+        else:
+            what = (f"parameter {u.name}.{p} has shape {tuple(have[p])} in the checkpoint, "
+                    f"{tuple(want[p])} in the model")
+        return f"{what}: the model's config differs from the saved one in {fields}"
+    return f"unit {u.name!r} orders its parameters differently than the model"
 
 
 def check_files(doc: dict, root: Path) -> list[Path]:

@@ -25,7 +25,7 @@ from odcfn.lora.core import (
     merge,
     spec,
 )
-from odcfn.lora.peft_io import load_peft, load_peft_tensors, peft_state_dict, save_peft
+from odcfn.lora.peft_io import load_peft, load_peft_tensors, peft_state_dict, save_peft, write_peft
 from odcfn.lora.sync import gather_adapters, gather_merged
 
 __all__ = [
@@ -43,4 +43,5 @@ __all__ = [
     "peft_state_dict",
     "save_peft",
     "spec",
+    "write_peft",
 ]

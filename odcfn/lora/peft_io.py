@@ -25,7 +25,7 @@ from odcfn.model import Model
 from odcfn.step.state import TrainState
 from odcfn.tree import PyTree, tree_flatten_with_path, tree_unflatten
 
-__all__ = ["load_peft", "load_peft_tensors", "peft_state_dict", "save_peft"]
+__all__ = ["load_peft", "load_peft_tensors", "peft_state_dict", "save_peft", "write_peft"]
 
 WEIGHTS, CONFIG = "adapter_model.safetensors", "adapter_config.json"
 
@@ -61,7 +61,8 @@ def save_peft(
 ) -> Path | None:
     """Write the state's adapters in PEFT's format to directory ``path``. Every rank calls it
     (the adapter shards are gathered to rank 0, one sync); rank 0 writes and returns the path,
-    the others return None."""
+    the others return None. ``base_model_name_or_path`` (adapter_config.json): given, or the
+    directory ``from_hf`` / ``shard_from_hf`` read the base from (see ``write_peft``)."""
     if not isinstance(state, TrainState):
         raise TypeError(f"save_peft(path, state): state must be a TrainState, got {type(state).__name__}")
     if not adapter_units(state.model):
@@ -71,13 +72,29 @@ def save_peft(
     adapters = gather_adapters(state, dst=0)
     if adapters is None:
         return None
+    base = base_model_name_or_path
+    return write_peft(path, state.model, adapters, base_model_name_or_path=base, dtype=dtype)
+
+
+def write_peft(
+    path: str | os.PathLike, model: Model, adapters: Mapping[str, PyTree], *,
+    base_model_name_or_path: str | None = None, dtype: torch.dtype | None = None,
+) -> Path:
+    """Write full adapter params (``{"lora.<unit>": subtree}``) of LoRA ``model`` as a PEFT
+    directory. ``base_model_name_or_path``: what ``AutoPeftModelForCausalLM`` loads the base
+    from; by default the directory ``odcfn.models.from_hf`` / ``shard_from_hf`` read this
+    model's base from (with none known, PEFT's loaders need the base passed to them)."""
+    from odcfn.models.hf_names import recorded_source
+
+    if base_model_name_or_path is None:
+        base_model_name_or_path = recorded_source(model.config_key)
     root = Path(path)
     root.mkdir(parents=True, exist_ok=True)
-    tensors = peft_state_dict(state.model, adapters)
+    tensors = peft_state_dict(model, adapters)
     if dtype is not None:
         tensors = {k: v.to(dtype) for k, v in tensors.items()}
     save_file(tensors, str(root / WEIGHTS), metadata={"format": "pt"})
-    (root / CONFIG).write_text(json.dumps(_config(state.model, base_model_name_or_path), indent=2))
+    (root / CONFIG).write_text(json.dumps(_config(model, base_model_name_or_path), indent=2))
     return root
 
 

@@ -25,25 +25,12 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from odcfn.models.hf_config import config_from_hf, config_to_hf
+from odcfn.models.hf_names import hf_name, record_source
 from odcfn.models.qwen import QwenConfig, qwen_model, unit_shapes
 from odcfn.sharding import Mesh, make_layout
 from odcfn.tree import tree_flatten_with_path, tree_unflatten
 
 __all__ = ["config_from_hf", "config_to_hf", "from_hf", "hf_name", "shard_from_hf", "to_hf"]
-
-
-def hf_name(unit: str, path: str) -> str:
-    """odcfn ``(unit, path)`` -> the Hugging Face tensor name."""
-    if unit == "embed":
-        return f"model.{path}"
-    if ".experts." in unit:  # layers.{i}.experts.{e}: the Hub's per-expert tensors
-        layer, expert = unit.split(".experts.")
-        return f"model.{layer}.mlp.experts.{expert}.{path}"
-    if unit.startswith("layers."):
-        return f"model.{unit}.{path}"
-    if unit == "head":
-        return f"model.{path}" if path.startswith("norm.") else path
-    raise ValueError(f"unit {unit!r} has no Hugging Face name")
 
 
 def _read_tensors(root: Path) -> dict[str, Any]:
@@ -122,6 +109,7 @@ def _resolve(path: str | os.PathLike) -> tuple[QwenConfig, dict[str, Any], dict[
 def from_hf(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32) -> tuple[QwenConfig, dict]:
     """Load a local HF Qwen2/Llama checkpoint: ``(config, params)`` for ``qwen_model(config)``."""
     cfg, where, names = _resolve(path)
+    record_source(cfg, path)  # save_peft's base_model_name_or_path
     params = {}
     for unit, shapes in unit_shapes(cfg).items():
         treedef = tree_flatten_with_path(shapes)[2]
@@ -136,6 +124,7 @@ def shard_from_hf(
     """This rank's flat shards, equal to ``shard(from_hf(path)[1], qwen_model(cfg), mesh)``, read
     without materialising the full model: only the rows that overlap the rank's range."""
     cfg, where, names = _resolve(path)
+    record_source(cfg, path)
     layout = make_layout(qwen_model(cfg), mesh)
     shards = {}
     for u in layout.units:

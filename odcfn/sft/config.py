@@ -5,14 +5,13 @@ listed there."""
 from __future__ import annotations
 
 import json
-import math
 import os
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from odcfn._check import ArgTypeError, is_int, is_number
-from odcfn.optim import DECAY_MASKS
+from odcfn._check import ArgTypeError
+from odcfn.sft.keys import KEYS, check_key
 
 __all__ = [
     "CheckpointSection",
@@ -23,37 +22,22 @@ __all__ = [
     "SFTConfig",
     "TrainSection",
     "config_from_dict",
+    "config_from_stored",
     "load_config",
     "model_config",
+    "check_inputs",
     "check_resume",
     "default_world_size",
     "resume_conflicts",
 ]
 
 
-# a bool is an int to Python: True must not pass for a step count
-_TYPES = {
-    "int": is_int,
-    "float": is_number,
-    "str": lambda v: isinstance(v, str),
-    "bool": lambda v: v is True or v is False,
-}
-
-
 def _check_types(section: Any, name: str) -> None:
-    """Each field's value has its annotated type (``X | None`` allows None): a config value of
-    the wrong type fails when the config is read, naming the field, not at some later step."""
+    """Each field's value has its annotated type (``X | None`` allows None) and passes its rule in
+    ``odcfn.sft.keys.KEYS``: a bad value fails when the config is read, naming the key and what it
+    allows, not at some later step."""
     for f in fields(section):
-        value, kinds = getattr(section, f.name), [k.strip() for k in str(f.type).split("|")]
-        if value is None and "None" in kinds:
-            continue
-        known = [_TYPES[k] for k in kinds if k in _TYPES]
-        if not known or any(ok(value) for ok in known):
-            if isinstance(value, float) and not math.isfinite(value):
-                raise ValueError(f"config: {name}.{f.name} must be finite, got {value!r}")
-            continue
-        want = " or ".join(k for k in kinds)
-        raise ArgTypeError(f"config: {name}.{f.name} must be {want}, got {type(value).__name__} {value!r}")
+        check_key(name, f.name, getattr(section, f.name), f.type)
 
 
 @dataclass(frozen=True)
@@ -170,15 +154,6 @@ class LoraSection:
 
     def __post_init__(self) -> None:
         _check_types(self, "lora")
-        t = self.targets
-        if not isinstance(t, list) or not t or not all(isinstance(x, str) for x in t):
-            raise ValueError(f"config: lora.targets must be a non-empty list of projection names, got {t!r}")
-        if self.rank < 0:
-            raise ValueError(f"config: lora.rank must be >= 1 (0: no LoRA), got {self.rank!r}")
-        if self.rank and not self.alpha > 0:
-            raise ValueError(f"config: lora.alpha must be > 0, got {self.alpha!r}")
-        if not 0 <= self.dropout < 1:
-            raise ValueError(f"config: lora.dropout must be in [0, 1), got {self.dropout!r}")
 
 
 @dataclass(frozen=True)
@@ -193,27 +168,20 @@ class SFTConfig:
 
     def __post_init__(self) -> None:
         t = self.train
+        check_key("", "out_dir", self.out_dir, "str")
         if not self.data.path:
-            raise ValueError("config: data.path is required")
-        if not isinstance(t.steps, int) or t.steps < 1:
-            raise ValueError(f"config: train.steps must be a positive int, got {t.steps!r}")
-        for key, value, allowed in [
-            ("train.schedule", t.schedule, ("constant", "cosine")),
-            ("train.optimizer", t.optimizer, ("adamw", "sgd")),
-            ("train.weight_decay_mask", t.weight_decay_mask, tuple(DECAY_MASKS)),
-            ("train.comm", t.comm, ("odc", "collective")),
-            ("train.compute_dtype", t.compute_dtype, ("float32", "bfloat16")),
-            ("train.backend", t.backend, ("threads", "processes")),
-            ("data.long_samples", self.data.long_samples, ("error", "truncate", "drop")),
-        ]:
-            if value not in allowed:
-                raise ValueError(f"config: {key} must be one of {list(allowed)}, got {value!r}")
-        if not isinstance(t.world_size, int) or t.world_size < 1:
-            raise ValueError(f"config: train.world_size must be a positive int, got {t.world_size!r}")
-        if self.checkpoint.every < 0 or self.log.every < 1:
-            raise ValueError("config: checkpoint.every must be >= 0 and log.every >= 1")
-        if self.checkpoint.memory_every < 0 or t.max_restarts < 0:
-            raise ValueError("config: checkpoint.memory_every and train.max_restarts must be >= 0")
+            raise ValueError("config: data.path is required (the JSONL training file)")
+        if t.steps < 1:
+            raise ValueError(f"config: train.steps is required, an integer >= 1, got {t.steps!r}")
+        if t.warmup_steps > t.steps:
+            raise ValueError(
+                f"config: train.warmup_steps must be <= train.steps ({t.steps}), got {t.warmup_steps}"
+            )
+        if t.max_restarts and t.backend != "processes":
+            raise ValueError(
+                f"config: train.max_restarts = {t.max_restarts} needs train.backend = \"processes\" "
+                f"(threads of one process cannot be restarted alone), got backend {t.backend!r}"
+            )
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -241,14 +209,23 @@ _PATH_KEYS = {
 }
 
 
-def config_from_dict(doc: dict[str, Any], *, base_dir: str | os.PathLike = ".") -> SFTConfig:
-    """Build an ``SFTConfig``; unknown sections or keys are errors naming them. Relative paths
-    are resolved against ``base_dir`` (the config file's directory)."""
+def config_from_dict(
+    doc: dict[str, Any], *, base_dir: str | os.PathLike = ".", strict: bool = True
+) -> SFTConfig:
+    """Build an ``SFTConfig``; unknown sections or keys, missing required keys and bad values are
+    errors naming them. Relative paths are resolved against ``base_dir`` (the config file's
+    directory). ``strict=False``: a stored config (``config_from_stored``)."""
+    if not isinstance(doc, dict):
+        raise ArgTypeError(f"config: must be a table of sections, got {type(doc).__name__}")
     unknown = sorted(set(doc) - set(_SECTIONS) - {"out_dir"})
     if unknown:
         raise ValueError(f"config: unknown top-level keys {unknown}; known: out_dir, {sorted(_SECTIONS)}")
+    if strict:
+        _check_document(doc)
     base = Path(base_dir)
-    kwargs: dict[str, Any] = {"out_dir": str(base / doc.get("out_dir", "runs/sft"))}
+    out_dir = doc.get("out_dir", "runs/sft")
+    check_key("", "out_dir", out_dir, "str")
+    kwargs: dict[str, Any] = {"out_dir": str(base / out_dir)}
     for name, cls in _SECTIONS.items():
         section = dict(doc.get(name, {}))
         known = {f.name for f in fields(cls)}
@@ -260,10 +237,50 @@ def config_from_dict(doc: dict[str, Any], *, base_dir: str | os.PathLike = ".") 
             hint = "".join(f" ({k!r}: did you mean {c[0]!r}?)" for k, c in close.items() if c)
             raise ValueError(f"config: unknown keys {bad} in [{name}]{hint}; known: {sorted(known)}")
         for key in section:
-            if (name, key) in _PATH_KEYS and section[key] is not None:
+            if (name, key) in _PATH_KEYS and isinstance(section[key], str):
                 section[key] = str(base / section[key])
         kwargs[name] = cls(**section)
     return SFTConfig(**kwargs)
+
+
+# [model] keys that a Hugging Face checkpoint's config.json decides: with hf_path they would be
+# silently ignored, so a user's file may not give them
+_SHAPE_KEYS = tuple(f.name for f in fields(ModelSection) if f.name not in ("hf_path", "seed"))
+
+
+def _check_document(doc: dict[str, Any]) -> None:
+    """What a user's file must say that the dataclasses cannot see once defaults are filled in:
+    required keys, a ``[lora]`` section with its rank, no model shape next to ``hf_path``."""
+    for name in _SECTIONS:
+        if name in doc and not isinstance(doc[name], dict):
+            got = f"{type(doc[name]).__name__} {doc[name]!r}"
+            raise ArgTypeError(f"config: [{name}] must be a table, got {got}")
+    for section, key in (("data", "path"), ("train", "steps")):
+        if key not in doc.get(section, {}):
+            what = KEYS[(section, key)].doc.split(": ", 1)[1]
+            raise ValueError(f"config: {section}.{key} is required ({what})")
+    if "lora" in doc and "rank" not in doc["lora"]:
+        raise ValueError(
+            "config: lora.rank is required in a [lora] section (the adapter rank, e.g. 16; without it "
+            "the run would be full fine-tuning: remove [lora] for that)"
+        )
+    model = doc.get("model", {})
+    given = [k for k in _SHAPE_KEYS if k in model]
+    if model.get("hf_path") is not None and given:
+        raise ValueError(
+            f"config: model.hf_path is given, so model.{given[0]} must be left out (the model's shape "
+            f"comes from {model['hf_path']}/config.json); remove {', '.join('model.' + k for k in given)}"
+        )
+
+
+def config_from_stored(doc: dict[str, Any]) -> SFTConfig:
+    """The ``SFTConfig`` a checkpoint stored (``asdict`` form: every key present, paths already
+    resolved), read without the checks that only a user's own file needs."""
+    doc = {k: dict(v) if isinstance(v, dict) else v for k, v in doc.items()}
+    if isinstance(doc.get("model"), dict) and doc["model"].get("hf_path") is not None:
+        for key in _SHAPE_KEYS:
+            doc["model"].pop(key, None)
+    return config_from_dict(doc, strict=False)
 
 
 def load_config(path: str | os.PathLike) -> SFTConfig:
@@ -289,9 +306,41 @@ def load_config(path: str | os.PathLike) -> SFTConfig:
     if not isinstance(doc, dict):
         raise ValueError(f"{path}: the config must be a table/object, got {type(doc).__name__}")
     try:
-        return config_from_dict(doc, base_dir=path.parent)
-    except (ValueError, TypeError) as e:
+        cfg = config_from_dict(doc, base_dir=path.parent)
+        check_inputs(cfg)
+    except (ValueError, TypeError, OSError) as e:
         raise ValueError(f"{path}: {e}") from None
+    return cfg
+
+
+def check_inputs(cfg: SFTConfig) -> None:
+    """What the config names must exist and fit: the data file, the tokenizer and HF model
+    directories, and a model that ``[model]`` describes consistently (a ValueError naming the key)."""
+    d, m = cfg.data, cfg.model
+    if not Path(d.path).is_file():
+        what = "is a directory" if Path(d.path).is_dir() else "does not exist"
+        raise ValueError(f"config: data.path {d.path} {what} (the JSONL training file)")
+    if d.tokenizer is not None and not Path(d.tokenizer).is_dir():
+        raise ValueError(f"config: data.tokenizer {d.tokenizer} is not a directory (a local tokenizer "
+                         "directory with tokenizer.json / tokenizer_config.json)")
+    if m.hf_path is not None and not (Path(m.hf_path) / "config.json").is_file():
+        raise ValueError(f"config: model.hf_path {m.hf_path} has no config.json (a local Hugging Face "
+                         "model directory)")
+    try:
+        qcfg = model_config(cfg)
+    except (ValueError, TypeError) as e:
+        where = "model.hf_path's config.json" if m.hf_path else "[model]"
+        raise ValueError(f"config: {where} does not describe a model odcfn builds: {e}") from None
+    if cfg.lora.rank:
+        from odcfn.models import qwen_model
+
+        try:
+            from odcfn import lora
+
+            lora.apply(qwen_model(qcfg), {}, rank=cfg.lora.rank, alpha=cfg.lora.alpha,
+                       targets=tuple(cfg.lora.targets))
+        except ValueError as e:
+            raise ValueError(f"config: lora.targets {cfg.lora.targets}: {e}") from None
 
 
 def model_config(cfg: SFTConfig) -> Any:

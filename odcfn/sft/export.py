@@ -17,7 +17,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from odcfn.sft.config import SFTConfig, config_from_dict, model_config
+from odcfn.sft.config import SFTConfig, config_from_stored, model_config
 
 __all__ = ["add_arguments", "export_checkpoint", "export_params", "find_checkpoint", "main"]
 
@@ -93,10 +93,12 @@ def find_checkpoint(path: str | os.PathLike) -> Path:
 
 
 def export_checkpoint(
-    path: str | os.PathLike, out: str | os.PathLike, *, tokenizer: str | None = None, dtype=None
+    path: str | os.PathLike, out: str | os.PathLike, *, tokenizer: str | None = None, dtype=None,
+    adapter: bool = False,
 ) -> Path:
     """Export checkpoint ``path`` (see ``find_checkpoint``) of an ``odcfn train`` run to ``out``;
-    ``tokenizer`` overrides the run's tokenizer directory."""
+    ``tokenizer`` overrides the run's tokenizer directory. A LoRA run exports merged weights, or
+    with ``adapter`` a PEFT adapter directory (``odcfn.sft.lora_export``)."""
     from dataclasses import replace
 
     import odcfn
@@ -107,9 +109,19 @@ def export_checkpoint(
     stored = read_manifest(ck).get("extra", {}).get("config")
     if not isinstance(stored, dict):
         raise ValueError(f"{ck}: the checkpoint has no odcfn train config (was it written by odcfn train?)")
-    cfg = config_from_dict(stored)
+    cfg = config_from_stored(stored)
     if tokenizer is not None:
         cfg = replace(cfg, data=replace(cfg.data, tokenizer=str(tokenizer)))
+    if cfg.lora.rank:
+        from odcfn import lora
+        from odcfn.sft.lora_export import lora_params, write_adapter
+
+        qcfg, lmodel, full = lora_params(ck, cfg)
+        if adapter:
+            return write_adapter(out, lmodel, full, cfg, dtype=dtype)
+        return export_params(out, lora.merge(lmodel, full), qcfg, cfg, dtype=dtype)
+    if adapter:
+        raise ValueError(f"odcfn export --adapter: {ck} is not of a LoRA run (its config has no lora.rank)")
     qcfg = model_config(cfg)
     model = qwen_model(qcfg)
     mesh = odcfn.Mesh(1)  # resharded onto one rank: the full parameters
@@ -126,6 +138,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer", help="tokenizer directory to include (default: the run's)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
                    help="dtype of the written weights (default float32, as trained)")
+    p.add_argument("--adapter", action="store_true",
+                   help="LoRA runs: write a PEFT adapter directory (default: the merged model)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -133,6 +147,7 @@ def main(args: argparse.Namespace) -> int:
 
     dtype = getattr(torch, args.dtype)
     ck = find_checkpoint(args.checkpoint)
-    out = export_checkpoint(ck, args.out, tokenizer=args.tokenizer, dtype=dtype)
+    out = export_checkpoint(ck, args.out, tokenizer=args.tokenizer, dtype=dtype,
+                            adapter=getattr(args, "adapter", False))
     print(f"odcfn export: wrote {out} from {ck}")
     return 0

@@ -312,6 +312,10 @@ def _run_locked(cfg: SFTConfig) -> list[dict[str, Any]]:
     qcfg, model, _ = _build_model(cfg)
     model = _with_lora(cfg, model, None, None)[0]
     data = prepare_data(cfg, qcfg.vocab_size)  # every problem named before a rank starts
+    from odcfn.sft.announce import run_lines
+
+    for line in run_lines(cfg, qcfg, model, data):  # what will run, before it runs
+        print(f"odcfn train: {line}", flush=True)
     if cfg.train.backend == "processes":
         from odcfn.launch import launch
 

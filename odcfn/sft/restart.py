@@ -86,7 +86,8 @@ class Snapshots:
         t = self.cfg.train.timeout
         if last:
             self.memory.wait()  # its errors surface before the final save
-        if (c.every and (done % c.every == 0 or last)) or (last and self.save_last):
+        # the last step is always saved (every = 0: only it), so a finished run can be exported
+        if (c.every and done % c.every == 0) or last:
             path = Path(self.cfg.checkpoint_dir) / f"step-{done:08d}"
             root = Path(self.cfg.checkpoint_dir)
 

@@ -1,0 +1,210 @@
+"""Every ``odcfn train`` config key's rule and one-line meaning: the single table that the config
+checks values against (``check_key``), that ``docs/config.md`` and ``odcfn train --init`` are
+generated from (``odcfn.sft.reference``), and that a test keeps equal to the config dataclasses'
+fields. A key's type and default live on its dataclass field (``odcfn.sft.config``); what
+values it allows and what it means live here."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from odcfn._check import ArgTypeError, is_int, is_number
+
+__all__ = ["KEYS", "Rule", "check_key", "check_type", "describe"]
+
+
+@dataclass(frozen=True)
+class Rule:
+    """What one key allows beyond its type: ``choices`` (a tuple, or a callable returning one,
+    for lists that live elsewhere), a lower bound ``lo`` (``strict``: ``>`` instead of ``>=``),
+    an upper bound ``hi`` (``hi_strict``: ``<``); and ``doc``, its one-line meaning."""
+
+    doc: str
+    choices: Any = None
+    lo: float | None = None
+    strict: bool = False
+    hi: float | None = None
+    hi_strict: bool = False
+
+    def allowed(self) -> tuple | None:
+        return self.choices() if callable(self.choices) else self.choices
+
+
+def _balancers() -> tuple[str, ...]:
+    from odcfn.schedule.policy import POLICIES
+
+    return tuple(sorted(POLICIES))
+
+
+def _decay_masks() -> tuple[str, ...]:
+    from odcfn.optim import DECAY_MASKS
+
+    return tuple(DECAY_MASKS)
+
+
+_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_POS = {"lo": 1}  # a count: at least one
+_NONNEG = {"lo": 0}
+
+# (section, key) -> Rule; "" is the top level. The order is the order of the docs and --init.
+KEYS: dict[tuple[str, str], Rule] = {
+    ("", "out_dir"): Rule("where checkpoints, metrics.jsonl and the lock go (relative to the config file)"),
+    # [model]
+    ("model", "hf_path"): Rule("a local Hugging Face model directory to start from; the shape keys below "
+                               "must then be left out (they come from its config.json)"),
+    ("model", "vocab_size"): Rule("fresh model: vocabulary size (token ids are < this)", **_POS),
+    ("model", "d_model"): Rule("fresh model: hidden width", **_POS),
+    ("model", "n_layers"): Rule("fresh model: decoder layers", **_POS),
+    ("model", "n_heads"): Rule("fresh model: query heads (d_model / n_heads is the head width)", **_POS),
+    ("model", "n_kv_heads"): Rule("fresh model: key/value heads (divides n_heads: grouped-query attention)",
+                                  **_POS),
+    ("model", "d_ff"): Rule("fresh model: MLP width", **_POS),
+    ("model", "rope_theta"): Rule("fresh model: RoPE base", lo=0, strict=True),
+    ("model", "qkv_bias"): Rule("fresh model: biases on q/k/v (Qwen2: true, Llama: false)"),
+    ("model", "head_dim"): Rule("fresh model: head width when not d_model / n_heads (Qwen3)", **_POS),
+    ("model", "qk_norm"): Rule("fresh model: RMSNorm of q and k per head (Qwen3)"),
+    ("model", "o_bias"): Rule("fresh model: bias on o_proj (Llama attention_bias)"),
+    ("model", "tie_embeddings"): Rule("fresh model: the head reads the embedding matrix (one parameter)"),
+    ("model", "seed"): Rule("fresh model: seed of the initial weights", **_NONNEG),
+    # [data]
+    ("data", "path"): Rule("REQUIRED: the JSONL training file (token records, or chat messages with "
+                           "data.tokenizer)"),
+    ("data", "batch_size"): Rule("samples per minibatch (one optimizer step)", **_POS),
+    ("data", "seed"): Rule("seed of the per-epoch shuffle", **_NONNEG),
+    ("data", "shuffle"): Rule("shuffle the samples each epoch (false: file order)"),
+    ("data", "max_length"): Rule("longest sample in tokens (longer ones: see long_samples); unset: no limit",
+                                 **_POS),
+    ("data", "tokenizer"): Rule("a local tokenizer directory: data.path then holds {\"messages\": [...]} "
+                                "chat lines, tokenized with its chat template"),
+    ("data", "cache_dir"): Rule("where tokenized chat shards go (unset: beside the data file)"),
+    ("data", "long_samples"): Rule("a sample over max_length or the microbatch cap: name it before the "
+                                   "first step, keep its first tokens, or leave it out",
+                                   choices=("error", "truncate", "drop")),
+    ("data", "skip_empty_minibatches"): Rule("a minibatch without loss tokens: an error naming it (false) "
+                                             "or a step without an update (true)"),
+    # [train]
+    ("train", "steps"): Rule("REQUIRED: optimizer steps (minibatches) of the whole run", **_POS),
+    ("train", "lr"): Rule("peak learning rate", lo=0, strict=True),
+    ("train", "warmup_steps"): Rule("steps of linear warmup from 0 to lr (at most train.steps)", **_NONNEG),
+    ("train", "schedule"): Rule("learning rate after warmup", choices=("constant", "cosine")),
+    ("train", "optimizer"): Rule("the optimizer", choices=("adamw", "sgd")),
+    ("train", "weight_decay"): Rule("decoupled weight decay", **_NONNEG),
+    ("train", "weight_decay_mask"): Rule("which parameters decay", choices=_decay_masks),
+    ("train", "max_grad_norm"): Rule("clip the global gradient norm to this; unset: no clipping",
+                                     lo=0, strict=True),
+    ("train", "comm"): Rule("ODC (point-to-point, one sync per step) or collective FSDP",
+                            choices=("odc", "collective")),
+    ("train", "balance"): Rule("how samples are spread over ranks (unset: lb_mini for odc, lb_micro "
+                               "for collective)", choices=_balancers),
+    ("train", "max_tokens_per_microbatch"): Rule("token cap of one microbatch; unset: one sample each",
+                                                 **_POS),
+    ("train", "compute_dtype"): Rule("dtype of the forward/backward (weights stay float32)",
+                                     choices=("float32", "bfloat16")),
+    ("train", "remat"): Rule("recompute every unit in its backward: O(T) activations, ~1/3 more compute"),
+    ("train", "world_size"): Rule("local ranks (unset: one per CPU core, at most 4)", **_POS),
+    ("train", "backend"): Rule("ranks as threads of one process or as separate processes",
+                               choices=("threads", "processes")),
+    ("train", "timeout"): Rule("seconds a rank waits on a peer before calling it dead", lo=0, strict=True),
+    ("train", "deterministic"): Rule("bit-identical reruns and restarts (StepConfig.deterministic)"),
+    ("train", "max_restarts"): Rule("backend = \"processes\" only: restart all ranks this often after a "
+                                    "failure", **_NONNEG),
+    # [checkpoint]
+    ("checkpoint", "every"): Rule("a checkpoint every N steps, and always one after the last step "
+                                  "(0: only that final one)", **_NONNEG),
+    ("checkpoint", "keep"): Rule("newest checkpoints kept (unset: all)", **_POS),
+    ("checkpoint", "resume"): Rule("resume from the newest checkpoint in out_dir (false: start over, "
+                                   "deleting them)"),
+    ("checkpoint", "resume_anyway"): Rule("resume although the stored run's config or data differ"),
+    ("checkpoint", "export_hf"): Rule("after the run, write the final weights as a Hugging Face model here"),
+    ("checkpoint", "async_save"): Rule("write disk checkpoints in the background (the step waits for a "
+                                       "copy)"),
+    ("checkpoint", "memory_every"): Rule("a /dev/shm snapshot every N steps that restarts resume from "
+                                         "(0: off)", **_NONNEG),
+    # [log]
+    ("log", "every"): Rule("a progress line every N steps (metrics.jsonl gets every step)", **_POS),
+    ("log", "tensorboard"): Rule("also write TensorBoard events (needs tensorboard installed)"),
+    ("log", "progress"): Rule("print progress lines (--quiet: false)"),
+    # [lora]
+    ("lora", "rank"): Rule("REQUIRED in a [lora] section: adapter rank r (0: no LoRA, full fine-tuning)",
+                           **_NONNEG),
+    ("lora", "alpha"): Rule("scaling: alpha / r (alpha / sqrt(r) with use_rslora)", lo=0, strict=True),
+    ("lora", "dropout"): Rule("dropout on the adapters' input", lo=0, hi=1, hi_strict=True),
+    ("lora", "targets"): Rule("projections that get adapters", choices=_PROJECTIONS),
+    ("lora", "use_rslora"): Rule("rank-stabilised scaling alpha / sqrt(r)"),
+    ("lora", "seed"): Rule("seed of the adapters' initial A", **_NONNEG),
+}
+
+# a bool is an int to Python: True must not pass for a step count
+_TYPES = {
+    "int": is_int,
+    "float": is_number,
+    "str": lambda v: isinstance(v, str),
+    "bool": lambda v: v is True or v is False,
+    "list": lambda v: isinstance(v, list),
+}
+_NAMES = {"int": "an integer", "float": "a number", "str": "a string", "bool": "true or false",
+          "list": "a list of strings", "None": "unset"}
+
+
+def _kinds(annotation: Any) -> list[str]:
+    return [k.strip() for k in str(annotation).split("|")]
+
+
+def _dotted(section: str, key: str) -> str:
+    return f"{section}.{key}" if section else key
+
+
+def describe(section: str, key: str, annotation: Any) -> str:
+    """What ``section.key`` allows, in words: ``"a number > 0"``, ``"one of ['odc', ...]"``."""
+    rule, kinds = KEYS[(section, key)], _kinds(annotation)
+    choices = rule.allowed()
+    if choices is not None:
+        what = f"a list of {list(choices)}" if "list" in kinds else f"one of {list(choices)}"
+    else:
+        what = " or ".join(_NAMES.get(k, k) for k in kinds if k != "None")
+        bounds = []
+        if rule.lo is not None:
+            bounds.append(f"{'>' if rule.strict else '>='} {rule.lo:g}")
+        if rule.hi is not None:
+            bounds.append(f"{'<' if rule.hi_strict else '<='} {rule.hi:g}")
+        if bounds:
+            what += " " + " and ".join(bounds)
+    return what + (" (or unset)" if "None" in kinds else "")
+
+
+def check_type(section: str, key: str, value: Any, annotation: Any) -> None:
+    """``value`` has ``annotation``'s type (``X | None`` allows None); else an ``ArgTypeError``."""
+    kinds = _kinds(annotation)
+    if value is None and "None" in kinds:
+        return
+    if not any(_TYPES[k](value) for k in kinds if k in _TYPES):
+        raise ArgTypeError(f"config: {_dotted(section, key)} must be {describe(section, key, annotation)}, "
+                           f"got {type(value).__name__} {value!r}")
+
+
+def check_key(section: str, key: str, value: Any, annotation: Any) -> None:
+    """Raise naming ``section.key`` and what it allows unless ``value`` passes its type and rule
+    (a ``TypeError`` for a wrong type, a ``ValueError`` for a wrong value)."""
+    check_type(section, key, value, annotation)
+    if value is None:
+        return
+    rule = KEYS[(section, key)]
+
+    def bad() -> ValueError:
+        return ValueError(f"config: {_dotted(section, key)} must be {describe(section, key, annotation)}, "
+                          f"got {value!r}")
+
+    if isinstance(value, float) and not math.isfinite(value):
+        raise bad()
+    choices = rule.allowed()
+    if choices is not None:
+        items = value if isinstance(value, list) else [value]
+        if (isinstance(value, list) and not value) or any(v not in choices for v in items):
+            raise bad()
+    if is_number(value):
+        if rule.lo is not None and (value <= rule.lo if rule.strict else value < rule.lo):
+            raise bad()
+        if rule.hi is not None and (value >= rule.hi if rule.hi_strict else value > rule.hi):
+            raise bad()
