@@ -16,6 +16,7 @@ from odcfn.launch import LaunchError, launch
 from odcfn.measure import calibrate
 from odcfn.model import Model, Unit, check_params, reference_loss
 from odcfn.optim import Optimizer, adamw, clip_scale, sgd
+from odcfn.preference import preference_batch, with_ref_logprobs
 from odcfn.reference import reference_value_and_grad
 from odcfn.schedule import POLICIES, Plan, ScheduleOptions, WorkStealing, compile_plan, get_balancer
 from odcfn.sharding import Layout, Mesh, make_layout, shard, unshard
@@ -68,6 +69,7 @@ __all__ = [
     "load",
     "make_layout",
     "pack",
+    "preference_batch",
     "plot_timeline",
     "random_batch",
     "reference_loss",
@@ -83,4 +85,5 @@ __all__ = [
     "tree_assert_allclose",
     "tree_map",
     "unshard",
+    "with_ref_logprobs",
 ]

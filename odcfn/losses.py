@@ -39,12 +39,14 @@ from odcfn.kernels.fused_head import IGNORE, check_chunk, check_temperature, fus
 __all__ = [
     "AGG_MODES",
     "KL_TYPES",
+    "DPO",
     "CrossEntropy",
     "LogProbs",
     "PolicyGradient",
     "TokenLoss",
     "aggregation_weights",
     "cross_entropy",
+    "dpo",
     "check_loss",
     "head_stats",
     "loss_metrics",
@@ -336,6 +338,8 @@ def head_stats(h_TxD: torch.Tensor, w_VxD: torch.Tensor, mb: Microbatch) -> torc
     want_logits = bool(getattr(loss, "needs_logits", False))
     logp_T, ent_T, logits = _head(loss, h_TxD, w_VxD, labels_T, bool(getattr(loss, "needs_entropy", False)),
                                   want_logits)
+    if hasattr(loss, "microbatch_stats"):  # a sequence-level loss (DPO): sums per sample first
+        return loss.microbatch_stats(logp_T, mb)
     kw = {"logits_TxV": logits} if want_logits else {}
     loss_T, metrics = loss.per_token(logp_T, ent_T, mb.extras, **kw)
     w, m = mb.weight_T, mb.loss_mask_T
@@ -350,3 +354,7 @@ def loss_metrics(loss: object, sums: tuple[float, ...], num_loss_tokens: int) ->
     aggregated (by the loss's weights)."""
     mean = getattr(loss, "mean_metrics", frozenset())
     return {k: v / num_loss_tokens if k in mean else v for k, v in zip(loss.metric_names, sums)}
+
+
+# the sequence-level preference losses live in their own module; they reuse _check_head above
+from odcfn.losses_dpo import DPO, dpo  # noqa: E402
