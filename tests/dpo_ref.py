@@ -60,24 +60,27 @@ def reference(cfg, full, batch, loss, dtype=torch.float64):
         m = s.loss_mask[1:].to(dtype)
         sums.append((lp * m).sum())
         counts.append(m.sum())
-        use_ref = loss.uses_reference
-        refs.append((s.extras["ref_logprobs"][1:].to(dtype) * m).sum() if use_ref else torch.zeros((), dtype=dtype))
+        ref = s.extras["ref_logprobs"][1:].to(dtype) if loss.uses_reference else torch.zeros_like(m)
+        refs.append((ref * m).sum())
         if i % 2 == 0:
             nll_terms.append(-(lp * m))
     pairs = len(batch) // 2
     per_pair, figures = [], {k: 0.0 for k in loss.metric_names}
     b = loss.beta
     for k in range(pairs):
-        c, r, rc, rr, nc, nr = sums[2 * k], sums[2 * k + 1], refs[2 * k], refs[2 * k + 1], counts[2 * k], counts[2 * k + 1]
-        per_pair.append(pair_loss(loss.loss_type, b, loss.label_smoothing, loss.simpo_gamma, c, r, rc, rr, nc, nr))
+        c, r, rc, rr = sums[2 * k], sums[2 * k + 1], refs[2 * k], refs[2 * k + 1]
+        nc, nr = counts[2 * k], counts[2 * k + 1]
+        per_pair.append(pair_loss(loss.loss_type, b, loss.label_smoothing, loss.simpo_gamma,
+                                  c, r, rc, rr, nc, nr))
         if loss.loss_type == "simpo":
             lc, lr = float(c / nc), float(r / nr)
             wc, wr = b * lc, b * lr
         else:
             lc, lr = float(c), float(r)
             wc, wr = b * float(c - rc), b * float(r - rr)
-        for name, v in (("rewards/chosen", wc), ("rewards/rejected", wr), ("rewards/accuracies", float(wc > wr)),
-                        ("rewards/margins", wc - wr), ("logps/chosen", lc), ("logps/rejected", lr)):
+        for name, v in (("rewards/chosen", wc), ("rewards/rejected", wr),
+                        ("rewards/accuracies", float(wc > wr)), ("rewards/margins", wc - wr),
+                        ("logps/chosen", lc), ("logps/rejected", lr)):
             figures[name] += v / pairs
     nll = torch.cat(nll_terms).sum() / sum(counts[0::2])
     total = torch.stack(per_pair).mean() + loss.sft_weight * nll
