@@ -54,7 +54,8 @@ def test_sharded_dpo_equals_reference(kind, sft, world, policy, pairs, seed, dat
     out = run_grad_step(full, batch, model, world, comm=comm, balance=balance,
                         max_tokens_per_microbatch=cap, loss=loss)
     for rank, (grads, m) in enumerate(out):
-        odcfn.tree_assert_allclose(grads, want[rank], rtol=RTOL, atol=ATOL * scale, what=f"{policy} rank {rank}")
+        odcfn.tree_assert_allclose(grads, want[rank], rtol=RTOL, atol=ATOL * scale,
+                                   what=f"{policy} rank {rank}")
         assert m.loss == pytest.approx(want_loss, rel=1e-5, abs=1e-6)
         for k, v in want_metrics.items():
             if k == "rewards/accuracies":  # a near-tie may flip in float32: bounded by one pair
@@ -73,7 +74,8 @@ def test_policy_as_its_own_reference_gives_ln2(world):
     """TRL's invariant: at the first step (policy == reference) the sigmoid loss is ln 2; the
     reference log-probs come from odcfn.log_probs of the same state (packed, sharded)."""
     full, model = _params(7), qwen_model(CFG)
-    batch = pair_batch([(3, 4, 2), (1, 6, 5), (2, 2, 7), (4, 1, 1), (2, 3, 3)], CFG.vocab_size, seed=7, ref=False)
+    shapes = [(3, 4, 2), (1, 6, 5), (2, 2, 7), (4, 1, 1), (2, 3, 3)]
+    batch = pair_batch(shapes, CFG.vocab_size, seed=7, ref=False)
 
     def fn(rank, tr):
         cfg = odcfn.StepConfig(balance="lb_mini", loss=losses.dpo(beta=0.1), max_tokens_per_microbatch=24)
