@@ -34,7 +34,9 @@ import torch
 
 from odcfn._check import check_number
 from odcfn.batch import Batch, Microbatch
-from odcfn.kernels.fused_head import IGNORE, check_chunk, check_temperature, fused_head, unfused_head
+from odcfn.kernels.fused_head import IGNORE, fused_head, unfused_head
+from odcfn.loss_head import check_head as _check_head
+from odcfn.losses_dpo import DPO, dpo  # the sequence-level preference losses
 
 __all__ = [
     "AGG_MODES",
@@ -99,18 +101,6 @@ def _check_mode(mode: str, scale: float | None) -> None:
                 "loss_agg_mode='seq-mean-token-sum-norm' needs loss_scale_factor, a constant > 0 "
                 f"(Dr. GRPO: e.g. the maximum response length), got {scale!r}"
             )
-
-
-HEADS = ("fused", "unfused")
-
-
-def _check_head(obj: object) -> None:
-    """The head settings every loss (and ``LogProbs``) carries, checked at construction."""
-    check_temperature(obj.temperature)
-    if obj.head not in HEADS:
-        raise ValueError(f"head must be one of {list(HEADS)}, got {obj.head!r}")
-    check_chunk(obj.token_chunk, "token_chunk")
-    check_chunk(obj.vocab_chunk, "vocab_chunk")
 
 
 @dataclass(frozen=True)
@@ -354,7 +344,3 @@ def loss_metrics(loss: object, sums: tuple[float, ...], num_loss_tokens: int) ->
     aggregated (by the loss's weights)."""
     mean = getattr(loss, "mean_metrics", frozenset())
     return {k: v / num_loss_tokens if k in mean else v for k, v in zip(loss.metric_names, sums)}
-
-
-# the sequence-level preference losses live in their own module; they reuse _check_head above
-from odcfn.losses_dpo import DPO, dpo  # noqa: E402

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 from odcfn._check import check_number
 from odcfn.batch import Batch, Microbatch
+from odcfn.loss_head import check_head
 from odcfn.preference import check_pairs, describe
 
 __all__ = ["DPO", "DPO_LOSS_TYPES", "dpo"]
@@ -66,9 +67,7 @@ class DPO:
     needs_logits = False
 
     def __post_init__(self) -> None:
-        from odcfn.losses import _check_head  # losses imports this module at its end
-
-        _check_head(self)
+        check_head(self)
         if self.loss_type not in DPO_LOSS_TYPES:
             raise ValueError(
                 f"dpo: loss_type={self.loss_type!r} does not exist; expected one of {list(DPO_LOSS_TYPES)}"
