@@ -127,3 +127,27 @@ def test_bad_input_fails_on_every_rank_before_any_communication(case):
 
     for counters in odcfn.run_local(fn, 2, timeout=30):
         assert counters.syncs == 0 and counters.collectives == 0 and counters.gathers == 0
+
+
+def test_lora_reference_is_the_base_model():
+    """With LoRA the reference is the base (adapters off) from the same state: no second model."""
+    base, model = _params(9), qwen_model(CFG)
+    lmodel, lparams = odcfn.lora.apply(model, base, rank=2, alpha=4.0)
+    g = torch.Generator().manual_seed(9)
+    lparams = {k: odcfn.tree_map(lambda t: t + 0.5 * torch.randn(t.shape, generator=g), v)
+               if k.startswith("lora.") else v for k, v in lparams.items()}  # adapters that matter
+    batch = pair_batch([(3, 4, 2), (1, 6, 5)], CFG.vocab_size, seed=9, ref=False)
+
+    def fn(rank, tr):
+        make = lambda p, m: odcfn.TrainState.create(params=p, model=m, optimizer=odcfn.sgd(0.0), transport=tr)
+        state = make(lparams, lmodel)
+        return (odcfn.log_probs(odcfn.lora_reference(state), batch),
+                odcfn.log_probs(state, batch), odcfn.log_probs(make(base, model), batch))
+
+    for ref, policy, want in odcfn.run_local(fn, 2, timeout=30):
+        for a, b in zip(ref, want):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        assert max(float((c - b).abs().max()) for b, c in zip(want, policy)) > 1e-3
+    with pytest.raises(ValueError, match="no LoRA adapters"):
+        odcfn.run_local(lambda r, tr: odcfn.lora_reference(
+            odcfn.TrainState.create(params=base, model=model, optimizer=odcfn.sgd(0.0), transport=tr)), 1)

@@ -25,11 +25,24 @@ from typing import Any
 import torch
 
 from odcfn.batch import Sample
-from odcfn.data.chat import _messages, _render, load_tokenizer
+from odcfn.data.chat import load_tokenizer
 
 __all__ = ["read_preference_jsonl", "tokenize_pair"]
 
 FIELDS = ("prompt", "chosen", "rejected")
+
+
+def _render(tok: Any, msgs: list, gen: bool) -> str:
+    return tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
+
+
+def _messages(msgs: Any, where: str) -> list[dict[str, str]]:
+    if not isinstance(msgs, list) or not msgs:
+        raise ValueError(f"{where}: must be a non-empty list of messages")
+    for i, m in enumerate(msgs):
+        if not isinstance(m, Mapping) or not all(isinstance(m.get(k), str) for k in ("role", "content")):
+            raise ValueError(f"{where}: messages[{i}] must be an object with string 'role' and 'content'")
+    return [dict(m) for m in msgs]
 
 
 def _plain(tok: Any, prompt: str, answer: str, where: str) -> Sample:
@@ -71,12 +84,12 @@ def tokenize_pair(tok: Any, rec: Any, where: str = "record") -> tuple[Sample, Sa
         return tuple(_plain(tok, prompt, rec[k], f"{where} {k}") for k in ("chosen", "rejected"))
     if not getattr(tok, "chat_template", None):
         raise ValueError(f"{where}: conversational records need a tokenizer with a chat template")
-    msgs = _messages({"messages": prompt + [{"role": "assistant", "content": ""}]}, f"{where} prompt")[:-1]
+    msgs = _messages(prompt, f"{where} prompt")
     out = []
     for k in ("chosen", "rejected"):
         if not isinstance(rec[k], list):
             raise ValueError(f"{where}: '{k}' must be a list of messages like the prompt")
-        answer = _messages({"messages": rec[k]}, f"{where} {k}")
+        answer = _messages(rec[k], f"{where} {k}")
         out.append(_chat(tok, msgs, answer, f"{where} {k}"))
     return out[0], out[1]
 
