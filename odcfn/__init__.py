@@ -1,6 +1,6 @@
 """odcfn: FSDP training with On-Demand Communication, JAX-style over PyTorch."""
 
-from odcfn import lora, losses, trainable
+from odcfn import lora, losses, preference, trainable
 from odcfn.batch import Batch, Microbatch, Sample, pack, random_batch
 from odcfn.checkpoint.state_io import load, save
 from odcfn.kernels import (
@@ -16,6 +16,8 @@ from odcfn.launch import LaunchError, launch
 from odcfn.measure import calibrate
 from odcfn.model import Model, Unit, check_params, reference_loss
 from odcfn.optim import Optimizer, adamw, clip_scale, sgd
+from odcfn.preference import preference_batch, with_ref_logprobs
+from odcfn.preference_lora import lora_reference
 from odcfn.reference import reference_value_and_grad
 from odcfn.schedule import POLICIES, Plan, ScheduleOptions, WorkStealing, compile_plan, get_balancer
 from odcfn.sharding import Layout, Mesh, make_layout, shard, unshard
@@ -64,10 +66,13 @@ __all__ = [
     "launch",
     "log_probs",
     "lora",
+    "lora_reference",
     "losses",
     "load",
     "make_layout",
     "pack",
+    "preference",
+    "preference_batch",
     "plot_timeline",
     "random_batch",
     "reference_loss",
@@ -83,4 +88,5 @@ __all__ = [
     "tree_assert_allclose",
     "tree_map",
     "unshard",
+    "with_ref_logprobs",
 ]

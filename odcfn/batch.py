@@ -81,12 +81,17 @@ class Batch:
     set from ``TrainState.step``; training-time randomness (LoRA dropout) is keyed on it and on
     each sample's index in the minibatch, never on ranks or microbatches. None (log-probs, a
     reference forward): no dropout.
+
+    ``pairs``: samples ``2k`` and ``2k + 1`` are pair ``k`` (chosen, rejected; build it with
+    ``odcfn.preference_batch``): the balancers place each pair as one unit, so both members meet
+    in one microbatch of one rank (a DPO loss needs both sequence sums at once).
     """
 
     samples: tuple[Sample, ...]
     lengths: tuple[int, ...] = field(init=False)
     num_loss_tokens: int = field(init=False)
     step: int | None = None
+    pairs: bool = False
 
     def __post_init__(self) -> None:
         samples = tuple(self.samples)
@@ -103,6 +108,13 @@ class Batch:
             raise ValueError("Batch has no loss tokens (every loss_mask is empty)")
         if self.step is not None and (isinstance(self.step, bool) or not isinstance(self.step, int)):
             raise TypeError(f"Batch.step must be an int or None, got {self.step!r}")
+        if not isinstance(self.pairs, bool):
+            raise TypeError(f"Batch.pairs must be a bool, got {type(self.pairs).__name__}")
+        if self.pairs and len(samples) % 2:
+            raise ValueError(
+                f"Batch(pairs=True) has {len(samples)} samples: pair {len(samples) // 2} lacks its "
+                "rejected member (samples 2k, 2k + 1 are pair k)"
+            )
 
     def __len__(self) -> int:
         return len(self.samples)

@@ -34,17 +34,21 @@ import torch
 
 from odcfn._check import check_number
 from odcfn.batch import Batch, Microbatch
-from odcfn.kernels.fused_head import IGNORE, check_chunk, check_temperature, fused_head, unfused_head
+from odcfn.kernels.fused_head import IGNORE, fused_head, unfused_head
+from odcfn.loss_head import check_head as _check_head
+from odcfn.losses_dpo import DPO, dpo  # the sequence-level preference losses
 
 __all__ = [
     "AGG_MODES",
     "KL_TYPES",
+    "DPO",
     "CrossEntropy",
     "LogProbs",
     "PolicyGradient",
     "TokenLoss",
     "aggregation_weights",
     "cross_entropy",
+    "dpo",
     "check_loss",
     "head_stats",
     "loss_metrics",
@@ -97,18 +101,6 @@ def _check_mode(mode: str, scale: float | None) -> None:
                 "loss_agg_mode='seq-mean-token-sum-norm' needs loss_scale_factor, a constant > 0 "
                 f"(Dr. GRPO: e.g. the maximum response length), got {scale!r}"
             )
-
-
-HEADS = ("fused", "unfused")
-
-
-def _check_head(obj: object) -> None:
-    """The head settings every loss (and ``LogProbs``) carries, checked at construction."""
-    check_temperature(obj.temperature)
-    if obj.head not in HEADS:
-        raise ValueError(f"head must be one of {list(HEADS)}, got {obj.head!r}")
-    check_chunk(obj.token_chunk, "token_chunk")
-    check_chunk(obj.vocab_chunk, "vocab_chunk")
 
 
 @dataclass(frozen=True)
@@ -344,6 +336,8 @@ def head_stats(h_TxD: torch.Tensor, w_VxD: torch.Tensor, mb: Microbatch) -> torc
     want_logits = bool(getattr(loss, "needs_logits", False))
     logp_T, ent_T, logits = _head(loss, h_TxD, w_VxD, labels_T, bool(getattr(loss, "needs_entropy", False)),
                                   want_logits)
+    if hasattr(loss, "microbatch_stats"):  # a sequence-level loss (DPO): sums per sample first
+        return loss.microbatch_stats(logp_T, mb)
     kw = {"logits_TxV": logits} if want_logits else {}
     loss_T, metrics = loss.per_token(logp_T, ent_T, mb.extras, **kw)
     w, m = mb.weight_T, mb.loss_mask_T

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from odcfn import trainable
+from odcfn import preference, trainable
 from odcfn.batch import Batch, check_token_range
 from odcfn.kernels.base import supports_odc
 from odcfn.losses import check_loss, loss_metrics
@@ -106,6 +106,8 @@ def _fingerprint(
         key += f" frozen={list(m.frozen)}"
     if batch.step is not None:  # ranks at different steps would draw different dropout masks
         key += f" step={batch.step}"
+    if batch.pairs:  # ranks that disagree on pairing would pack different microbatches
+        key += " pairs"
     config = state.config
     if assignment is not None:
         config = (config, [[list(map(int, mb)) for mb in r] for r in assignment])
@@ -125,15 +127,17 @@ def _grads(state: TrainState, batch: Batch) -> tuple[dict[str, torch.Tensor], St
         object.__setattr__(batch, "step", state.step)
     cfg, model, transport, mesh = state.config, state.model, state.transport, state.mesh
     check_loss(cfg.loss).validate(batch)  # the extras it needs, on every rank, before any communication
-    cap = cfg.max_tokens_per_microbatch or max(batch.lengths)
+    # a pair batch is balanced one unit per pair (odcfn.preference): both members in one microbatch
+    lengths, cap = preference.schedule_lengths(batch, cfg.max_tokens_per_microbatch)
     seen: list = []
     program = prepare_program(
-        _recording(cfg.balance, seen), batch.lengths, units=model.unit_names, world_size=mesh.world_size,
+        _recording(cfg.balance, seen), lengths, units=model.unit_names, world_size=mesh.world_size,
         rank=mesh.rank,
         max_tokens=cap, comm=cfg.comm, options=schedule_options(cfg.options, model, cfg.remat), cost=cfg.cost,
         fetch_add=getattr(transport, "fetch_add", None),
         max_counters=getattr(transport, "max_counters", None),
     )
+    program = preference.expand_program(program, batch)
     dtype = cfg.compute_dtype or model.dtype
     device = next(iter(state.params.values())).device  # compute follows the parameter shards
     words, detail = _fingerprint(state, batch, layout, seen[-1] if seen else None)
