@@ -26,11 +26,12 @@ from odcfn.losses import check_loss, loss_metrics
 from odcfn.model import Model
 from odcfn.optim import clip_scale
 from odcfn.schedule.plan import ScheduleOptions
-from odcfn.schedule.policy import policy_info, prepare_program
+from odcfn.schedule.policy import policy_info, prepare_program, resolve_policy
 from odcfn.sharding import Layout, make_layout
 from odcfn.sharding.layout import check_shards
 from odcfn.step import fingerprint
 from odcfn.step.execute import execute
+from odcfn.step.ordered_push import check_counters, check_head
 from odcfn.step.state import StepMetrics, TrainState, check_fields, donate
 
 __all__ = ["StepMetrics", "check_inputs", "grad_step", "minibatch_fingerprint", "train_step"]
@@ -128,15 +129,23 @@ def _grads(state: TrainState, batch: Batch) -> tuple[dict[str, torch.Tensor], St
         fetch_add=getattr(transport, "fetch_add", None),
         max_counters=getattr(transport, "max_counters", None),
     )
-    dtype = cfg.compute_dtype or model.dtype
     device = next(iter(state.params.values())).device  # compute follows the parameter shards
+    if cfg.deterministic:
+        check_head(cfg.loss, device)
+    slots = 0
+    if cfg.deterministic and cfg.comm == "odc":  # the turn order spans the busiest rank's microbatches
+        check_counters(sum(not u.frozen for u in layout.units), getattr(transport, "max_counters", None))
+        assignment = seen[-1] if seen else resolve_policy(cfg.balance, cfg.comm, cfg.cost)(
+            batch.lengths, mesh.world_size, cap)
+        slots = max(len(r) for r in assignment)
+    dtype = cfg.compute_dtype or model.dtype
     words, detail = minibatch_fingerprint(state, batch, layout, seen[-1] if seen else None)
     before = transport.counters.copy()
     transport.begin_step(layout, state.params, dtype)
     result, plan = execute(
         program, model=model, layout=layout, batch=batch, transport=transport,
         compute_dtype=dtype, comm=cfg.comm, device=device, riders=fingerprint.encode(words, device),
-        loss=cfg.loss, deterministic=cfg.deterministic,
+        loss=cfg.loss, deterministic=cfg.deterministic, slots=slots,
     )
     # every rank sees the same sums, so every rank raises alike (before any optimizer step)
     fingerprint.check_agreement(result.riders, mesh.world_size, words, detail)
