@@ -9,7 +9,8 @@ Each rank owns one shared-memory segment that every peer maps::
 
 - ``gather``: the reader waits until the owner's ``version`` equals this step, then copies the
   owner's shard itself; the owner does nothing (one-sided). The owner writes the shard, then the
-  version ("data, then flag": x86-64 keeps stores in order; aarch64 would need a fence).
+  version ("data, then flag": x86-64 keeps stores in order; other architectures are refused at
+  construction, ``shm_sync.check_store_order``).
 - ``scatter_accumulate``: writer-side ``add_`` into the owner's accumulator, chunk by chunk, each
   chunk under its own kernel byte-range lock (bench/shm_accumulate.py and docs/transports.md
   measure this against an owner-side accumulate thread; plain concurrent ``add_`` loses updates).
@@ -56,7 +57,7 @@ from odcfn.kernels.base import (
 )
 from odcfn.kernels.collective import TorchCollectives
 from odcfn.kernels.shm_collective import ShmCollectives
-from odcfn.kernels.shm_sync import RangeLock, Segment, shm_dir, wait_until
+from odcfn.kernels.shm_sync import RangeLock, Segment, check_store_order, shm_dir, wait_until
 from odcfn.sharding import Layout, Mesh
 
 __all__ = ["ShmTransport"]
@@ -119,6 +120,7 @@ class ShmTransport(StepCollectives):
     def __init__(
         self, mesh: Mesh, *, timeout: float = 60.0, chunk_elems: int = 1 << 16, collectives: str = "gloo"
     ) -> None:
+        check_store_order("ShmTransport")  # before any rendezvous: every rank refuses alike
         if not isinstance(chunk_elems, int) or chunk_elems < 1:
             raise ValueError(f"chunk_elems must be a positive int, got {chunk_elems!r}")
         if collectives not in ("gloo", "shm"):

@@ -7,6 +7,9 @@
   (OFD) ``fcntl`` locks. The kernel releases it when its holder dies, so a killed peer can never
   leave a lock held; OFD locks (unlike classic POSIX locks) are not dropped when some other fd
   of the same file is closed.
+- ``check_store_order``: the protocols above publish "data, then flag" with plain stores, which is
+  correct only where the CPU keeps stores in program order (x86-64's TSO); elsewhere (aarch64,
+  POWER) a peer could see the flag before the data, so they refuse to start.
 - ``wait_until``: poll a predicate with a short, growing sleep (a pure busy-poll would starve the
   other rank's thread of the GIL and of a CPU on a 2-core machine), checking on the way that the
   peers are alive and have not aborted; raise ``TransportError`` at the deadline.
@@ -17,6 +20,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import platform
 import struct
 import time
 from collections.abc import Callable, Sequence
@@ -25,11 +29,26 @@ import torch
 
 from odcfn.kernels.base import TransportError
 
-__all__ = ["RangeLock", "Segment", "pid_alive", "shm_dir", "wait_until"]
+__all__ = ["RangeLock", "Segment", "check_store_order", "pid_alive", "shm_dir", "wait_until"]
 
 # struct flock on Linux x86-64/aarch64: short l_type, short l_whence, off_t l_start,
 # off_t l_len, pid_t l_pid (+ padding); l_pid must be 0 for OFD locks.
 _FLOCK = "hhqqi4x"
+
+
+_TSO = ("x86_64", "AMD64", "amd64", "i686", "i386")  # the names Python reports for x86
+
+
+def check_store_order(who: str) -> None:
+    """Refuse, before any segment exists, a CPU that may reorder stores: the flag of a
+    "data, then flag" publication could become visible before the data (a torn read, silently)."""
+    machine = platform.machine()
+    if machine not in _TSO:
+        raise RuntimeError(
+            f"{who} relies on x86-64 store ordering (data written before its flag is seen first); "
+            f"this machine is {machine or 'unknown'}, where it could read torn shards. Use a "
+            "transport without shared-memory flags (odcfn.kernels.collective, comm='collective')"
+        )
 
 
 def shm_dir() -> str:
