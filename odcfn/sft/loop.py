@@ -67,7 +67,7 @@ from odcfn.sft.config import (
 )
 from odcfn.sft.example import write_example
 from odcfn.sft.prepare import PreparedData, prepare_data
-from odcfn.sft.record import Logger, data_summary, step_record
+from odcfn.sft.record import Logger, already_done, data_summary, step_record
 from odcfn.sft.restart import Snapshots, clear_for_fresh_start, open_memory_tier, resume_point
 
 __all__ = [
@@ -351,11 +351,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--resume-anyway", action="store_true", help="resume though config/data changed")
     parser.add_argument("--quiet", action="store_true", help="no per-step progress lines")
+    parser.add_argument("--force", action="store_true", help="--init: overwrite DIR's run.toml/train.jsonl")
 
 
 def main(args: argparse.Namespace) -> int:
     if args.init:
-        path = write_example(args.init)
+        path = write_example(args.init, force=args.force)
         print(
             f"odcfn train: wrote {path} and {path.parent / 'train.jsonl'}; run: odcfn train --config {path}"
         )
@@ -381,6 +382,9 @@ def main(args: argparse.Namespace) -> int:
     results = run(cfg)
     head = results[0]
     if head["rank"] != 0:  # under torchrun every rank runs main: one summary is enough
+        return 0
+    if head["start_step"] >= head["steps"]:  # exit 0: what was asked for exists (see already_done)
+        print(already_done(head, cfg), flush=True)
         return 0
     where = f", resumed from {head['resumed_from']}" if head["resumed_from"] else ""
     print(
