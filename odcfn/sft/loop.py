@@ -60,7 +60,6 @@ from typing import Any
 from odcfn.sft.config import (
     SFTConfig,
     TrainSection,
-    check_resume,
     config_from_dict,
     load_config,
     model_config,
@@ -69,6 +68,7 @@ from odcfn.sft.example import write_example
 from odcfn.sft.prepare import PreparedData, prepare_data
 from odcfn.sft.record import Logger, already_done, data_summary, step_record
 from odcfn.sft.restart import Snapshots, clear_for_fresh_start, open_memory_tier, resume_point
+from odcfn.sft.resume_check import check_resume
 
 __all__ = [
     "SFTConfig", "add_arguments", "config_from_dict", "load_config", "main", "process_worker", "run",
@@ -349,7 +349,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="start from scratch: delete out_dir's checkpoints and restart its metrics log",
     )
-    parser.add_argument("--resume-anyway", action="store_true", help="resume though config/data changed")
+    parser.add_argument("--resume-anyway", action="store_true", help="resume though hyperparameters or "
+                        "data changed (each change is printed); another model is refused still")
     parser.add_argument("--quiet", action="store_true", help="no per-step progress lines")
     parser.add_argument("--force", action="store_true", help="--init: overwrite DIR's run.toml/train.jsonl")
 
