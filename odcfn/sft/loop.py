@@ -274,13 +274,14 @@ def process_worker(cfg: SFTConfig) -> dict[str, Any]:
 
     import odcfn
     from odcfn.kernels.shm import ShmTransport
+    from odcfn.sft.lock import RankLock
 
     torch.set_num_threads(1)
     mesh = odcfn.Mesh.from_env()
     if mesh.world_size != cfg.train.world_size:
         cfg = replace(cfg, train=replace(cfg.train, world_size=mesh.world_size))
-    with ShmTransport(mesh, timeout=cfg.train.timeout) as tr:
-        return train_rank(cfg, mesh.rank, tr)
+    with RankLock(cfg.out_dir, mesh.rank), ShmTransport(mesh, timeout=cfg.train.timeout) as tr:
+        return train_rank(cfg, mesh.rank, tr)  # RankLock: out_dir stays in use while this rank lives
 
 
 def _under_torchrun() -> bool:
@@ -344,11 +345,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "train.steps (on resume: a decaying schedule is stretched to the new length)")
     parser.add_argument("--world-size", type=int, help="local ranks; overrides train.world_size")
     parser.add_argument("--out-dir", help="override out_dir")
-    parser.add_argument(
-        "--no-resume",
-        action="store_true",
-        help="start from scratch: delete out_dir's checkpoints and restart its metrics log",
-    )
+    parser.add_argument("--no-resume", action="store_true",
+                        help="start from scratch: delete out_dir's checkpoints and restart its metrics log")
     parser.add_argument("--resume-anyway", action="store_true", help="resume though hyperparameters or "
                         "data changed (each change is printed); another model is refused still")
     parser.add_argument("--quiet", action="store_true", help="no per-step progress lines")
