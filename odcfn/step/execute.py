@@ -74,6 +74,8 @@ class Executor:
         self.model, self.layout, self.batch = model, layout, batch
         self.t, self.dtype, self.device = transport, compute_dtype, device
         self.rank, self.last = transport.mesh.rank, model.unit_names[-1]
+        # progress that peers waiting on this rank can see (odcfn.kernels.heartbeat); optional
+        self.beat = getattr(transport, "beat", None) or (lambda: None)
         self.riders: torch.Tensor | None = None
         self.units = {u.name: u for u in model.units}
         # frozen units (Model.frozen): weights never differentiated, never pushed; the units
@@ -252,6 +254,7 @@ class Executor:
             kind, run = _STEPS[type(s)]
             start = time.perf_counter()
             out = getattr(self, run)(s, offset)
+            self.beat()
             end = time.perf_counter()
             stats = out if isinstance(s, Sync) else stats
             unit, mb = getattr(s, "unit", ""), getattr(s, "mb", -1 - offset) + offset
