@@ -12,7 +12,8 @@
   POWER) a peer could see the flag before the data, so they refuse to start.
 - ``wait_until``: poll a predicate with a short, growing sleep (a pure busy-poll would starve the
   other rank's thread of the GIL and of a CPU on a 2-core machine), checking on the way that the
-  peers are alive and have not aborted; raise ``TransportError`` at the deadline.
+  peers are alive and have not aborted; raise ``TransportError`` once the peers made no
+  progress for ``timeout`` seconds (``odcfn.kernels.heartbeat``: a busy peer is not a dead one).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from odcfn.kernels.base import TransportError
+from odcfn.kernels.heartbeat import Patience
 
 __all__ = ["RangeLock", "Segment", "check_store_order", "pid_alive", "shm_dir", "wait_until"]
 
@@ -155,12 +157,15 @@ def wait_until(
     what: str,
     check: Callable[[], str | None] | None = None,
     peers: Sequence[tuple[int, Callable[[], int]]] = (),
+    progress: Callable[[], int] | None = None,
 ) -> None:
     """Return once ``pred()`` holds. ``check()`` returns a reason to give up (e.g. a peer's
-    abort flag); ``peers`` are (rank, pid getter) pairs whose death ends the wait early."""
+    abort flag); ``peers`` are (rank, pid getter) pairs whose death ends the wait early;
+    ``progress()`` the peers' progress counters (summed): ``timeout`` counts from its last
+    change (``odcfn.kernels.heartbeat``)."""
     if pred():
         return
-    deadline = time.monotonic() + timeout
+    patience = Patience(timeout, what, progress)
     pause, next_probe = 1e-5, time.monotonic() + 0.05
     while not pred():
         now = time.monotonic()
@@ -171,7 +176,8 @@ def wait_until(
             for rank, pid in peers:
                 if not pid_alive(pid()):
                     raise TransportError(f"rank {rank} (pid {pid()}) died while waiting for {what}")
-        if now > deadline:
-            raise TransportError(f"timed out after {timeout}s waiting for {what} (dead or stuck peer?)")
+        if patience.expired():
+            raise TransportError(f"timed out after {timeout}s waiting for {what} (dead or stuck peer? "
+                                 f"no progress from it for {timeout}s)")
         time.sleep(pause)
         pause = min(pause * 2, 5e-4)

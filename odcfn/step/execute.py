@@ -78,6 +78,8 @@ class Executor:
         self.t, self.dtype, self.device = transport, compute_dtype, device
         chain = model.chain  # the forward's units: all but a mixture's experts (Unit.experts)
         self.rank, self.last = transport.mesh.rank, chain[-1]
+        # progress that peers waiting on this rank can see (odcfn.kernels.heartbeat); optional
+        self.beat = getattr(transport, "beat", None) or (lambda: None)
         self.riders: torch.Tensor | None = None
         self.units = {u.name: u for u in model.units}
         # frozen units (Model.frozen): weights never differentiated, never pushed; the units
@@ -288,6 +290,7 @@ class Executor:
             kind, run = _STEPS[type(s)]
             start = time.perf_counter()
             out = getattr(self, run)(s, offset)
+            self.beat()
             end = time.perf_counter()
             stats = out if isinstance(s, Sync) else stats
             unit, mb = getattr(s, "unit", ""), getattr(s, "mb", -1 - offset) + offset
