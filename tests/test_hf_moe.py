@@ -268,23 +268,36 @@ def test_to_hf_loads_in_transformers_with_the_same_loss(tmp_path, cfg):
             assert float(reference_loss(model, params, batch)) == pytest.approx(float(want), rel=1e-5)
 
 
-@pytest.mark.xfail(strict=True, raises=RuntimeError, reason="executor integration pending: train_step runs "
-                   "an expert unit as a chain step ('an expert unit is not a step of the forward chain')")
 def test_from_hf_train_to_hf_loads_in_transformers(tmp_path):
-    """from_hf -> one ODC train_step on 2 ranks -> to_hf -> transformers computes odcfn's loss."""
-    ref = _hf_model("qwen3_moe", output_router_logits=True, router_aux_loss_coef=0.1)
+    """from_hf -> one ODC train_step on 2 ranks (its loss: transformers' token-mean CE over the
+    minibatch + coef * the mean of each sequence's aux loss) -> to_hf -> transformers computes
+    odcfn's loss on the trained weights."""
+    coef = 0.1
+    ref = _hf_model("qwen3_moe", output_router_logits=True, router_aux_loss_coef=coef)
     ref.save_pretrained(tmp_path / "hf")
     cfg, start = from_hf(tmp_path / "hf")
     model = qwen_model(cfg)
     train = odcfn.random_batch([9, 14, 5, 11], cfg.vocab_size, seed=6)
+    ce_sum, aux = 0.0, []
+    with torch.no_grad():
+        for s in train.samples:
+            ids = s.tokens.long()[None]
+            out = ref(input_ids=ids, labels=ids)
+            aux.append(float(out.aux_loss))
+            ce_sum += (float(out.loss) - coef * aux[-1]) * (ids.shape[1] - 1)
+    want_step_loss = ce_sum / train.num_loss_tokens + coef * sum(aux) / len(aux)
 
-    def rank(r: int, transport) -> dict:
+    def rank(r: int, transport) -> tuple[dict, float]:
         _, shards = shard_from_hf(tmp_path / "hf", transport.mesh)
         state = odcfn.TrainState.create(params=shards, model=model, optimizer=odcfn.adamw(1e-2),
                                         transport=transport, config=odcfn.StepConfig(comm="odc"))
-        return odcfn.train_step(state, train)[0].params
+        state, m = odcfn.train_step(state, train)
+        return state.params, m.loss
 
-    trained = odcfn.unshard(odcfn.run_local(rank, 2), model, odcfn.Mesh(2))
+    out = odcfn.run_local(rank, 2)
+    assert [loss for _, loss in out] == pytest.approx([want_step_loss] * 2, rel=1e-5)
+    out = [shards for shards, _ in out]
+    trained = odcfn.unshard(out, model, odcfn.Mesh(2))
     moved = max(_rel(trained[u]["mlp"]["gate"]["weight"], start[u]["mlp"]["gate"]["weight"])
                 for u in ("layers.0", "layers.2"))
     assert moved > 1e-3  # the step changed the routers
