@@ -224,7 +224,7 @@ def qwen_model(cfg: QwenConfig, *, dtype: torch.dtype = torch.float32) -> Model:
     router = None
     if sparse:
         coef = cfg.router_aux_loss_coef if cfg.output_router_logits else 0.0
-        router = RouterSpec(len(sparse), cfg.num_experts, float(coef))
+        router = RouterSpec(len(sparse), cfg.num_experts, cfg.num_experts_per_tok, float(coef))
     return Model(tuple(units), dtype=dtype, vocab_size=cfg.vocab_size, config_key=repr(cfg), router=router)
 
 

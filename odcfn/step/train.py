@@ -24,6 +24,7 @@ from odcfn.batch import Batch, check_token_range
 from odcfn.kernels.base import supports_odc
 from odcfn.losses import check_loss, loss_metrics
 from odcfn.model import Model
+from odcfn.moe.router import check_routing
 from odcfn.optim import clip_scale
 from odcfn.schedule.plan import ScheduleOptions
 from odcfn.schedule.policy import policy_info, prepare_program, resolve_policy
@@ -53,6 +54,7 @@ def check_inputs(state: TrainState, batch: Batch) -> Layout:
     layout = make_layout(state.model, state.mesh)
     check_shards(state.params, layout, state.model.dtype, frozen_dtype=state.config.compute_dtype)
     check_token_range(batch, state.model.vocab_size)
+    check_routing(batch, state.model.router)  # routing replay's expert indices
     return layout
 
 
