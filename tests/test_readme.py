@@ -1,7 +1,8 @@
-"""The README's code blocks run as written and say what they claim: the train step makes one
-sync per minibatch; the RL loop's update is the one an independent reference computes (the loss
-and each parameter's AdamW step, from transformers' model in float64, with log-probs that
-odcfn did not compute)."""
+"""The README's code block and the first example of each topic page in docs/ run as written and
+say what they claim: the train step makes one sync per minibatch; the RL loop's update is the one
+an independent reference computes (the loss and each parameter's AdamW step, from transformers'
+model in float64, with log-probs that odcfn did not compute); the long-context step's loss is
+ln V; a checkpoint loads back bit for bit."""
 
 import re
 from pathlib import Path
@@ -14,16 +15,24 @@ from odcfn.models import init_params
 from odcfn.reference import reference_rl_loss
 from tests.rl_ref import hf_logits_fn
 
-BLOCKS = re.findall(r"```python\n(.*?)```", (Path(__file__).parent.parent / "README.md").read_text(), re.S)
+ROOT = Path(__file__).parent.parent
+
+
+def _blocks(path):
+    return re.findall(r"```python\n(.*?)```", (ROOT / path).read_text(), re.S)
+
+
+BLOCKS = _blocks("README.md")
+RL, LONG, RECOVERY = (_blocks(f"docs/{page}.md")[0] for page in ("rl", "long_context", "reliability"))
 
 
 def _run(code, capsys, ns=None):
-    exec(compile(code, "README.md", "exec"), {} if ns is None else ns)
+    exec(compile(code, "example", "exec"), {} if ns is None else ns)
     return eval(capsys.readouterr().out.strip())
 
 
 def test_every_python_block_is_checked():
-    assert len(BLOCKS) == 2, "a new README code block needs a test here"
+    assert len(BLOCKS) == 1, "a new README code block needs a test here"
 
 
 def test_readme_train_step_example_runs(capsys):
@@ -62,7 +71,7 @@ def _reference_update(ns):
     return float(value.detach()), new
 
 
-def test_readme_rl_example_is_the_reference_update(capsys, monkeypatch):
+def test_rl_example_is_the_reference_update(capsys, monkeypatch):
     seen = {"metrics": [], "full": []}
     train_step, gather_params = odcfn.train_step, odcfn.gather_params
 
@@ -78,7 +87,7 @@ def test_readme_rl_example_is_the_reference_update(capsys, monkeypatch):
     monkeypatch.setattr(odcfn, "train_step", record_step)
     monkeypatch.setattr(odcfn, "gather_params", record_gather)
     ns = {}
-    per_rank = _run(BLOCKS[1], capsys, ns)
+    per_rank = _run(RL, capsys, ns)
     assert len(per_rank) == 2 and per_rank[0] == per_rank[1]
     ppo_kl, clipfrac = per_rank[0]  # the README's comment: the first update's ratio is 1
     assert ppo_kl == pytest.approx(0.0, abs=1e-6) and clipfrac == 0.0
@@ -100,3 +109,20 @@ def test_readme_rl_example_is_the_reference_update(capsys, monkeypatch):
             assert err.numel() == 0 or float(err.max()) < 1e-6, (name, float(err.max()))
             moved += int(clear.sum())
         assert moved > 1000, moved  # most of the model's entries were checked, not a few
+
+
+def test_long_context_example_runs_the_tiled_head(capsys, monkeypatch):
+    from odcfn.kernels import fused_head as fh
+
+    def no_fallback(*a, **k):
+        raise AssertionError("the example took the one-tile fallback, not the vocabulary tiles")
+
+    monkeypatch.setattr(fh, "unfused_head", no_fallback)
+    ns = {}
+    assert _run(LONG, capsys, ns) == [0.0]
+    cfg = ns["cfg"]
+    assert fh.default_chunks(512, cfg.vocab_size)[1] < cfg.vocab_size  # several vocabulary tiles
+
+
+def test_recovery_example_loads_back_what_it_saved(capsys):
+    assert _run(RECOVERY, capsys) == [(1, True), (1, True)]
