@@ -18,7 +18,7 @@ SCHEMA = "odcfn.bench.repeat/1"
 # what one repeat runs unless told otherwise: the headline sections (long-tail end to end, equal
 # lengths, a 1.5x straggler), on a model of 3.4M parameters (d_model 256, 4 layers; the single-run
 # figures before used 0.92M) so that the units' GEMMs, not per-call overheads, make a step's time;
-# ~2-4 minutes per repeat on 2 quiet cores
+# 196 s per repeat with about a core per rank (685 s at 0.15 of a core)
 DEFAULT_ARGS = ("--only", "end_to_end", "balanced", "straggler", "--samples-per-rank", "4",
                 "--steps", "6")
 DEFAULT_MODEL = ("--d-model", "256", "--n-layers", "4")
