@@ -2,7 +2,7 @@
 say what they claim: the train step makes one sync per minibatch; the RL loop's update is the one
 an independent reference computes (the loss and each parameter's AdamW step, from transformers'
 model in float64, with log-probs that odcfn did not compute); the long-context step's loss is
-ln V; a checkpoint loads back bit for bit."""
+ln V; a checkpoint loads back bit for bit; a LoRA step moves the adapters only."""
 
 import re
 from pathlib import Path
@@ -23,7 +23,8 @@ def _blocks(path):
 
 
 BLOCKS = _blocks("README.md")
-RL, LONG, RECOVERY = (_blocks(f"docs/{page}.md")[0] for page in ("rl", "long_context", "reliability"))
+RL, LONG, RECOVERY, LORA = (_blocks(f"docs/{page}.md")[0]
+                            for page in ("rl", "long_context", "reliability", "lora"))
 
 
 def _run(code, capsys, ns=None):
@@ -126,3 +127,7 @@ def test_long_context_example_runs_the_tiled_head(capsys, monkeypatch):
 
 def test_recovery_example_loads_back_what_it_saved(capsys):
     assert _run(RECOVERY, capsys) == [(1, True), (1, True)]
+
+
+def test_lora_example_moves_the_adapters_only(capsys):
+    assert _run(LORA, capsys) == ["lora.layers.0", "lora.layers.1"]
