@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
-
-transformers = pytest.importorskip("transformers")
+import transformers
 
 # tiny configs that differ from each other in every dimension that has a name
 FAMILIES = {

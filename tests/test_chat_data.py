@@ -7,12 +7,10 @@ import json
 
 import pytest
 import torch
+import transformers  # noqa: F401  (the chat template is rendered by transformers)
 
 from odcfn.data import chat as chat_data
 from odcfn.data.chat import read_chat_jsonl
-
-pytest.importorskip("transformers")
-tokenizers = pytest.importorskip("tokenizers")
 
 TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

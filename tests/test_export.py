@@ -12,16 +12,15 @@ import subprocess
 import sys
 
 import pytest
+import tokenizers  # noqa: F401
 import torch
+import transformers
 
 import odcfn
 from odcfn import cli
 from odcfn.checkpoint.sharded import read_shards
 from odcfn.data.records import synthetic_records, write_jsonl
 from odcfn.models import from_hf, qwen_model
-
-transformers = pytest.importorskip("transformers")
-pytest.importorskip("tokenizers")
 
 VOCAB = 300
 IGNORED = {"dtype", "torch_dtype", "transformers_version", "_name_or_path"}  # not the model's

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from unittest import mock
 
 import pytest
 import torch
@@ -24,6 +25,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import odcfn
 from odcfn import losses
+from odcfn.kernels import fused_head as fused_head_module
 from odcfn.kernels.fused_head import (
     IGNORE,
     default_chunks,
@@ -74,26 +76,22 @@ def _reference(h, w, y, tau, g_logp, g_ent):
     return logp.detach(), ent.detach(), dh, dw, mag_dh, mag_dw
 
 
-@settings(max_examples=12, deadline=None)
-@given(
-    T=st.integers(1, 3000),
-    V=st.integers(2, 700),
-    D=st.integers(1, 48),
-    tau=st.sampled_from([1.0, 0.6, 1.7]),
-    chunk=st.one_of(st.none(), st.tuples(st.integers(1, 600), st.integers(1, 800))),
-    scale=st.sampled_from([0.3, 1.0, 3.0]),
-    seed=st.integers(0, 2**16),
-)
-def test_fused_head_equals_float64_full_logits(T, V, D, tau, chunk, scale, seed):
+def _no_fallback(*a, **k):
+    raise AssertionError("fused_head took the small-problem fallback (unfused_head): not the tiled path")
+
+
+def _check_against_float64(T, V, D, tau, tc, vc, scale, seed):
+    """The fused head with chunks ``(tc, vc)`` against the float64 reference, within the fp32
+    bounds above. The unfused fallback is patched to fail: what is checked is the tiled path."""
     h, w, y = _problem(T, V, D, seed, scale)
     g = torch.Generator().manual_seed(seed + 1)
     g_logp, g_ent = torch.randn(T, generator=g, dtype=torch.float64), torch.randn(T, generator=g).double()
     logp, ent, dh, dw, mag_dh, mag_dw = _reference(h, w, y, tau, g_logp, g_ent)
-    tc, vc = chunk if chunk else (None, None)
     hf, wf = h.float().requires_grad_(), w.float().requires_grad_()
-    got_lp, got_ent = fused_head(hf, wf, y, temperature=tau, entropy=True, token_chunk=tc, vocab_chunk=vc)
-    got_dh, got_dw = torch.autograd.grad((got_lp * g_logp.float()).sum() + (got_ent * g_ent.float()).sum(),
-                                         (hf, wf))
+    with mock.patch.object(fused_head_module, "unfused_head", _no_fallback):
+        got_lp, got_ent = fused_head(hf, wf, y, temperature=tau, entropy=True, token_chunk=tc, vocab_chunk=vc)
+        got_dh, got_dw = torch.autograd.grad(
+            (got_lp * g_logp.float()).sum() + (got_ent * g_ent.float()).sum(), (hf, wf))
     kappa = _kappa(h, w, tau)
     # the input's own fp32 rounding moves every logit by ~ε|z| too: inside kappa's 4·2·zabs term
     c = 8.0
@@ -106,6 +104,37 @@ def test_fused_head_equals_float64_full_logits(T, V, D, tau, chunk, scale, seed)
     assert (err_dh <= k * mag_dh).all(), float((err_dh / (k * mag_dh)).nan_to_num(0).max())
     assert (err_dw <= k * mag_dw).all(), float((err_dw / (k * mag_dw)).nan_to_num(0).max())
     assert not got_dh[y == IGNORE].any()
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    T=st.integers(1, 3000),
+    V=st.integers(2, 700),
+    D=st.integers(1, 48),
+    tau=st.sampled_from([1.0, 0.6, 1.7]),
+    chunk=st.one_of(st.none(), st.tuples(st.integers(1, 600), st.integers(1, 800))),
+    scale=st.sampled_from([0.3, 1.0, 3.0]),
+    seed=st.integers(0, 2**16),
+)
+def test_fused_head_equals_float64_full_logits(T, V, D, tau, chunk, scale, seed):
+    # None: the default chunking made explicit (given chunks always take the tiled path; with
+    # none given, a problem this small would run as one plain-autograd tile instead)
+    tc, vc = chunk if chunk else default_chunks(T, V)
+    _check_against_float64(T, V, D, tau, tc, vc, scale, seed)
+
+
+@settings(max_examples=3, deadline=None)
+@given(
+    T=st.integers(65, 160),  # T·V > _SMALL: no chunk given and still the tiled path
+    V=st.integers(16_385, 20_000),  # above one default vocabulary tile: the running rescale
+    D=st.integers(1, 8),
+    tau=st.sampled_from([1.0, 0.6]),
+    seed=st.integers(0, 2**16),
+)
+def test_default_chunking_over_several_vocabulary_tiles(T, V, D, tau, seed):
+    tc, vc = default_chunks(T, V)
+    assert vc < V and tc == T, (tc, vc)  # several vocabulary tiles, one token tile
+    _check_against_float64(T, V, D, tau, None, None, 1.0, seed)
 
 
 def test_default_chunks_never_hold_t_by_v():

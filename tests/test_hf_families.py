@@ -9,13 +9,13 @@ from dataclasses import replace
 
 import pytest
 import torch
+import transformers
 
 import odcfn
 from odcfn.models import RopeScaling, from_hf, qwen_model, to_hf
 from odcfn.models.rope import inv_freq
 from tests.hf_families import FAMILIES, hf_model
 
-transformers = pytest.importorskip("transformers")
 
 def _hf_loss(ref, batch: odcfn.Batch) -> float:
     total = 0.0

@@ -4,6 +4,7 @@ frozen base must never do (change, be scattered, hold optimizer state)."""
 
 from __future__ import annotations
 
+import peft
 import pytest
 import torch
 
@@ -13,8 +14,6 @@ from odcfn.checkpoint.frozen import trained_model
 from odcfn.models import from_hf, qwen_model, to_hf
 from odcfn.schedule.plan import ReduceScatter, ScatterAccumulate
 from tests.hf_families import hf_model
-
-peft = pytest.importorskip("peft")
 
 TARGETS = {  # each family with a different target set
     "qwen2": ("q_proj", "v_proj"),

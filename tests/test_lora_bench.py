@@ -5,6 +5,7 @@ wrapping is torch's; the bench also reports that both sides' losses agree step b
 
 from __future__ import annotations
 
+import peft  # noqa: F401  (the baseline is PEFT's LoRA)
 import pytest
 import torch
 
@@ -13,8 +14,6 @@ from odcfn import lora
 from odcfn.batch import pack
 from odcfn.bench.lora_fsdp2 import peft_lora_module
 from odcfn.models import QwenConfig, init_params, qwen_model
-
-pytest.importorskip("peft")
 
 
 @pytest.mark.parametrize("tied", [False, True])

@@ -6,6 +6,7 @@ balancers, both comm modes and remat; log-probs never drop."""
 
 from __future__ import annotations
 
+import peft
 import pytest
 import torch
 
@@ -14,8 +15,6 @@ from odcfn import lora
 from odcfn.checkpoint.frozen import trained_model
 from odcfn.models import QwenConfig, from_hf, init_params, qwen_model
 from tests.hf_families import hf_model
-
-peft = pytest.importorskip("peft")
 
 P, SEED, STEP = 0.3, 11, 5
 TARGETS = ("q_proj", "v_proj", "down_proj")

@@ -9,6 +9,7 @@ import os
 
 import pytest
 import torch
+import transformers  # noqa: F401  (the RL equivalence tests run HF's own model)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -17,8 +18,6 @@ from odcfn import losses
 from odcfn.models import QwenConfig, init_params
 from odcfn.reference import reference_rl_loss
 from tests.rl_ref import hf_hidden_fn, hf_logits_fn, rollout_batch
-
-pytest.importorskip("transformers")
 
 CFG = QwenConfig(vocab_size=29, d_model=16, n_layers=1, n_heads=4, n_kv_heads=2, d_ff=24)
 

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import ipykernel  # noqa: F401  (the kernel nbclient starts)
+import nbclient
+import nbformat
 import pytest
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 NOTEBOOKS = sorted(EXAMPLES.glob("*.ipynb"))
-
-nbformat = pytest.importorskip("nbformat")
 
 
 def test_the_example_notebooks_exist():
@@ -26,8 +27,6 @@ def test_outputs_are_stripped(path):
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_runs(path, tmp_path, monkeypatch):
-    nbclient = pytest.importorskip("nbclient")
-    pytest.importorskip("ipykernel")
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setenv("MPLBACKEND", "Agg")
     nb = nbformat.read(path, as_version=4)

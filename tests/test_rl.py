@@ -11,6 +11,7 @@ import os
 
 import pytest
 import torch
+import transformers  # noqa: F401  (the RL equivalence tests run HF's own model)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -21,8 +22,6 @@ from odcfn.reference import reference_rl_loss
 from tests.rl_ref import away_from_kinks, hf_logits_fn, rollout_batch
 from tests.test_losses import loss_configs
 from tests.util import ref_shards, run_grad_step
-
-pytest.importorskip("transformers")
 
 CFG = QwenConfig(vocab_size=23, d_model=16, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=20)
 RTOL, ATOL = 2e-4, 2e-6

@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 
 import odcfn
 from odcfn.models import from_hf, qwen_model
 from tests.rl_ref import rollout_batch
-
-transformers = pytest.importorskip("transformers")
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])

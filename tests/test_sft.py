@@ -118,7 +118,6 @@ def test_crash_after_last_checkpoint_reruns_without_duplicate_log_lines(tmp_path
 
 
 def test_export_hf_and_json_config(tmp_path):
-    pytest.importorskip("safetensors")
     toml_cfg = _setup(tmp_path, steps=2, every=2, extra='export_hf = "hf-out"\n', world=1)
     doc = {
         "out_dir": "out",
@@ -206,8 +205,6 @@ def test_paths_are_relative_to_the_config_file(tmp_path):
 
 def test_processes_backend(tmp_path):
     """Same job on 2 spawned processes with the shared-memory transport (odcfn.launch)."""
-    pytest.importorskip("odcfn.launch")
-    pytest.importorskip("odcfn.kernels.shm")
     cfg = _setup(tmp_path, steps=2, every=2, extra='export_hf = "hf-out"\n')
     cfg.write_text(cfg.read_text().replace("[train]\n", '[train]\nbackend = "processes"\n'))
     assert cli.main(["train", "--config", str(cfg), "--quiet"]) == 0

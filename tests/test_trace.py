@@ -62,7 +62,6 @@ def test_chrome_trace_structure(tmp_path):
 
 
 def test_timeline_png(tmp_path):
-    pytest.importorskip("matplotlib")
     path = tmp_path / "timeline.png"
     plot_timeline(EVENTS, path, title="hand")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -115,6 +114,5 @@ def test_simulator_and_runtime_events_share_one_format(tmp_path):
         assert 0.0 <= bubble_rate(evs) < 1.0
         trace = chrome_trace(evs)
         assert {e["pid"] for e in trace["traceEvents"] if e["ph"] == "X"} == {0, 1}
-    pytest.importorskip("matplotlib")
     plot_timeline(real, tmp_path / "real.png", title="runtime")
     assert (tmp_path / "real.png").stat().st_size > 5000

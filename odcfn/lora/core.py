@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 from collections.abc import Mapping, Sequence
@@ -177,11 +178,17 @@ def apply(
     targets = _check(rank, alpha, targets, dropout, use_rslora, seed)
     s = LoraSpec(rank, float(alpha), targets, use_rslora, float(dropout), seed)
     gen = torch.Generator().manual_seed(seed)
+    routed = {e for _, es in model.routed for e in es}
     units: list[Unit] = []
     out: dict[str, PyTree] = {}
     hit: set[str] = set()
     for u in model.units:
         projs = _projections(u.shapes, set(targets)) if u.name.startswith("layers.") else []
+        if projs and u.name in routed:
+            raise ValueError(
+                f"lora.apply: targets {sorted(targets)} match routed expert {u.name!r}; LoRA adapts the "
+                "attention (and shared-expert) projections of a mixture of experts, not its routed experts"
+            )
         if projs:
             name = PREFIX + u.name
             paths = tuple(p for p, _, _ in projs)
@@ -198,7 +205,7 @@ def apply(
                 tnode.update(lora_A=a.to(model.dtype), lora_B=torch.zeros(d_out, rank, dtype=model.dtype))
             units.append(Unit(name, _Passthrough(s, u.name, paths), shapes))
             fwd = _LoraUnit(u.fwd, name, paths, s.scale, u, s.dropout, seed)
-            units.append(Unit(u.name, fwd, u.shapes, uses=(*u.uses, name)))
+            units.append(dataclasses.replace(u, fwd=fwd, uses=(*u.uses, name)))  # keeps its experts
             out[name] = tree
         else:
             units.append(u)
@@ -213,7 +220,8 @@ def apply(
     frozen = tuple(u.name for u in model.units)
     key = (f"{model.config_key} lora(r={rank}, alpha={float(alpha)}, targets={list(targets)}, "
            f"rslora={use_rslora}" + (f", dropout={float(dropout)}, seed={seed})" if dropout else ")"))
-    lm = Model(tuple(units), dtype=model.dtype, vocab_size=model.vocab_size, config_key=key, frozen=frozen)
+    lm = Model(tuple(units), dtype=model.dtype, vocab_size=model.vocab_size, config_key=key, frozen=frozen,
+               router=model.router)
     return lm, out
 
 
@@ -253,7 +261,8 @@ def base_model(model: Model) -> Model:
     ads = adapter_units(model)
     units = [u.fwd.original if isinstance(u.fwd, _LoraUnit) else u for u in model.units if u.name not in ads]
     key = model.config_key.rsplit(" lora(", 1)[0] if ads else model.config_key
-    return Model(tuple(units), dtype=model.dtype, vocab_size=model.vocab_size, config_key=key)
+    return Model(tuple(units), dtype=model.dtype, vocab_size=model.vocab_size, config_key=key,
+                 router=model.router)
 
 
 def merge(model: Model, params: Mapping[str, PyTree]) -> dict[str, PyTree]:
