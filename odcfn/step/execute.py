@@ -103,6 +103,7 @@ class Executor:
             self.router.num_layers, self.router.num_experts, dtype=torch.float64)
         self.events: list[Event] = []
         self.t0 = time.perf_counter()
+        self.mb_pushed: set[str] = set()  # the routed experts the current Backward pushed
         self.bufs: dict[str, torch.Tensor] = {}
         self.wbufs: dict[str, torch.Tensor] = {}
         self.pending: dict[str, Handle] = {}
@@ -230,11 +231,26 @@ class Executor:
                 self.grads[s.unit] = self.shared.pop(s.unit, None)
             if not s.routed:  # collective: every expert still joins its reduce-scatter (zeros)
                 self.grads.update((e, None) for e in self.units[s.unit].experts if e not in self.frozen)
+            self._pass_unused(s)
             return
         if s.unit in self.passthrough:  # the activation gradient passes through unchanged
             if s.unit not in self.frozen:
                 self.grads[s.unit] = self.shared.pop(s.unit, None)
             return
+        self.mb_pushed = set()
+        self._backward_unit(s, mb, data)
+        self._pass_unused(s)
+
+    def _pass_unused(self, s: Backward) -> None:
+        """Deterministic ODC: a routed expert this microbatch did not push passes its turn, so
+        each owner still adds in the fixed (microbatch slot, rank) order."""
+        if s.routed and self.ordered is not None:
+            for e in self.units[s.unit].experts:
+                if e not in self.frozen and e not in self.mb_pushed:
+                    self.ordered.skip(e)
+        self.mb_pushed = set()
+
+    def _backward_unit(self, s: Backward, mb: int, data: Microbatch) -> None:
         sv = self.saved.pop((s.unit, mb))
         flat, y, used, experts = sv.flat, sv.y, sv.used, sv.experts
         if flat is None:  # rematerialise (a mixture's routers reuse the forward's choice: RouterLog)
@@ -330,9 +346,10 @@ class Executor:
         with torch.no_grad():
             if self.ordered is None:
                 self.pushes.append(self.t.scatter_accumulate(unit, g))
-            else:  # deterministic: pushed when its turn comes (staged until then, bounded). A routed
-                # expert's k-th push on this rank takes slot k: still one fixed order per owner
+            else:  # deterministic: pushed when its turn comes (staged until then, bounded); a
+                # routed expert takes its microbatch's slot (unused: passed, ``_pass_unused``)
                 self.ordered.add(unit, g)
+                self.mb_pushed.add(unit)
 
     def _reduce_scatter(self, s: ReduceScatter, offset: int) -> None:
         g = self._grad_out(s.unit)

@@ -82,6 +82,16 @@ class OrderedPusher:
             self._wait_turn(next(iter(self.staged))[0])
             self.drain()
 
+    def skip(self, unit: str) -> None:
+        """This rank's next microbatch has no gradient for ``unit`` (a routed expert none of its
+        tokens chose): its turn is passed, so every unit keeps one turn per microbatch slot."""
+        j = self.pushed[unit]
+        if j >= self.mine:
+            raise ValueError(f"unit {unit!r} passed more microbatches than this rank runs ({self.mine})")
+        self.pushed[unit] = j + 1
+        self.staged[(unit, j)] = None
+        self.drain()
+
     def finish(self) -> None:
         """At the sync: take every remaining turn (push or pass), waiting for each."""
         for unit in self.next:
@@ -108,7 +118,7 @@ class OrderedPusher:
 
     def _take(self, unit: str, j: int) -> None:
         g = self.staged.pop((unit, j), None)
-        if g is not None:
+        if g is not None:  # None: a passed turn (``skip``)
             self.t.scatter_accumulate(unit, g).wait()
             self.bytes -= g.numel() * g.element_size()
         self.next[unit] = j + 1
