@@ -14,23 +14,21 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from odcfn.moe.experts import LocalExperts, OnDemandExperts
 from odcfn.trace import Event
 
-if TYPE_CHECKING:
-    from odcfn.step.execute import Executor
-
 __all__ = ["TransportFetcher", "expert_source"]
 
 
 class TransportFetcher:
-    """Gathers a unit's experts by index through the executor's buffers and transport."""
+    """Gathers a unit's experts by index through the executor's buffers and transport (``ex``:
+    the ``odcfn.step.execute.Executor``, not imported: that module imports this one)."""
 
-    def __init__(self, ex: Executor, unit: str, experts: Sequence[str], group: int, mb: int) -> None:
+    def __init__(self, ex: Any, unit: str, experts: Sequence[str], group: int, mb: int) -> None:
         self.ex, self.unit, self.names, self.group, self.mb = ex, unit, tuple(experts), group, mb
         self.num_experts = len(self.names)
         self.trained = any(n not in ex.frozen for n in self.names)
@@ -60,7 +58,7 @@ class TransportFetcher:
             self.ex.push(name, grad_flat)
 
 
-def expert_source(ex: Executor, unit: str, experts: Sequence[str], routed: int, mb: int, log: Any) -> tuple[
+def expert_source(ex: Any, unit: str, experts: Sequence[str], routed: int, mb: int, log: Any) -> tuple[
         Any, list[tuple[str, torch.Tensor]]]:
     """``(source, [(expert, flat)])``: the flats are the gathered experts whose gradient the
     unit's backward must return (collective mode; ODC pushes them itself)."""
