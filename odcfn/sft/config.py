@@ -11,24 +11,13 @@ from pathlib import Path
 from typing import Any
 
 from odcfn._check import ArgTypeError
+from odcfn.sft.config_dpo import DpoSection, check_task
 from odcfn.sft.keys import KEYS, check_key
 
 __all__ = [
-    "CheckpointSection",
-    "DataSection",
-    "LogSection",
-    "LoraSection",
-    "ModelSection",
-    "SFTConfig",
-    "TrainSection",
-    "config_from_dict",
-    "config_from_stored",
-    "load_config",
-    "model_config",
-    "check_inputs",
-    "check_resume",
-    "default_world_size",
-    "resume_conflicts",
+    "CheckpointSection", "DataSection", "DpoSection", "LogSection", "LoraSection", "ModelSection",
+    "SFTConfig", "TrainSection", "config_from_dict", "config_from_stored", "load_config",
+    "model_config", "check_inputs", "check_resume", "default_world_size", "resume_conflicts",
 ]
 
 
@@ -84,6 +73,7 @@ class DataSection:
 @dataclass(frozen=True)
 class TrainSection:
     steps: int = 0
+    task: str = "sft"  # "dpo": preference pairs and [dpo]'s loss (odcfn.sft.config_dpo)
     lr: float = 1e-3
     warmup_steps: int = 0
     schedule: str = "constant"
@@ -165,6 +155,7 @@ class SFTConfig:
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     log: LogSection = field(default_factory=LogSection)
     lora: LoraSection = field(default_factory=LoraSection)
+    dpo: DpoSection = field(default_factory=DpoSection)
 
     def __post_init__(self) -> None:
         t = self.train
@@ -182,6 +173,7 @@ class SFTConfig:
                 f"config: train.max_restarts = {t.max_restarts} needs train.backend = \"processes\" "
                 f"(threads of one process cannot be restarted alone), got backend {t.backend!r}"
             )
+        check_task(self)
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -199,6 +191,7 @@ _SECTIONS = {
     "checkpoint": CheckpointSection,
     "log": LogSection,
     "lora": LoraSection,
+    "dpo": DpoSection,
 }
 _PATH_KEYS = {
     ("model", "hf_path"),
