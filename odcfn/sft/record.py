@@ -132,7 +132,10 @@ def data_summary(rep: dict[str, Any], cfg: SFTConfig) -> list[str]:
         if lines:
             more = f" and {len(lines) - 3} more" if len(lines) > 3 else ""
             shown = ", ".join(lines[:3])
-            out.append(f"{kind} {len(lines)} sample(s) longer than {key}={limit}: {shown}{more}")
+            # a pair is too long by a member (data.max_length) or by its sum (the microbatch cap)
+            what = "pair(s) too long for one microbatch or data.max_length" if "pairs" in rep else (
+                f"sample(s) longer than {key}={limit}")
+            out.append(f"{kind} {len(lines)} {what}: {shown}{more}")
     skipped = rep.get("skipped_steps") or []
     if skipped:
         out.append(f"skipped {len(skipped)} step(s) whose minibatch has no loss tokens: {skipped[:10]}")
