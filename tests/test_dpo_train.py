@@ -9,6 +9,7 @@ import json
 import math
 import os
 import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -235,3 +236,14 @@ def test_bad_pairs_are_named_by_line_before_training(tmp_path, capsys):
     assert cli.main(["train", "--config", str(cfg), "--quiet", "--steps", "1"]) == 0
     out = capsys.readouterr().out
     assert "15 pairs" in out and "dropped 1 pair(s) too long" in out and f"{data}:3" in out
+
+
+def test_the_docs_config_is_a_valid_dpo_config():
+    from odcfn.sft.config import config_from_dict
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    text = (ROOT / "docs" / "preference.md").read_text()
+    (block,) = re.findall(r"```toml\n(.*?)```", text, re.S)
+    cfg = config_from_dict(tomllib.loads(block))  # every key and cross-check, without the files
+    assert cfg.train.task == "dpo" and cfg.dpo.uses_reference
