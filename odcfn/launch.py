@@ -18,7 +18,8 @@ If a rank raises or dies, or finishes while others still run, the rest get ``tim
 unresponsive; ``deadline`` bounds the whole job. ``LaunchError`` names the likely cause first
 (a rank that died, then one that was unresponsive, then one that raised, then ranks that only
 reported a ``TransportError``) and carries every rank's outcome. Afterwards any /dev/shm file
-of this job (a rank killed while setting up its segment) is removed.
+of this job (a rank killed while setting up its segment) is removed. A rank never outlives its
+launcher: killed in any way, the launcher takes its ranks with it (``odcfn.orphan``).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from typing import Any
 
 from odcfn._check import check_int, check_number
 from odcfn.kernels.shm_sync import shm_dir
+from odcfn.orphan import die_with_parent
 
 __all__ = ["LaunchError", "check_job_store", "free_port", "host_store", "launch", "rank_env", "sweep_shm"]
 
@@ -81,7 +83,7 @@ def rank_env(
 RESERVED_ENV = (
     "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
     "ODCFN_SHM_PREFIX", "ODCFN_JOB_ID", "ODCFN_JOB_SECRET", "TORCHELASTIC_USE_AGENT_STORE",
-    "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_RESTART_COUNT", "ODCFN_LAUNCHER_PID",
 )
 _JOB_KEY = "odcfn/job_id"
 _DIED, _UNRESPONSIVE, _RAISED, _TRANSPORT = range(4)  # how likely a failure is the cause
@@ -123,6 +125,7 @@ def _send(conn: Connection, msg: tuple) -> None:
 
 
 def _child(fn: Callable[..., Any], args: tuple, conn: Connection) -> None:
+    die_with_parent(int(os.environ["ODCFN_LAUNCHER_PID"]))  # no rank outlives a killed launcher
     try:
         env = os.environ
         check_job_store(env["MASTER_ADDR"], int(env["MASTER_PORT"]), env["ODCFN_JOB_ID"])
@@ -197,6 +200,7 @@ def launch(
     job_env = {
         "ODCFN_JOB_ID": job, "ODCFN_JOB_SECRET": secrets.token_hex(32),
         "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "0",
+        "ODCFN_LAUNCHER_PID": str(os.getpid()),
     }
     t_end = None if deadline is None else time.monotonic() + deadline
     try:

@@ -111,4 +111,4 @@ def test_remat_switch_rejects_non_bools(bad):
     with pytest.raises(TypeError, match="StepConfig.remat"):
         odcfn.StepConfig(remat=bad)
     with pytest.raises(ValueError, match="train.remat"):
-        TrainSection(remat=bad)
+        TrainSection(steps=1, remat=bad)

@@ -129,7 +129,7 @@ def test_names_follow_hf_layout_written_by_hand(tmp_path):
     ("over", "match"),
     [
         ({"model_type": "gpt2"}, "model_type"),
-        ({"model_type": "qwen3_moe"}, "mixture of experts"),
+        ({"model_type": "mixtral"}, "Mixtral \\(mixture of experts\\) is unsupported"),
         ({"num_experts": 8}, "num_experts=8: mixture of experts"),
         ({"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}, "rope_type='dynamic'"),
         ({"rope_parameters": {"rope_type": "longrope", "factor": 2.0}}, "rope_type='longrope'"),

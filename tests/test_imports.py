@@ -120,3 +120,26 @@ def test_the_private_checker_finds_a_reach(tmp_path):
     mods = {"odcfn.a.m": pkg / "a" / "m.py", "odcfn.a._p": pkg / "a" / "_p.py",
             "odcfn.a.n": pkg / "a" / "n.py", "odcfn.b": pkg / "b.py", "odcfn.a.s.k": pkg / "a" / "s" / "k.py"}
     assert _private_reaches(mods) == ["odcfn.b imports odcfn.a._p", "odcfn.b imports odcfn.a.m._x"]
+
+
+def _reaches(graph: dict[str, set[str]], low: str, high: str) -> list[str]:
+    """Edges (module level or lazy) from the wing ``low`` into the wing ``high``."""
+    inside = lambda m, w: m == w or m.startswith(w + ".")  # noqa: E731
+    edges = ((m, n) for m, deps in graph.items() if inside(m, low) for n in deps)
+    return sorted(f"{m} -> {n}" for m, n in edges if inside(n, high))
+
+
+def test_the_step_wing_never_imports_lora():
+    # LoRA composes the step's functions (odcfn.lora.gather_adapters / gather_merged); the step
+    # must not know its callers, not even through a lazy import inside a function
+    assert _reaches(_edges(_modules()), "odcfn.step", "odcfn.lora") == []
+
+
+def test_the_direction_checker_sees_lazy_imports(tmp_path):
+    pkg = tmp_path / "odcfn"
+    (pkg / "step").mkdir(parents=True)
+    (pkg / "lora").mkdir()
+    (pkg / "lora" / "core.py").write_text("")
+    (pkg / "step" / "x.py").write_text("def f():\n    from odcfn.lora.core import g\n")
+    mods = {"odcfn.step.x": pkg / "step" / "x.py", "odcfn.lora.core": pkg / "lora" / "core.py"}
+    assert _reaches(_edges(mods), "odcfn.step", "odcfn.lora") == ["odcfn.step.x -> odcfn.lora.core"]

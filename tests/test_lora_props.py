@@ -158,8 +158,8 @@ def shm_worker(path):
     with ShmTransport(mesh, timeout=30) as tr:
         state = _train(model, params, tr)
         written = lora.save_peft(path, state)
-        adapters = odcfn.gather_params(state, adapters_only=True)
-        merged = odcfn.gather_params(state, 0, merged=True)
+        adapters = odcfn.lora.gather_adapters(state)
+        merged = odcfn.lora.gather_merged(state, 0)
         full = odcfn.gather_params(state)
     return written, adapters, merged, full, {k: v.clone() for k, v in state.params.items()}
 

@@ -317,4 +317,18 @@ def test_moe_config_refuses_bad_values():
         QwenMoeConfig(decoder_sparse_step=0)
     with pytest.raises(ValueError, match="router_aux_loss_coef"):
         QwenMoeConfig(router_aux_loss_coef=-1.0)
-    assert math.isclose(QwenMoeConfig().active_params / QwenMoeConfig().num_params, 1.0) is False
+
+def test_cost_model_counts_active_parameters():
+    """LB-Mini's cost of a token in a sparse model: its top-k experts, not all E."""
+    from odcfn.schedule.cost import ModelShape, flops_cost
+
+    cfg = QwenMoeConfig(d_model=32, n_layers=2, d_ff=40, num_experts=16, num_experts_per_tok=2,
+                        moe_intermediate_size=24, mlp_only_layers=(1,))
+    shape = ModelShape.of(cfg)
+    dense_layer_mlp, sparse_layer_mlp = 3 * 32 * 40, 2 * 3 * 32 * 24 + 32 * 16
+    assert shape.active_mlp_params == dense_layer_mlp + sparse_layer_mlp
+    assert flops_cost(cfg).b == 6.0 * shape.matmul_params
+    # 16x the experts at the same top-k: only the routers' matmuls grow (d_model x E per layer)
+    few = flops_cost(QwenMoeConfig(num_experts=4, num_experts_per_tok=4)).b
+    many = flops_cost(QwenMoeConfig(num_experts=64, num_experts_per_tok=4)).b
+    assert math.isclose(many - few, 6.0 * 2 * 64 * (64 - 4))

@@ -27,6 +27,7 @@ from odcfn.kernels.base import (
     TransportError,
     check_counter,
 )
+from odcfn.kernels.heartbeat import Patience
 from odcfn.sharding import Layout, Mesh
 
 __all__ = ["LocalCollectives", "LocalTransport", "LocalWorld", "run_local"]
@@ -56,6 +57,8 @@ class LocalWorld:
         self.done: dict[tuple[int, int], int] = defaultdict(int)  # (owner, step) -> pushers done
         self.shared: dict[tuple[int, int], int] = {}  # (step, counter) -> value, for fetch_add
         self.aborted: str | None = None
+        self.beats = [0] * world_size  # each rank's progress (odcfn.kernels.heartbeat)
+        self._arrived: dict[tuple[int, ...], list[int]] = {}  # group -> exchanges entered per member
         self._groups: dict[tuple[int, ...], tuple[threading.Barrier, list[Any]]] = {}
         self._groups_lock = threading.Lock()
         self._store: Any = None
@@ -83,15 +86,23 @@ class LocalWorld:
             for barrier, _ in self._groups.values():
                 barrier.abort()
 
-    def wait_for(self, pred: Callable[[], bool], what: str) -> None:
+    def wait_for(self, pred: Callable[[], bool], what: str, peers: Sequence[int] | None = None) -> None:
+        """Wait for ``pred``; the timeout counts from the last progress of ``peers`` (default:
+        every rank), so a busy peer keeps us waiting and a stuck one does not."""
+        ranks = range(self.world_size) if peers is None else peers
+        patience = Patience(self.timeout, what, lambda: sum(self.beats[p] for p in ranks))
         with self.cond:
-            ok = self.cond.wait_for(lambda: pred() or self.aborted is not None, self.timeout)
-            if self.aborted is not None:
-                raise TransportError(f"aborted while waiting for {what}: {self.aborted}")
-            if not ok:
-                raise TransportError(
-                    f"timed out after {self.timeout}s waiting for {what} (dead or stuck peer?)"
-                )
+            while True:
+                ok = self.cond.wait_for(lambda: pred() or self.aborted is not None, min(1.0, self.timeout))
+                if self.aborted is not None:
+                    raise TransportError(f"aborted while waiting for {what}: {self.aborted}")
+                if ok:
+                    return
+                if patience.expired():
+                    raise TransportError(
+                        f"timed out after {self.timeout}s waiting for {what} (dead or stuck peer? "
+                        f"no progress from it for {self.timeout}s)"
+                    )
 
     def exchange(self, group: Sequence[int], rank: int, value: Any) -> list[Any]:
         """Every member of ``group`` contributes ``value``; all get the list in group order."""
@@ -101,6 +112,13 @@ class LocalWorld:
                 self._groups[group] = (threading.Barrier(len(group)), [None] * len(group))
             barrier, slots = self._groups[group]
         slots[group.index(rank)] = value
+        # meet first where a busy peer can be told from a stuck one; the barrier then finds all
+        with self.cond:
+            counts = self._arrived.setdefault(group, [0] * len(group))
+            counts[group.index(rank)] += 1
+            n = counts[group.index(rank)]
+            self.cond.notify_all()
+        self.wait_for(lambda: min(counts) >= n, f"ranks {list(group)} at a collective (rank {rank})", group)
         try:
             barrier.wait(self.timeout)
             out = list(slots)
@@ -231,6 +249,10 @@ class LocalTransport(StepCollectives):
 
     def grad_shards(self) -> dict[str, torch.Tensor]:
         return self.world.acc[self.mesh.rank]
+
+    def beat(self) -> None:
+        """This rank made progress (the executor, after each plan step): see ``wait_for``."""
+        self.world.beats[self.mesh.rank] += 1  # only this rank's thread writes its entry
 
     def fetch_add(self, counter: int, n: int = 1) -> int:
         check_counter(counter, self.max_counters, "LocalTransport")

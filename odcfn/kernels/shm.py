@@ -2,14 +2,15 @@
 
 Each rank owns one shared-memory segment that every peer maps::
 
-    ctrl      int64[16 + W]       version | pid | abort | ... | done[client]
+    ctrl      int64[16 + W]       version | pid | abort | beat | arrive | ... | done[client]
     counters  int64[2^16, 2]      (step, value) per ``fetch_add`` counter (only rank 0's is used)
     pub       per unit: this rank's parameter shard in the compute dtype (what gathers read)
     acc       per unit: this rank's fp32 gradient accumulator (what scatter-accumulates add into)
 
 - ``gather``: the reader waits until the owner's ``version`` equals this step, then copies the
   owner's shard itself; the owner does nothing (one-sided). The owner writes the shard, then the
-  version ("data, then flag": x86-64 keeps stores in order; aarch64 would need a fence).
+  version ("data, then flag": x86-64 keeps stores in order; other architectures are refused at
+  construction, ``shm_sync.check_store_order``).
 - ``scatter_accumulate``: writer-side ``add_`` into the owner's accumulator, chunk by chunk, each
   chunk under its own kernel byte-range lock (bench/shm_accumulate.py and docs/transports.md
   measure this against an owner-side accumulate thread; plain concurrent ``add_`` loses updates).
@@ -56,12 +57,12 @@ from odcfn.kernels.base import (
 )
 from odcfn.kernels.collective import TorchCollectives
 from odcfn.kernels.shm_collective import ShmCollectives
-from odcfn.kernels.shm_sync import RangeLock, Segment, shm_dir, wait_until
+from odcfn.kernels.shm_sync import RangeLock, Segment, check_store_order, shm_dir, wait_until
 from odcfn.sharding import Layout, Mesh
 
 __all__ = ["ShmTransport"]
 
-VERSION, PID, ABORT, DONE = 0, 1, 2, 16  # MAX_COUNTERS: each counter an int64 (step, value) pair
+VERSION, PID, ABORT, BEAT, ARRIVE, DONE = 0, 1, 2, 3, 4, 16  # ctrl words (module docstring)
 _ALIGN = 64
 _COUNTER_LOCK = 0  # lock byte for fetch_add; accumulator chunk locks use byte offsets >= the acc region
 
@@ -119,6 +120,7 @@ class ShmTransport(StepCollectives):
     def __init__(
         self, mesh: Mesh, *, timeout: float = 60.0, chunk_elems: int = 1 << 16, collectives: str = "gloo"
     ) -> None:
+        check_store_order("ShmTransport")  # before any rendezvous: every rank refuses alike
         if not isinstance(chunk_elems, int) or chunk_elems < 1:
             raise ValueError(f"chunk_elems must be a positive int, got {chunk_elems!r}")
         if collectives not in ("gloo", "shm"):
@@ -147,6 +149,7 @@ class ShmTransport(StepCollectives):
         self._pub: list[dict[str, torch.Tensor]] = []
         self._acc: list[dict[str, torch.Tensor]] = []
         self._closed = False
+        self._arrivals = 0
 
     # --- setup ---------------------------------------------------------------------------------
     def _path(self, rank: int) -> str:
@@ -209,6 +212,7 @@ class ShmTransport(StepCollectives):
                     pass
         segs = [mapped[p] for p in range(w)]
         self._seg, self._segs = seg, segs
+        self._arrivals = 0  # syncs counted in these (fresh, zeroed) ctrl words
         self._ctrl = [s.view(0, DONE + w, torch.int64).numpy() for s in segs]
         self._counters = segs[0].view(seg.counters, MAX_COUNTERS * 2, torch.int64).numpy().reshape(-1, 2)
         self._pub = [{n: s.view(o, seg.sizes[n], dtype) for n, o in seg.pub.items()} for s in segs]
@@ -228,11 +232,18 @@ class ShmTransport(StepCollectives):
         return None
 
     def _wait(self, pred, what: str, peers: tuple[int, ...]) -> None:
+        others = [p for p in peers if p != self.mesh.rank]
         wait_until(
             pred, timeout=self.timeout, what=f"{what} (rank {self.mesh.rank}, step {self.step})",
-            check=self._aborted,
-            peers=[(p, lambda p=p: int(self._ctrl[p][PID])) for p in peers if p != self.mesh.rank],
+            check=self._aborted, peers=[(p, lambda p=p: int(self._ctrl[p][PID])) for p in others],
+            progress=lambda: sum(int(self._ctrl[p][BEAT]) for p in others),
         )
+
+    def beat(self) -> None:
+        """This rank made progress (the executor calls it after each plan step): peers waiting
+        on it wait on (``odcfn.kernels.heartbeat``). Only this rank writes its own word."""
+        if self._ctrl:
+            self._ctrl[self.mesh.rank][BEAT] += 1
 
     def _need_step(self) -> None:
         if self._seg is None or self.layout is None:
@@ -307,6 +318,16 @@ class ShmTransport(StepCollectives):
     def sync(self, stats: torch.Tensor) -> torch.Tensor:
         if self._ctrl and (why := self._aborted()) is not None:  # it left: do not wait for it
             raise TransportError(f"rank {self.mesh.rank}: cannot sync at step {self.step}: {why}")
+        if self._ctrl:
+            # meet here first, where waiting on a busy peer can be told from waiting on a dead
+            # one; the gloo all-reduce below then finds every rank there and its own fixed
+            # timeout never runs out on a peer that is only slow
+            me, w = self.mesh.rank, self.mesh.world_size
+            self._arrivals += 1
+            n = self._arrivals
+            self._ctrl[me][ARRIVE] = n
+            self._wait(lambda: all(self._ctrl[p][ARRIVE] >= n for p in range(w)), "every rank at the sync",
+                       tuple(range(w)))
         return super().sync(stats)
 
     def grad_shards(self) -> dict[str, torch.Tensor]:

@@ -35,7 +35,7 @@ import torch
 
 from odcfn.kernels.base import TransportError, mesh_groups, world_group
 from odcfn.kernels.collective import TorchCollectives
-from odcfn.kernels.shm_sync import Segment, shm_dir, wait_until
+from odcfn.kernels.shm_sync import Segment, check_store_order, shm_dir, wait_until
 from odcfn.sharding import Mesh
 
 __all__ = ["ShmCollectives"]
@@ -82,6 +82,7 @@ class ShmCollectives:
     by op name, as ``TorchCollectives`` does."""
 
     def __init__(self, mesh: Mesh, *, timeout: float = 60.0) -> None:
+        check_store_order("ShmCollectives")  # its arrival counters are flags written after data
         self.bootstrap = TorchCollectives(mesh, "cpu", backend="gloo", timeout=timeout)
         self.mesh, self.timeout = mesh, float(timeout)
         self.calls: Counter[str] = Counter()

@@ -7,9 +7,13 @@
   (OFD) ``fcntl`` locks. The kernel releases it when its holder dies, so a killed peer can never
   leave a lock held; OFD locks (unlike classic POSIX locks) are not dropped when some other fd
   of the same file is closed.
+- ``check_store_order``: the protocols above publish "data, then flag" with plain stores, which is
+  correct only where the CPU keeps stores in program order (x86-64's TSO); elsewhere (aarch64,
+  POWER) a peer could see the flag before the data, so they refuse to start.
 - ``wait_until``: poll a predicate with a short, growing sleep (a pure busy-poll would starve the
   other rank's thread of the GIL and of a CPU on a 2-core machine), checking on the way that the
-  peers are alive and have not aborted; raise ``TransportError`` at the deadline.
+  peers are alive and have not aborted; raise ``TransportError`` once the peers made no
+  progress for ``timeout`` seconds (``odcfn.kernels.heartbeat``: a busy peer is not a dead one).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import platform
 import struct
 import time
 from collections.abc import Callable, Sequence
@@ -24,12 +29,28 @@ from collections.abc import Callable, Sequence
 import torch
 
 from odcfn.kernels.base import TransportError
+from odcfn.kernels.heartbeat import Patience
 
-__all__ = ["RangeLock", "Segment", "pid_alive", "shm_dir", "wait_until"]
+__all__ = ["RangeLock", "Segment", "check_store_order", "pid_alive", "shm_dir", "wait_until"]
 
 # struct flock on Linux x86-64/aarch64: short l_type, short l_whence, off_t l_start,
 # off_t l_len, pid_t l_pid (+ padding); l_pid must be 0 for OFD locks.
 _FLOCK = "hhqqi4x"
+
+
+_TSO = ("x86_64", "AMD64", "amd64", "i686", "i386")  # the names Python reports for x86
+
+
+def check_store_order(who: str) -> None:
+    """Refuse, before any segment exists, a CPU that may reorder stores: the flag of a
+    "data, then flag" publication could become visible before the data (a torn read, silently)."""
+    machine = platform.machine()
+    if machine not in _TSO:
+        raise RuntimeError(
+            f"{who} relies on x86-64 store ordering (data written before its flag is seen first); "
+            f"this machine is {machine or 'unknown'}, where it could read torn shards. Use a "
+            "transport without shared-memory flags (odcfn.kernels.collective, comm='collective')"
+        )
 
 
 def shm_dir() -> str:
@@ -136,12 +157,15 @@ def wait_until(
     what: str,
     check: Callable[[], str | None] | None = None,
     peers: Sequence[tuple[int, Callable[[], int]]] = (),
+    progress: Callable[[], int] | None = None,
 ) -> None:
     """Return once ``pred()`` holds. ``check()`` returns a reason to give up (e.g. a peer's
-    abort flag); ``peers`` are (rank, pid getter) pairs whose death ends the wait early."""
+    abort flag); ``peers`` are (rank, pid getter) pairs whose death ends the wait early;
+    ``progress()`` the peers' progress counters (summed): ``timeout`` counts from its last
+    change (``odcfn.kernels.heartbeat``)."""
     if pred():
         return
-    deadline = time.monotonic() + timeout
+    patience = Patience(timeout, what, progress)
     pause, next_probe = 1e-5, time.monotonic() + 0.05
     while not pred():
         now = time.monotonic()
@@ -152,7 +176,8 @@ def wait_until(
             for rank, pid in peers:
                 if not pid_alive(pid()):
                     raise TransportError(f"rank {rank} (pid {pid()}) died while waiting for {what}")
-        if now > deadline:
-            raise TransportError(f"timed out after {timeout}s waiting for {what} (dead or stuck peer?)")
+        if patience.expired():
+            raise TransportError(f"timed out after {timeout}s waiting for {what} (dead or stuck peer? "
+                                 f"no progress from it for {timeout}s)")
         time.sleep(pause)
         pause = min(pause * 2, 5e-4)

@@ -295,17 +295,3 @@ def peft_names(model: Model) -> list[tuple[str, str, str]]:
 
 def leaf_paths(tree: PyTree) -> list[str]:
     return tree_flatten_with_path(tree)[0]
-
-
-def lora_gather(gather_params: Any, state: Any, dst: int | None, adapters_only: bool, merged: bool) -> Any:
-    """``gather_params(state, dst, adapters_only=..., merged=...)`` of a LoRA state."""
-    if adapters_only and merged:
-        raise ValueError("gather_params: adapters_only and merged exclude each other")
-    model = getattr(state, "model", None)
-    ads = adapter_units(model) if isinstance(model, Model) else {}
-    if not ads:
-        raise ValueError("gather_params: adapters_only/merged need a LoRA model's state (odcfn.lora.apply)")
-    if adapters_only:  # only the adapter units travel: r * (d_in + d_out) per projection
-        return gather_params(state, dst, units=tuple(ads))
-    full = gather_params(state, dst)
-    return None if full is None else merge(state.model, full)

@@ -69,7 +69,7 @@ def save_peft(
         raise ValueError("save_peft: the state's model has no LoRA adapters (odcfn.lora.apply)")
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise TypeError(f"save_peft: dtype must be a floating torch.dtype or None, got {dtype!r}")
-    adapters = gather_adapters(state, dst=0)
+    adapters = gather_adapters(state, dst=0, dtype=state.model.dtype)  # the file keeps full precision
     if adapters is None:
         return None
     base = base_model_name_or_path

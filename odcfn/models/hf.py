@@ -1,15 +1,18 @@
-"""Local Hugging Face Qwen2/2.5, Qwen3 and Llama 3.x checkpoints <-> the params pytree of ``qwen_model``.
+"""Local Hugging Face Qwen2/2.5, Qwen3, Llama 3.x, Qwen3-MoE and Qwen2-MoE checkpoints <-> the params
+pytree of ``qwen_model``.
 
 A checkpoint directory holds ``config.json`` and either ``model.safetensors`` or several
 ``*.safetensors`` files listed by ``model.safetensors.index.json``. Nothing is downloaded.
 
 Name mapping (HF -> odcfn): ``model.embed_tokens.*`` -> ``embed.embed_tokens.*``,
 ``model.layers.{i}.*`` -> ``layers.{i}.*`` (same names below), ``model.norm.*`` -> ``head.norm.*``,
-``lm_head.*`` -> ``head.lm_head.*``. Both use the rotate-half RoPE layout, so q/k weights need no
-permutation. ``config.json`` is translated by ``odcfn.models.hf_config``. Tied embeddings
-(``tie_word_embeddings``) stay tied: the model has no ``head.lm_head`` (the head uses the
-embedding), ``to_hf`` writes no ``lm_head.weight``; a tied checkpoint that stores a copy of it
-anyway loads only if the copy equals the embedding.
+``lm_head.*`` -> ``head.lm_head.*``, and an expert unit ``layers.{i}.experts.{e}.*`` ->
+``model.layers.{i}.mlp.experts.{e}.*`` (the Hub's layout, which ``to_hf`` writes; transformers 5's
+fused ``gate_up_proj``/``down_proj`` are read too: ``odcfn.models.hf_moe``). All use the
+rotate-half RoPE layout, so q/k weights need no permutation. ``config.json`` is translated by
+``odcfn.models.hf_config``. Tied embeddings (``tie_word_embeddings``) stay tied: the model has no
+``head.lm_head`` (the head uses the embedding), ``to_hf`` writes no ``lm_head.weight``; a tied
+checkpoint that stores a copy of it anyway loads only if the copy equals the embedding.
 """
 
 from __future__ import annotations
@@ -25,8 +28,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from odcfn.models.hf_config import config_from_hf, config_to_hf
+from odcfn.models.hf_moe import unfuse
 from odcfn.models.hf_names import hf_name, record_source
-from odcfn.models.qwen import QwenConfig, qwen_model, unit_shapes
+from odcfn.models.qwen import QwenConfig, QwenMoeConfig, qwen_model, unit_shapes
 from odcfn.sharding import Mesh, make_layout
 from odcfn.tree import tree_flatten_with_path, tree_unflatten
 
@@ -74,6 +78,8 @@ def _resolve(path: str | os.PathLike) -> tuple[QwenConfig, dict[str, Any], dict[
     hf_cfg = json.loads(cfg_file.read_text())
     cfg = config_from_hf(hf_cfg)
     where = _read_tensors(root)
+    if isinstance(cfg, QwenMoeConfig):  # fused experts -> per-expert views under the Hub's names
+        where = unfuse(where, cfg, root)
     names: dict[str, list] = {}
     used = set()
     for unit, shapes in unit_shapes(cfg).items():
@@ -107,7 +113,8 @@ def _resolve(path: str | os.PathLike) -> tuple[QwenConfig, dict[str, Any], dict[
 
 
 def from_hf(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32) -> tuple[QwenConfig, dict]:
-    """Load a local HF Qwen2/Llama checkpoint: ``(config, params)`` for ``qwen_model(config)``."""
+    """Load a local HF Qwen2/Qwen3/Llama or Qwen3-MoE/Qwen2-MoE checkpoint: ``(config, params)``
+    for ``qwen_model(config)``."""
     cfg, where, names = _resolve(path)
     record_source(cfg, path)  # save_peft's base_model_name_or_path
     params = {}

@@ -1,8 +1,8 @@
 """Hugging Face ``config.json`` <-> ``QwenConfig`` for the Qwen2/2.5, Qwen3 (dense) and Llama 3.x
-families.
+families, and ``QwenMoeConfig`` for Qwen3-MoE and Qwen2-MoE (their MoE fields: ``hf_moe``).
 
 Every field that changes the math is either mapped or refused by name: a checkpoint this
-cannot compute exactly (sliding-window layers, mixture of experts, multimodal RoPE, dynamic or
+cannot compute exactly (sliding-window layers, other mixtures of experts, multimodal RoPE, dynamic or
 long RoPE, partial rotary, soft-capping, attention dropout, quantised weights, ...) raises a
 ``ValueError`` naming the field, instead of loading as a different model. Missing fields take
 the defaults of transformers' config class for that ``model_type`` (Qwen3's ``head_dim`` is
@@ -15,22 +15,30 @@ from typing import Any
 
 import torch
 
-from odcfn.models.qwen import QwenConfig
+from odcfn.models.hf_moe import (
+    MOE_ARCHITECTURES,
+    MOE_REFUSED,
+    moe_fields_from_hf,
+    moe_fields_to_hf,
+    moe_model_type,
+)
+from odcfn.models.qwen import QwenConfig, QwenMoeConfig
 from odcfn.models.rope import ROPE_KINDS, RopeScaling
 
 __all__ = ["ARCHITECTURES", "MAX_POSITIONS", "config_from_hf", "config_to_hf"]
 
 ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
-MAX_POSITIONS = {"qwen2": 32768, "qwen3": 32768, "llama": 2048}  # transformers' class defaults
-_MOE = {
-    "qwen2_moe": "Qwen2-MoE",
-    "qwen3_moe": "Qwen3-MoE",
+# transformers' class defaults
+MAX_POSITIONS = {"qwen2": 32768, "qwen3": 32768, "llama": 2048, "qwen2_moe": 32768, "qwen3_moe": 32768}
+_MOE = {  # mixtures of experts odcfn does not compute
     "qwen3_next": "Qwen3-Next",
     "mixtral": "Mixtral",
     "llama4": "Llama 4",
 }
 
 # fields whose non-default value changes the computation, each with the value that does not
+# (the MoE ones are refused in a dense family, mapped in a MoE one)
+_MOE_FIELDS = ("num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size")
 _REFUSED: dict[str, tuple[Any, str]] = {
     "use_sliding_window": (False, "sliding-window attention"),
     "mlp_bias": (False, "MLP biases"),
@@ -107,15 +115,19 @@ def _pad(hf: dict[str, Any]) -> int | None:
 
 
 def config_from_hf(hf: dict[str, Any]) -> QwenConfig:
-    """A ``QwenConfig`` from a Hugging Face ``config.json`` dict (Qwen2/2.5, Qwen3, Llama)."""
+    """A ``QwenConfig`` from a Hugging Face ``config.json`` dict (Qwen2/2.5, Qwen3, Llama), or a
+    ``QwenMoeConfig`` (Qwen3-MoE, Qwen2-MoE)."""
     kind = hf.get("model_type")
     if kind in _MOE:
         raise ValueError(f"config.json model_type={kind!r}: {_MOE[kind]} (mixture of experts) is unsupported")
-    if kind not in ARCHITECTURES:
-        raise ValueError(
-            f"config.json model_type={kind!r} is not supported; expected one of {sorted(ARCHITECTURES)}"
-        )
-    for field, (ok, what) in _REFUSED.items():
+    if kind not in ARCHITECTURES and kind not in MOE_ARCHITECTURES:
+        known = sorted([*ARCHITECTURES, *MOE_ARCHITECTURES])
+        raise ValueError(f"config.json model_type={kind!r} is not supported; expected one of {known}")
+    moe = kind in MOE_ARCHITECTURES
+    refused = _REFUSED
+    if moe:
+        refused = {**{k: v for k, v in _REFUSED.items() if k not in _MOE_FIELDS}, **MOE_REFUSED}
+    for field, (ok, what) in refused.items():
         value = hf.get(field, ok)
         if value is not None and value != ok and not (ok is None and value in (0, {}, [])):
             raise ValueError(f"config.json {field}={value!r}: {what} is not supported")
@@ -127,10 +139,19 @@ def config_from_hf(hf: dict[str, Any]) -> QwenConfig:
         raise ValueError(f"config.json hidden_act={act!r} is not supported (SwiGLU with silu only)")
     theta, scaling = _rope(hf, kind)
     bias = bool(hf.get("attention_bias", False))
+    extra: dict[str, Any] = {}
+    if moe:
+        extra = moe_fields_from_hf(hf, kind)
+        if hf.get("intermediate_size") is None:  # the dense layers' width: the class default
+            hf = {**hf, "intermediate_size": {"qwen3_moe": 6144, "qwen2_moe": 5632}[kind]}
+    # the attention's biases: Qwen2 biases q/k/v always, Qwen2-MoE per its qkv_bias (transformers
+    # 5; 4.x always), neither biases o_proj; Qwen3(-MoE) and Llama bias all four per attention_bias
+    qkv_bias = {"qwen2": True, "qwen2_moe": bool(hf.get("qkv_bias", True))}.get(kind, bias)
     try:
         d, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
+        # Qwen3 defaults to 128; Qwen3-MoE (like the others) to hidden_size / heads
         head_dim = hf.get("head_dim") or (128 if kind == "qwen3" else None)
-        return QwenConfig(
+        return (QwenMoeConfig if moe else QwenConfig)(
             vocab_size=int(hf["vocab_size"]),
             d_model=d,
             n_layers=int(hf["num_hidden_layers"]),
@@ -139,13 +160,14 @@ def config_from_hf(hf: dict[str, Any]) -> QwenConfig:
             d_ff=int(hf["intermediate_size"]),
             rope_theta=theta,
             rms_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            qkv_bias=True if kind == "qwen2" else bias,
+            qkv_bias=qkv_bias,
             head_dim=None if head_dim is None else int(head_dim),
-            qk_norm=kind == "qwen3",
-            o_bias=False if kind == "qwen2" else bias,
+            qk_norm=kind in ("qwen3", "qwen3_moe"),
+            o_bias=False if kind in ("qwen2", "qwen2_moe") else bias,
             rope_scaling=scaling,
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
             pad_token_id=_pad(hf),
+            **extra,
         )
     except KeyError as e:
         raise ValueError(f"config.json lacks {e.args[0]!r}") from None
@@ -155,6 +177,8 @@ def config_from_hf(hf: dict[str, Any]) -> QwenConfig:
 
 def model_type(cfg: QwenConfig) -> str:
     """The one Hugging Face family that computes ``cfg``; a ``ValueError`` when none does."""
+    if isinstance(cfg, QwenMoeConfig):
+        return moe_model_type(cfg)
     if cfg.qk_norm:
         if cfg.qkv_bias != cfg.o_bias:
             raise ValueError("Qwen3 (qk_norm) biases q/k/v and o together: set qkv_bias == o_bias")
@@ -173,7 +197,7 @@ def config_to_hf(cfg: QwenConfig, *, dtype: torch.dtype = torch.float32) -> dict
     if cfg.rope_scaling is not None:
         rope = {**cfg.rope_scaling.to_hf(), "rope_theta": cfg.rope_theta}
     out = {
-        "architectures": [ARCHITECTURES[kind]],
+        "architectures": [{**ARCHITECTURES, **MOE_ARCHITECTURES}[kind]],
         "model_type": kind,
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.d_model,
@@ -193,6 +217,8 @@ def config_to_hf(cfg: QwenConfig, *, dtype: torch.dtype = torch.float32) -> dict
         "max_position_embeddings": MAX_POSITIONS[kind],
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
+    if isinstance(cfg, QwenMoeConfig):
+        out.update(moe_fields_to_hf(cfg, kind))
     if cfg.rope_scaling is not None:
         out["rope_scaling"] = rope  # the key transformers < 5 reads
         if cfg.rope_scaling.kind == "yarn":  # the extended context the factor stands for

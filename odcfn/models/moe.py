@@ -21,11 +21,9 @@ import torch.nn.functional as F
 
 from odcfn.batch import Microbatch
 from odcfn.models.layers import attention, rms_norm, swiglu
-from odcfn.moe.router import route
+from odcfn.moe.router import ROUTED_EXTRA, route
 
 __all__ = ["ROUTED_EXTRA", "expert_name", "moe_layer_fwd", "moe_layer_shapes", "sparse_layers"]
-
-ROUTED_EXTRA = "routed_experts"  # Sample.extras key of routing replay: (T, MoE layers, top-k) ints
 
 
 def sparse_layers(cfg) -> tuple[int, ...]:

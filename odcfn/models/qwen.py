@@ -127,14 +127,14 @@ class QwenMoeConfig(QwenConfig):
                 raise TypeError(f"QwenMoeConfig.{name} must be a bool, got {getattr(self, name)!r}")
 
     @property
-    def active_params(self) -> int:
-        """Parameters one token computes with: every unit but the experts, plus top-k of each
-        sparse layer's experts (the cost model's measure of a sparse layer)."""
-        shapes = unit_shapes(self)
-        expert = sum(math.prod(s) for s in tree_leaves(shapes[expert_name(sparse_layers(self)[0], 0)])) \
-            if sparse_layers(self) else 0
-        dense = sum(math.prod(s) for n, u in shapes.items() if ".experts." not in n for s in tree_leaves(u))
-        return dense + expert * self.num_experts_per_tok * len(sparse_layers(self))
+    def active_mlp_params(self) -> int:
+        """MLP weights one token multiplies through, over all layers: the top-k experts, the
+        shared expert and the router of a sparse layer, the dense MLP of the others (what the
+        cost model counts: ``odcfn.schedule.cost.ModelShape``)."""
+        D, sparse, J = self.d_model, sparse_layers(self), self.shared_expert_intermediate_size
+        per_sparse = 3 * D * self.moe_intermediate_size * self.num_experts_per_tok + D * self.num_experts
+        per_sparse += 3 * D * J + D if J else 0
+        return len(sparse) * per_sparse + (self.n_layers - len(sparse)) * 3 * D * self.d_ff
 
 
 def unit_shapes(cfg: QwenConfig) -> dict[str, PyTree]:
@@ -224,7 +224,7 @@ def qwen_model(cfg: QwenConfig, *, dtype: torch.dtype = torch.float32) -> Model:
     router = None
     if sparse:
         coef = cfg.router_aux_loss_coef if cfg.output_router_logits else 0.0
-        router = RouterSpec(len(sparse), cfg.num_experts, float(coef))
+        router = RouterSpec(len(sparse), cfg.num_experts, cfg.num_experts_per_tok, float(coef))
     return Model(tuple(units), dtype=dtype, vocab_size=cfg.vocab_size, config_key=repr(cfg), router=router)
 
 

@@ -23,7 +23,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["RouterLog", "RouterSpec", "route"]
+__all__ = ["ROUTED_EXTRA", "RouterLog", "RouterSpec", "check_routing", "route"]
+
+ROUTED_EXTRA = "routed_experts"  # Sample.extras key of routing replay: (T, MoE layers, top-k) ints
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,7 @@ class RouterSpec:
 
     num_layers: int
     num_experts: int
+    top_k: int
     aux_coef: float = 0.0
 
     def log(self, seqlens: Sequence[int], num_sequences: int, *, graph: bool = False) -> RouterLog:
@@ -42,6 +45,37 @@ class RouterSpec:
         layer: the single-process reference) instead of gradients added layer by layer."""
         return RouterLog(seqlens, self.num_layers, self.num_experts, self.aux_coef / max(1, num_sequences),
                          graph=graph)
+
+
+def check_routing(batch: Any, spec: RouterSpec | None) -> None:
+    """Routing replay's ``extras["routed_experts"]``: every sample's must be an integer tensor of
+    shape (T, MoE layers, top-k) with distinct experts in ``[0, E)`` per row (a ValueError or
+    TypeError naming the sample, before any communication, on every rank alike)."""
+    if not batch.samples or ROUTED_EXTRA not in batch.samples[0].extras:
+        return
+    if spec is None:
+        raise ValueError(f"batch samples carry extras[{ROUTED_EXTRA!r}] but the model has no experts")
+    want = (spec.num_layers, spec.top_k)
+    for i, s in enumerate(batch.samples):
+        r = s.extras[ROUTED_EXTRA]
+        where = f"batch sample {i}: extras[{ROUTED_EXTRA!r}]"
+        if r.dtype.is_floating_point or r.dtype == torch.bool:
+            raise TypeError(f"{where} must be an integer tensor, got {r.dtype}")
+        if tuple(r.shape) != (s.length, *want):
+            raise ValueError(f"{where} has shape {tuple(r.shape)}, expected (tokens, MoE layers, top-k) = "
+                             f"{(s.length, *want)}")
+        bad = (r < 0) | (r >= spec.num_experts)
+        if bool(bad.any()):
+            t, layer, k = (int(x) for x in bad.nonzero()[0])
+            raise ValueError(f"{where}[{t}, {layer}, {k}] = {int(r[t, layer, k])} is outside the "
+                             f"{spec.num_experts} experts [0, {spec.num_experts})")
+        if spec.top_k > 1:
+            srt = r.sort(dim=-1).values
+            dup = (srt[..., 1:] == srt[..., :-1]).any(-1)
+            if bool(dup.any()):
+                t, layer = (int(x) for x in dup.nonzero()[0])
+                raise ValueError(f"{where}[{t}, {layer}] repeats an expert: {r[t, layer].tolist()} "
+                                 "(a token's top-k experts are distinct)")
 
 
 class RouterLog:

@@ -80,22 +80,29 @@ class ModelShape:
     n_kv_heads: int
     d_ff: int
     vocab_size: int
+    # a mixture of experts: the MLP weights one token multiplies through, summed over the layers
+    # (top-k experts, shared expert and router of each sparse layer): its *active* parameters,
+    # not its total. None: every layer's dense SwiGLU of ``d_ff``
+    active_mlp_params: int | None = None
 
     @classmethod
     def of(cls, cfg: Any) -> ModelShape:
-        """From any config with these attribute names (e.g. ``odcfn.models.QwenConfig``)."""
+        """From any config with these attribute names (e.g. ``odcfn.models.QwenConfig``; a
+        ``QwenMoeConfig`` also gives ``active_mlp_params``)."""
         try:
-            return cls(cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.d_ff, cfg.vocab_size)
+            return cls(cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.d_ff, cfg.vocab_size,
+                       getattr(cfg, "active_mlp_params", None))
         except AttributeError as e:
             raise TypeError(f"ModelShape.of: config {type(cfg).__name__} lacks {e.name!r}") from None
 
     @property
     def matmul_params(self) -> int:
-        """Weights every token multiplies through: q/k/v/o, the SwiGLU MLP and the LM head."""
+        """Weights every token multiplies through: q/k/v/o, the MLP (a mixture's active
+        experts) and the LM head."""
         d, hd = self.d_model, self.d_model // self.n_heads
         attn = d * d + 2 * d * self.n_kv_heads * hd + d * d
-        mlp = 3 * d * self.d_ff
-        return self.n_layers * (attn + mlp) + d * self.vocab_size
+        mlp = self.n_layers * 3 * d * self.d_ff if self.active_mlp_params is None else self.active_mlp_params
+        return self.n_layers * attn + mlp + d * self.vocab_size
 
 
 # Qwen2.5-7B (its Hugging Face config.json): the model class of the paper's SFT experiments.

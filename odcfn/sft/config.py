@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +17,7 @@ from odcfn.sft.keys import KEYS, check_key
 __all__ = [
     "CheckpointSection", "DataSection", "DpoSection", "LogSection", "LoraSection", "ModelSection",
     "SFTConfig", "TrainSection", "config_from_dict", "config_from_stored", "load_config",
-    "model_config", "check_inputs", "check_resume", "default_world_size", "resume_conflicts",
+    "model_config", "check_inputs", "default_world_size",
 ]
 
 
@@ -350,43 +350,3 @@ def model_config(cfg: SFTConfig) -> Any:
             raise FileNotFoundError(f"model.hf_path: {path} does not exist (a Hugging Face model directory)")
         return config_from_hf(json.loads(path.read_text()))
     return QwenConfig(**{f.name: getattr(m, f.name) for f in fields(QwenConfig) if hasattr(m, f.name)})
-
-
-# what may change when a run resumes: how long, on how many ranks, how it logs and checkpoints,
-# whether it recomputes activations (the same math), how samples are balanced over ranks (the
-# loss and gradient do not depend on it)
-_RESUMABLE = {
-    "train.steps", "train.world_size", "train.backend", "train.timeout", "train.max_restarts", "train.remat",
-    "train.balance",
-}
-_RESUMABLE_SECTIONS = {"log", "checkpoint"}
-
-
-def resume_conflicts(stored: dict[str, Any], cfg: SFTConfig) -> list[str]:
-    """The settings in which ``cfg`` differs from the stored config of the run it would resume
-    (``asdict`` form), as ``"train.lr 0.001 -> 0.01"``; empty if it may resume."""
-    now, out = asdict(cfg), []
-    for section, values in now.items():
-        if section in _RESUMABLE_SECTIONS or not isinstance(values, dict):
-            continue
-        old = stored.get(section, {})
-        for key, value in values.items():
-            name, was = f"{section}.{key}", old.get(key, value)
-            if (section, key) in _PATH_KEYS and isinstance(was, str) and isinstance(value, str):
-                was, value = os.path.realpath(was), os.path.realpath(value)
-            if name not in _RESUMABLE and was != value:
-                out.append(f"{name} {old.get(key)!r} -> {values[key]!r}")
-    return out
-
-
-def check_resume(cfg: SFTConfig, extra: dict[str, Any], data_sha256: str, where: str) -> None:
-    """Refuse to resume checkpoint ``where`` (its manifest's ``extra``) with another config or
-    dataset, unless ``checkpoint.resume_anyway``."""
-    diff = resume_conflicts(extra.get("config", {}), cfg)
-    if extra.get("data_sha256", data_sha256) != data_sha256:
-        diff.append(f"the contents of data.path {cfg.data.path} (sha256 differs)")
-    if diff and not cfg.checkpoint.resume_anyway:
-        raise ValueError(
-            f"odcfn train: {where} belongs to a run with another config: {'; '.join(diff)}. Use "
-            "another out_dir, --no-resume to start over, or --resume-anyway to continue it"
-        )

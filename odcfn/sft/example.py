@@ -29,13 +29,18 @@ EXAMPLE_TOML = config_toml(EXAMPLE_VALUES, header=(
 ))
 
 
-def write_example(directory: str | os.PathLike, *, num_samples: int = 48, seed: int = 0) -> Path:
-    """A runnable example: ``run.toml`` and a generated SFT-shaped ``train.jsonl``."""
+def write_example(
+    directory: str | os.PathLike, *, num_samples: int = 48, seed: int = 0, force: bool = False
+) -> Path:
+    """A runnable example: ``run.toml`` and a generated SFT-shaped ``train.jsonl``. Refuses to
+    overwrite either file (an edited config, a user's data) unless ``force``."""
     import random
 
     from odcfn.data.records import synthetic_records, write_jsonl
+    from odcfn.sft.occupied import refuse_existing_files
 
     root = Path(directory)
+    refuse_existing_files([root / "run.toml", root / "train.jsonl"], "odcfn train --init", force=force)
     root.mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)
     lengths = [min(256, int(16 + rng.lognormvariate(3.5, 0.7))) for _ in range(num_samples)]

@@ -140,13 +140,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="dtype of the written weights (default float32, as trained)")
     p.add_argument("--adapter", action="store_true",
                    help="LoRA runs: write a PEFT adapter directory (default: the merged model)")
+    p.add_argument("--force", action="store_true", help="write into OUT even if it is not empty")
 
 
 def main(args: argparse.Namespace) -> int:
     import torch
 
+    from odcfn.sft.occupied import refuse_nonempty_dir
+
     dtype = getattr(torch, args.dtype)
     ck = find_checkpoint(args.checkpoint)
+    refuse_nonempty_dir(args.out, "odcfn export", force=args.force)  # before any weight is read
     out = export_checkpoint(ck, args.out, tokenizer=args.tokenizer, dtype=dtype,
                             adapter=getattr(args, "adapter", False))
     print(f"odcfn export: wrote {out} from {ck}")

@@ -4,7 +4,14 @@ with an error that names the run holding it.
 
 The lock is an advisory ``flock`` on that file, held by the launcher's process: the kernel drops
 it when that process exits in any way (``kill -9`` included), so the lock of a dead run is
-simply taken over; the pid/host written inside only say who holds it."""
+simply taken over; the pid/host written inside only say who holds it.
+
+The run is more than its launcher: with ``train.backend = "processes"`` (and under torchrun)
+every rank process holds its own ``.odcfn-run.lock.rank<R>`` (``RankLock``) for as long as it
+lives. A new run takes the directory only when the launcher's lock *and* every rank's lock are
+free, so ranks that outlived a killed launcher keep the directory theirs (they die with it,
+``odcfn.orphan``: the new run waits up to ``wait_ranks`` seconds for that before refusing).
+The kernel keeps these locks too: no pid bookkeeping that a recycled pid could fool."""
 
 from __future__ import annotations
 
@@ -14,7 +21,7 @@ import socket
 import time
 from pathlib import Path
 
-__all__ = ["LOCK_NAME", "RunDirLocked", "RunLock"]
+__all__ = ["LOCK_NAME", "RankLock", "RunDirLocked", "RunLock"]
 
 LOCK_NAME = ".odcfn-run.lock"
 
@@ -23,31 +30,66 @@ class RunDirLocked(RuntimeError):
     """Another live run holds the output directory."""
 
 
-class RunLock:
-    """``with RunLock(out_dir):`` — exclusive use of ``out_dir`` for this process."""
+def _try_lock(path: Path) -> int | None:
+    """An fd holding ``path``'s exclusive flock, or None if another process holds it."""
+    import fcntl
 
-    def __init__(self, out_dir: str | os.PathLike) -> None:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _record(fd: int, **more: object) -> None:
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                              "started": time.strftime("%Y-%m-%d %H:%M:%S"), **more}).encode(), 0)
+
+
+def _held_rank_locks(root: Path) -> list[Path]:
+    held = []
+    for path in sorted(root.glob(f"{LOCK_NAME}.rank*")):
+        fd = _try_lock(path)
+        if fd is None:
+            held.append(path)
+        else:
+            os.close(fd)
+    return held
+
+
+class RunLock:
+    """``with RunLock(out_dir):`` — exclusive use of ``out_dir`` for this process and its ranks."""
+
+    def __init__(self, out_dir: str | os.PathLike, *, wait_ranks: float = 10.0) -> None:
         self.path = Path(out_dir) / LOCK_NAME
+        self.wait_ranks = wait_ranks
         self._fd: int | None = None
 
     def acquire(self) -> RunLock:
-        import fcntl
-
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            holder = _describe(fd)
-            os.close(fd)
+        fd = _try_lock(self.path)
+        if fd is None:
+            with open(self.path, "rb") as f:
+                holder = _describe(f.read(4096))
             raise RunDirLocked(
                 f"out_dir {self.path.parent} is in use by another odcfn train run ({holder}); "
                 "wait for it to finish, stop it, or give this run another out_dir (--out-dir)"
-            ) from None
-        # ours (a dead holder's lock is taken over): record who holds it
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
-                                  "started": time.strftime("%Y-%m-%d %H:%M:%S")}).encode(), 0)
+            )
+        # ranks of an earlier run whose launcher died are being killed with it: give them a moment
+        t_end = time.monotonic() + self.wait_ranks
+        while (held := _held_rank_locks(self.path.parent)) and time.monotonic() < t_end:
+            time.sleep(0.2)
+        if held:
+            os.close(fd)
+            who = "; ".join(f"{p.name}: {_describe(p.read_bytes()[:4096])}" for p in held)
+            raise RunDirLocked(
+                f"out_dir {self.path.parent} is in use by rank processes of another odcfn train run "
+                f"({who}); stop them, or give this run another out_dir (--out-dir)"
+            )
+        _record(fd)  # ours (a dead holder's lock is taken over): record who holds it
         self._fd = fd
         return self
 
@@ -63,9 +105,32 @@ class RunLock:
         self.release()
 
 
-def _describe(fd: int) -> str:
+class RankLock(RunLock):
+    """``with RankLock(out_dir, rank):`` — held by one rank process for as long as it runs, so
+    the directory stays in use while any process of the run lives (the launcher holds
+    ``RunLock``, which checks these before it lets a new run in)."""
+
+    def __init__(self, out_dir: str | os.PathLike, rank: int) -> None:
+        super().__init__(out_dir)
+        self.path = Path(out_dir) / f"{LOCK_NAME}.rank{rank}"
+        self.rank = rank
+
+    def acquire(self) -> RankLock:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = _try_lock(self.path)
+        if fd is None:
+            raise RunDirLocked(
+                f"out_dir {self.path.parent}: rank {self.rank} of another odcfn train run "
+                f"({_describe(self.path.read_bytes()[:4096])}) still runs in it; stop it first"
+            )
+        _record(fd, rank=self.rank)
+        self._fd = fd
+        return self
+
+
+def _describe(raw: bytes) -> str:
     try:
-        doc = json.loads(os.pread(fd, 4096, 0) or b"{}")
+        doc = json.loads(raw or b"{}")
         return f"pid {doc['pid']} on host {doc['host']}, started {doc['started']}"
     except (ValueError, KeyError, OSError, TypeError):
         return "a run that has not yet recorded its pid"

@@ -34,7 +34,6 @@ from typing import Any
 from odcfn.sft.config import (
     SFTConfig,
     TrainSection,
-    check_resume,
     config_from_dict,
     load_config,
     model_config,
@@ -42,8 +41,9 @@ from odcfn.sft.config import (
 from odcfn.sft.config_dpo import dpo_loss
 from odcfn.sft.example import write_example
 from odcfn.sft.prepare import PreparedData, prepare_data
-from odcfn.sft.record import Logger, data_summary, step_record
+from odcfn.sft.record import Logger, already_done, data_summary, step_record
 from odcfn.sft.restart import Snapshots, clear_for_fresh_start, open_memory_tier, resume_point
+from odcfn.sft.resume_check import check_resume
 
 __all__ = [
     "SFTConfig", "add_arguments", "config_from_dict", "load_config", "main", "process_worker", "run",
@@ -256,13 +256,14 @@ def process_worker(cfg: SFTConfig) -> dict[str, Any]:
 
     import odcfn
     from odcfn.kernels.shm import ShmTransport
+    from odcfn.sft.lock import RankLock
 
     torch.set_num_threads(1)
     mesh = odcfn.Mesh.from_env()
     if mesh.world_size != cfg.train.world_size:
         cfg = replace(cfg, train=replace(cfg.train, world_size=mesh.world_size))
-    with ShmTransport(mesh, timeout=cfg.train.timeout) as tr:
-        return train_rank(cfg, mesh.rank, tr)
+    with RankLock(cfg.out_dir, mesh.rank), ShmTransport(mesh, timeout=cfg.train.timeout) as tr:
+        return train_rank(cfg, mesh.rank, tr)  # RankLock: out_dir stays in use while this rank lives
 
 
 def _under_torchrun() -> bool:
@@ -330,18 +331,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "train.steps (on resume: a decaying schedule is stretched to the new length)")
     parser.add_argument("--world-size", type=int, help="local ranks; overrides train.world_size")
     parser.add_argument("--out-dir", help="override out_dir")
-    parser.add_argument(
-        "--no-resume",
-        action="store_true",
-        help="start from scratch: delete out_dir's checkpoints and restart its metrics log",
-    )
-    parser.add_argument("--resume-anyway", action="store_true", help="resume though config/data changed")
+    parser.add_argument("--no-resume", action="store_true",
+                        help="start from scratch: delete out_dir's checkpoints and restart its metrics log")
+    parser.add_argument("--resume-anyway", action="store_true", help="resume though hyperparameters or "
+                        "data changed (each change is printed); another model is refused still")
     parser.add_argument("--quiet", action="store_true", help="no per-step progress lines")
+    parser.add_argument("--force", action="store_true", help="--init: overwrite DIR's run.toml/train.jsonl")
 
 
 def main(args: argparse.Namespace) -> int:
     if args.init:
-        path = write_example(args.init)
+        path = write_example(args.init, force=args.force)
         print(
             f"odcfn train: wrote {path} and {path.parent / 'train.jsonl'}; run: odcfn train --config {path}"
         )
@@ -367,6 +367,9 @@ def main(args: argparse.Namespace) -> int:
     results = run(cfg)
     head = results[0]
     if head["rank"] != 0:  # under torchrun every rank runs main: one summary is enough
+        return 0
+    if head["start_step"] >= head["steps"]:  # exit 0: what was asked for exists (see already_done)
+        print(already_done(head, cfg), flush=True)
         return 0
     where = f", resumed from {head['resumed_from']}" if head["resumed_from"] else ""
     print(

@@ -16,7 +16,7 @@ from odcfn.sft.config import SFTConfig
 from odcfn.step.state import StepMetrics
 from odcfn.trace import COMPUTE_KINDS
 
-__all__ = ["Logger", "data_summary", "prune", "step_record"]
+__all__ = ["Logger", "already_done", "data_summary", "prune", "step_record"]
 
 _LOSS_FIGURES = frozenset(("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
                            "logps/chosen", "logps/rejected", "nll_loss"))
@@ -140,3 +140,17 @@ def data_summary(rep: dict[str, Any], cfg: SFTConfig) -> list[str]:
     if skipped:
         out.append(f"skipped {len(skipped)} step(s) whose minibatch has no loss tokens: {skipped[:10]}")
     return out
+
+
+def already_done(head: dict[str, Any], cfg: SFTConfig) -> str:
+    """What a rerun says when its checkpoint is at or past ``train.steps`` (rank 0's summary
+    ``head``): nothing was trained, and how to train on.
+
+    The exit status stays 0: the state the command asks for (a run trained to ``train.steps``
+    or beyond) exists, so a rerun is idempotent and ``odcfn train && odcfn export`` still works;
+    the message, not the status, says that no step ran."""
+    start, steps = head["start_step"], head["steps"]
+    where = "past" if start > steps else "at"
+    return (f"odcfn train: nothing to train: {cfg.out_dir} is already at step {start} "
+            f"({head['resumed_from']}), {where} the requested train.steps = {steps}; "
+            f"--steps N with N > {start} trains further, --no-resume starts over")

@@ -21,7 +21,6 @@ the manifest's ``extra`` records the step as ``data_step`` too.
 
 from __future__ import annotations
 
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +30,7 @@ from odcfn.checkpoint.node_tier import NodeTier
 from odcfn.checkpoint.state_io import savable
 from odcfn.sft.config import SFTConfig
 from odcfn.sft.record import prune
+from odcfn.sft.resume_check import path_digests, stored_config
 
 __all__ = ["Snapshots", "clear_for_fresh_start", "open_memory_tier", "resume_point"]
 
@@ -76,10 +76,12 @@ class Snapshots:
         self.base, self.save_last = base, save_last
         self.disk, self.memory = AsyncSaver(), AsyncSaver()
         self.tier = tier if cfg.checkpoint.memory_every else None
-        self.config = asdict(cfg)
+        # absolute paths and what they hold: a resume from another directory compares contents
+        self.config, self.digests = stored_config(cfg), path_digests(cfg)
 
     def _extra(self, done: int) -> dict[str, Any]:
-        return {"config": self.config, "data_sha256": self.data_sha, "data_step": done}
+        return {"config": self.config, "data_sha256": self.data_sha, "data_step": done,
+                "path_digests": self.digests}
 
     def after_step(self, state: Any, done: int) -> None:
         c, last = self.cfg.checkpoint, done == self.cfg.train.steps

@@ -36,7 +36,7 @@ from odcfn.schedule.plan import (
 from odcfn.schedule.program import Piece, assemble_plan
 from odcfn.sharding import Layout
 from odcfn.step.experts import expert_source
-from odcfn.step.ordered_push import push_in_rank_order
+from odcfn.step.ordered_push import OrderedPusher
 from odcfn.trace import Event
 
 __all__ = ["ExecResult", "execute"]
@@ -78,6 +78,8 @@ class Executor:
         self.t, self.dtype, self.device = transport, compute_dtype, device
         chain = model.chain  # the forward's units: all but a mixture's experts (Unit.experts)
         self.rank, self.last = transport.mesh.rank, chain[-1]
+        # progress that peers waiting on this rank can see (odcfn.kernels.heartbeat); optional
+        self.beat = getattr(transport, "beat", None) or (lambda: None)
         self.riders: torch.Tensor | None = None
         self.units = {u.name: u for u in model.units}
         # frozen units (Model.frozen): weights never differentiated, never pushed; the units
@@ -119,8 +121,8 @@ class Executor:
         self.weights = loss.weights(batch)
         n = 1 + len(getattr(loss, "metric_names", ()))
         self.loss_sum = torch.zeros(n, dtype=torch.float64, device=device)
-        # deterministic mode: this rank's gradient sums (fp32, padded full), pushed in rank order
-        self.local: dict[str, torch.Tensor] | None = None
+        # deterministic mode: pushes staged and taken in the fixed (microbatch slot, rank) order
+        self.ordered: OrderedPusher | None = None
 
     # --- parameters -------------------------------------------------------------------------
     def _buffer(self, unit: str) -> torch.Tensor:
@@ -288,6 +290,7 @@ class Executor:
             kind, run = _STEPS[type(s)]
             start = time.perf_counter()
             out = getattr(self, run)(s, offset)
+            self.beat()
             end = time.perf_counter()
             stats = out if isinstance(s, Sync) else stats
             unit, mb = getattr(s, "unit", ""), getattr(s, "mb", -1 - offset) + offset
@@ -325,15 +328,11 @@ class Executor:
         """Scatter-accumulate a unit's padded flat gradient into its owners (a plan step, or a
         routed expert's backward)."""
         with torch.no_grad():
-            if self.local is None:
+            if self.ordered is None:
                 self.pushes.append(self.t.scatter_accumulate(unit, g))
-                return
-            # deterministic: summed here, pushed in rank order at the sync
-            acc = self.local.get(unit)
-            if acc is None:
-                self.local[unit] = g.to(torch.float32, copy=True)
-            else:
-                acc.add_(g)
+            else:  # deterministic: pushed when its turn comes (staged until then, bounded). A routed
+                # expert's k-th push on this rank takes slot k: still one fixed order per owner
+                self.ordered.add(unit, g)
 
     def _reduce_scatter(self, s: ReduceScatter, offset: int) -> None:
         g = self._grad_out(s.unit)
@@ -348,8 +347,8 @@ class Executor:
         return self.sync()
 
     def sync(self) -> torch.Tensor:
-        if self.local is not None:
-            push_in_rank_order(self.t, self.layout, self.local)
+        if self.ordered is not None:
+            self.ordered.finish()
         for h in self.pushes:
             h.wait()
         self.t.flush()
@@ -397,17 +396,21 @@ def execute(
     riders: torch.Tensor | None = None,
     loss: Any,
     deterministic: bool = False,
+    slots: int = 0,
 ) -> tuple[ExecResult, Plan]:
     """Run a rank's program (``odcfn.schedule.policy.prepare_program``: a static plan is one
     piece, work stealing one piece per decision) up to and including its one Sync; the
     transport then holds this rank's gradient shards. Returns the result and the plan that ran.
     ``riders``: float64 values summed over the ranks in the same sync (``ExecResult.riders``).
-    ``deterministic``: ODC pushes summed locally and pushed in rank order (``StepConfig``)."""
+    ``deterministic``: ODC pushes taken in a fixed (microbatch slot, rank) order (``StepConfig``;
+    ``slots``: the most microbatches any rank runs; the program must be static)."""
     t0 = time.perf_counter()
     ex = Executor(model, layout, batch, transport, compute_dtype, torch.device(device), loss)
     ex.riders, ex.t0 = riders, t0
     if deterministic and comm == "odc":
-        ex.local = {}
+        program = list(program)  # static (work stealing is refused): one piece
+        mine = sum(len(p.microbatches) for p in program)
+        ex.ordered = OrderedPusher(transport, layout, max(slots, mine), mine)
     events = ex.events
     ran: list[Piece] = []
     stats = None

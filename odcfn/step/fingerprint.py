@@ -20,11 +20,13 @@ import torch
 
 from odcfn.batch import Batch
 
-__all__ = ["BITS", "WHAT", "check_agreement", "encode", "minibatch_words", "stable_repr"]
+__all__ = ["BITS", "GATHER_WHAT", "WHAT", "check_agreement", "encode", "gather_words", "layout_key",
+           "minibatch_words", "stable_repr"]
 
 BITS = 20
 WHAT = ("the sample lengths / loss-token count", "the token ids / loss masks", "the step config",
         "the parameter layout / model config")
+GATHER_WHAT = ("the request (dst / units)", "the parameter layout / model config / step")
 _MAX_WORLD = 1 << 13  # W * (2^20)^2 <= 2^53: exact in float64
 
 
@@ -80,23 +82,46 @@ def minibatch_words(batch: Batch, config: Any, layout_key: str) -> list[int]:
     ]
 
 
+def layout_key(state: Any, layout: Any, step: int | None = None) -> str:
+    """What must agree about the model and its sharding (and the step, when it keys randomness)."""
+    m, mesh = state.model, state.mesh
+    key = (f"{[(u.name, u.shard_size) for u in layout.units]} W={mesh.world_size} "
+           f"{mesh.sharding}/{mesh.node_size} {m.dtype} {m.config_key}")
+    if m.frozen:  # ranks that disagree on what is trained would push into missing accumulators
+        key += f" frozen={list(m.frozen)}"
+    if step is not None:  # ranks at different steps would draw different dropout masks
+        key += f" step={step}"
+    return key
+
+
+def gather_words(request: Any, key: str) -> list[int]:
+    """This rank's fingerprint words of a ``gather_params`` call, in the order of ``GATHER_WHAT``:
+    ranks at different steps (one skipped an update) would hand an inference engine different
+    weights under one name, so the step is part of ``key``."""
+    return [_word(stable_repr(request)), _word(key)]
+
+
 def encode(words: list[int], device: torch.device | str = "cpu") -> torch.Tensor:
     """The words and their squares, as the float64 entries appended to the sync's stats."""
     w = torch.tensor(words, dtype=torch.float64, device=device)
     return torch.cat([w, w * w])
 
 
-def check_agreement(summed: torch.Tensor, world_size: int, words: list[int], detail: list[str]) -> None:
-    """Raise ``ValueError("ranks disagree on the minibatch: ...")`` if the summed words show that
-    ranks disagree; ``detail[i]`` describes this rank's input for word i."""
+def check_agreement(
+    summed: torch.Tensor, world_size: int, words: list[int], detail: list[str], *,
+    what: tuple[str, ...] = WHAT, subject: str = "minibatch", call: str = "train_step",
+) -> None:
+    """Raise ``ValueError("ranks disagree on the <subject>: ...")`` if the summed words show that
+    ranks disagree; ``detail[i]`` describes this rank's input for word i, ``what[i]`` the word."""
     if world_size > _MAX_WORLD:  # pragma: no cover - the sums would no longer be exact
         return
     n = len(words)
     vals = [round(float(v)) for v in summed.tolist()]
     differ = [i for i in range(n) if world_size * vals[n + i] != vals[i] * vals[i]]
     if differ:
-        what = "; ".join(f"{WHAT[i]} differ (this rank: {detail[i]})" for i in differ)
+        said = "; ".join(f"{what[i]} differ (this rank: {detail[i]})" for i in differ)
+        inputs = "arguments" if subject != "minibatch" else "global batch and StepConfig"
         raise ValueError(
-            f"ranks disagree on the minibatch: {what}. Every rank must pass the same global batch "
-            "and StepConfig to train_step (and build the same model)"
+            f"ranks disagree on the {subject}: {said}. Every rank must pass the same {inputs} "
+            f"to {call} (and build the same model)"
         )

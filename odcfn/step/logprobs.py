@@ -28,9 +28,10 @@ from odcfn.schedule.plan import Forward, compile_forward_plan
 from odcfn.schedule.policy import policy_info, resolve_policy
 from odcfn.sharding import make_layout
 from odcfn.sharding.layout import check_shards
+from odcfn.step import fingerprint
 from odcfn.step.execute import Executor
 from odcfn.step.state import TrainState, check_fields
-from odcfn.step.train import check_inputs, schedule_options
+from odcfn.step.train import check_inputs, minibatch_fingerprint, schedule_options
 from odcfn.trace import Event
 
 __all__ = ["gather_params", "log_probs"]
@@ -90,6 +91,7 @@ def log_probs(
     for n in batch.lengths:
         offsets.append(offsets[-1] + n)
 
+    words, detail = minibatch_fingerprint(state, batch, layout, extra=head)
     transport.begin_step(layout, state.params, dtype)
     ex = _ForwardOnly(model, layout, batch, transport, dtype, torch.device(device), loss=head)
     ex.microbatches.extend(plan.microbatches)
@@ -103,25 +105,34 @@ def log_probs(
             out[:, offsets[i] + 1: offsets[i + 1]] = y[:, at: at + n - 1].double()  # [0] stays 0
             at += n
     transport.flush()
-    total = transport.sync(out.reshape(-1)).view(k, -1).float()
+    riders = fingerprint.encode(words, device)  # rides the same sync: no extra round trip
+    summed = transport.sync(torch.cat([out.reshape(-1), riders]))
+    fingerprint.check_agreement(summed[out.numel():], mesh.world_size, words, detail, call="log_probs")
+    total = summed[: out.numel()].view(k, -1).float()
     rows = [tuple(total[j, offsets[i]: offsets[i + 1]].clone() for i in range(len(batch))) for j in range(k)]
     return (rows[0], rows[1]) if entropy else rows[0]
 
 
 def gather_params(
-    state: TrainState, dst: int | None = None, *, adapters_only: bool = False, merged: bool = False,
-    units: Sequence[str] | None = None,
+    state: TrainState, dst: int | None = None, *, units: Sequence[str] | None = None,
+    dtype: torch.dtype | None = None, **removed: Any,
 ) -> dict | None:
-    """The full unsharded params (a fresh pytree, the model's dtype) on every rank, or only on
-    rank ``dst`` (the others get None). Every rank of the world must call it; one sync ends it,
-    so no rank publishes newer shards while another still reads. A LoRA model's state
-    (``odcfn.lora``): ``adapters_only`` gathers just the adapter units (for engines that load
-    LoRA adapters), ``merged`` the base params with the adapters folded in. ``units``: only
-    these units."""
-    if adapters_only or merged:
-        from odcfn.lora.core import lora_gather  # lazy: only LoRA states need it
+    """The full unsharded params (a fresh pytree) on every rank, or only on rank ``dst`` (the
+    others get None). Every rank of the world must call it with the same arguments; one sync ends
+    it (so no rank publishes newer shards while another still reads) and carries a fingerprint of
+    the call, the layout and the step: ranks that disagree all raise the same ``ValueError``.
+    ``units``: only these units.
 
-        return lora_gather(gather_params, state, dst, adapters_only, merged)
+    ``dtype``: the dtype the shards travel and arrive in; by default the one ``train_step``
+    publishes (``StepConfig.compute_dtype``, else the model's), so an RL loop that alternates
+    ``train_step`` and ``gather_params`` reuses the transport's publication instead of remapping
+    it twice per iteration. ``dtype=state.model.dtype`` gives the full-precision params (another
+    publication: the transport remaps).
+
+    A LoRA state's adapters or merged weights: ``odcfn.lora.gather_adapters`` /
+    ``odcfn.lora.gather_merged`` (the step does not know its callers' models)."""
+    if removed:
+        _refuse_lora_kwargs(removed)
     if not isinstance(state, TrainState):
         raise TypeError(f"state must be an odcfn.TrainState, got {type(state).__name__}")
     check_fields(state)
@@ -129,24 +140,51 @@ def gather_params(
     W = mesh.world_size
     rank = f"a rank in [0, {W}) or None"
     check_int(dst, "gather_params: dst", at_least=0, at_most=W - 1, none_ok=True, want=rank)
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise TypeError(f"gather_params: dtype must be a floating torch.dtype or None, got {dtype!r}")
+    dtype = dtype or state.config.compute_dtype or model.dtype
     layout = make_layout(model, mesh)
     check_shards(state.params, layout, model.dtype, frozen_dtype=state.config.compute_dtype)
-    transport.begin_step(layout, state.params, model.dtype)
-    collective = state.config.comm == "collective"
-    want = dst is None or dst == mesh.rank
     if units is not None and (isinstance(units, str) or not set(units) <= set(layout.names)):
         raise ValueError(f"gather_params: units must be unit names of the model, got {units!r}")
+    device = next(iter(state.params.values())).device
+    request = (dst, None if units is None else sorted(units), dtype)
+    key = fingerprint.layout_key(state, layout, state.step)
+    words = fingerprint.gather_words(request, key)
+    detail = [fingerprint.stable_repr(request)[:300], key[:300]]
+    riders = fingerprint.encode(words, device)
+    collective = state.config.comm == "collective"
+    transport.begin_step(layout, state.params, dtype)
+    if collective:  # the agreement first: ranks asking for other units would issue other all-gathers
+        _agree(transport.sync(riders), W, words, detail)
+    want = dst is None or dst == mesh.rank
     out = {}
     for u in layout.units:
         if not (want or collective) or (units is not None and u.name not in units):
             continue
-        buf = torch.empty(u.padded_numel, dtype=model.dtype, device=state.params[u.name].device)
+        buf = torch.empty(u.padded_numel, dtype=dtype, device=state.params[u.name].device)
         if collective:  # every rank joins every all-gather, whether it keeps the result or not
             transport.all_gather(u.name, buf)
-        else:
+        else:  # one-sided reads: a rank that asked for other units harms no peer before the sync
             transport.gather(u.name, buf).wait()
         out[u.name] = u.unflatten(buf)
-    transport.flush()
-    device = next(iter(state.params.values())).device
-    transport.sync(torch.zeros(1, dtype=torch.float64, device=device))
+    if not collective:  # the all-gathers above completed on every rank: nobody still reads
+        transport.flush()
+        _agree(transport.sync(riders), W, words, detail)
     return out if want else None
+
+
+def _agree(summed: torch.Tensor, world_size: int, words: list[int], detail: list[str]) -> None:
+    fingerprint.check_agreement(summed, world_size, words, detail, what=fingerprint.GATHER_WHAT,
+                                subject="gather", call="gather_params")
+
+
+def _refuse_lora_kwargs(removed: dict[str, Any]) -> None:
+    """``adapters_only=`` / ``merged=`` moved to LoRA's own functions: the step wing must not
+    import the LoRA wing above it, and a flag whose meaning lives elsewhere is a hidden import."""
+    moved = {"adapters_only": "odcfn.lora.gather_adapters(state, dst)",
+             "merged": "odcfn.lora.gather_merged(state, dst)"}
+    for name in removed:
+        if name in moved:
+            raise TypeError(f"gather_params({name}=...) moved to LoRA: call {moved[name]}")
+    raise TypeError(f"gather_params() got an unexpected keyword argument {next(iter(removed))!r}")

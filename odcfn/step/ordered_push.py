@@ -1,6 +1,19 @@
-"""Deterministic accumulation (``StepConfig(deterministic=True)``): each rank's local gradient
-sums pushed into their owners in rank order, so every accumulator adds in the same order
-whatever the timing."""
+"""Deterministic accumulation (``StepConfig(deterministic=True)``) in bounded memory.
+
+Every owner's accumulator of unit ``u`` adds the pushes in one fixed order whatever the timing:
+slot 0 of rank 0, slot 0 of rank 1, ..., slot 1 of rank 0, ... where slot ``j`` is a rank's
+``j``-th microbatch (a rank with fewer microbatches passes its later turns without pushing). The
+turn of unit ``u`` is one shared counter (``fetch_add``, fresh every step) counted from the top of
+the counter range (work stealing, which uses the bottom, is refused in this mode): rank ``r``
+pushes slot ``j`` when it reads ``j * W + r``, then adds 1.
+
+Each microbatch's gradient is pushed as soon as its turn comes (polled after every push step,
+never waited for), so a rank holds only the gradients whose turn has not come yet, and blocks on
+the oldest of them when they exceed ``window`` bytes. The former design summed every microbatch
+locally and pushed at the sync: an unsharded fp32 gradient of every trained unit per rank.
+No circular wait: a rank blocks only on a turn that precedes its own in the (slot, rank) order,
+and the earliest turn still open anywhere always belongs to a rank that can take it.
+"""
 
 from __future__ import annotations
 
@@ -9,32 +22,105 @@ import time
 import torch
 
 from odcfn.kernels.base import Transport, TransportError
+from odcfn.kernels.fused_head import atomic_backward
 from odcfn.sharding import Layout
 
-__all__ = ["push_in_rank_order"]
+__all__ = ["WINDOW_BYTES", "OrderedPusher", "check_counters", "check_head"]
+
+WINDOW_BYTES = 64 << 20  # staged gradients above this block the rank on its oldest turn
 
 
-def push_in_rank_order(transport: Transport, layout: Layout, local: dict[str, torch.Tensor]) -> None:
-    """Push each unit's local gradient sum into its owners, rank 0 first, then rank 1, ...: so
-    every owner's accumulator is ``((0 + g_0) + g_1) + ...`` whatever the timing. The turn of
-    unit i is a shared counter (``fetch_add``, fresh every step) counted from the top of the
-    counter range (work stealing, which uses the bottom, is refused in this mode); all ranks walk
-    the units in the same order, so rank r pushes unit i while rank r-1 pushes unit i+1."""
-    rank, top = transport.mesh.rank, transport.max_counters - 1
-    timeout = float(getattr(transport, "timeout", 60.0))
-    for i, u in enumerate(layout.units):
-        counter = top - i
-        deadline, pause = time.monotonic() + timeout, 1e-5
-        while (turn := transport.fetch_add(counter, 0)) != rank:
-            if turn > rank:
-                raise TransportError(f"rank {rank}: the push order of unit {u.name!r} is at rank {turn} "
-                                     "(ranks disagree on StepConfig.deterministic?)")
+def check_counters(num_units: int, max_counters: int | None) -> None:
+    """The turn counters fit the transport's (before any communication); one per trained unit
+    whatever the microbatch count: the slot is in the counter's value."""
+    if max_counters is None or num_units > max_counters:
+        have = "no fetch_add" if max_counters is None else f"{max_counters} counters"
+        raise ValueError(f"StepConfig(deterministic=True) needs one shared counter per trained unit "
+                         f"({num_units}); this transport has {have}")
+
+
+def check_head(loss: object, device: torch.device) -> None:
+    """Refuse a head whose gradient is not bit-reproducible on ``device`` (before any
+    communication): a fixed push order cannot repair sums that differ before the push."""
+    if getattr(loss, "head", "fused") == "fused" and atomic_backward(device):
+        raise ValueError(
+            "StepConfig(deterministic=True) cannot be bit-identical with the fused head on CUDA: its "
+            "Triton backward adds dW with atomics in a run-dependent order; use the loss's "
+            "head='unfused' (full logits) or deterministic=False"
+        )
+
+
+class OrderedPusher:
+    """This rank's pushes of one step in the fixed (slot, rank) order; ``slots``: the most
+    microbatches any rank runs, ``mine``: this rank's count."""
+
+    def __init__(self, transport: Transport, layout: Layout, slots: int, mine: int,
+                 window: int | None = None) -> None:
+        self.t, self.rank, self.world = transport, transport.mesh.rank, transport.mesh.world_size
+        self.slots, self.mine = slots, mine
+        self.window = WINDOW_BYTES if window is None else window
+        self.timeout = float(getattr(transport, "timeout", 60.0))
+        trained = [u.name for u in layout.units if not u.frozen]
+        top = transport.max_counters - 1
+        self.counter = {u: top - i for i, u in enumerate(trained)}
+        self.next = dict.fromkeys(trained, 0)  # the next slot of each unit this rank takes
+        self.pushed = dict.fromkeys(trained, 0)  # microbatch gradients of each unit staged so far
+        self.staged: dict[tuple[str, int], torch.Tensor] = {}  # insertion order: oldest first
+        self.bytes = self.peak = 0
+
+    def add(self, unit: str, grad: torch.Tensor) -> None:
+        """Stage this rank's next microbatch gradient of ``unit``; push what is due."""
+        j = self.pushed[unit]
+        if j >= self.mine:
+            raise ValueError(f"unit {unit!r} pushed more microbatches than this rank runs ({self.mine})")
+        self.pushed[unit] = j + 1
+        self.staged[(unit, j)] = grad
+        self.bytes += grad.numel() * grad.element_size()
+        self.peak = max(self.peak, self.bytes)
+        self.drain()
+        while self.bytes > self.window and self.staged:
+            self._wait_turn(next(iter(self.staged))[0])
+            self.drain()
+
+    def finish(self) -> None:
+        """At the sync: take every remaining turn (push or pass), waiting for each."""
+        for unit in self.next:
+            while self.next[unit] < self.slots:
+                self._wait_turn(unit)
+                self.drain()
+
+    def drain(self) -> None:
+        """Take every turn that has come, without waiting."""
+        for unit, j in self.next.items():
+            while j < self.slots and (j >= self.mine or (unit, j) in self.staged):
+                if self._turn(unit) != j * self.world + self.rank:
+                    break
+                self._take(unit, j)
+                j += 1
+
+    def _turn(self, unit: str) -> int:
+        turn = self.t.fetch_add(self.counter[unit], 0)
+        j = self.next[unit]
+        if turn > j * self.world + self.rank:
+            raise TransportError(f"rank {self.rank}: the push order of unit {unit!r} passed slot {j} "
+                                 "(ranks disagree on StepConfig.deterministic or the assignment?)")
+        return turn
+
+    def _take(self, unit: str, j: int) -> None:
+        g = self.staged.pop((unit, j), None)
+        if g is not None:
+            self.t.scatter_accumulate(unit, g).wait()
+            self.bytes -= g.numel() * g.element_size()
+        self.next[unit] = j + 1
+        self.t.fetch_add(self.counter[unit], 1)
+
+    def _wait_turn(self, unit: str) -> None:
+        want = self.next[unit] * self.world + self.rank
+        deadline, pause = time.monotonic() + self.timeout, 1e-5
+        while (turn := self._turn(unit)) != want:
             if time.monotonic() > deadline:
-                raise TransportError(f"rank {rank}: timed out after {timeout}s waiting for rank {turn} to "
-                                     f"push unit {u.name!r} (deterministic order; dead or stuck peer?)")
+                raise TransportError(
+                    f"rank {self.rank}: timed out after {self.timeout}s waiting for turn {want} of unit "
+                    f"{unit!r} (at {turn}; deterministic order; dead or stuck peer?)")
             time.sleep(pause)
             pause = min(2 * pause, 1e-3)
-        g = local.get(u.name)
-        if g is not None:  # no microbatch on this rank: nothing to add (x + 0 == x anyway)
-            transport.scatter_accumulate(u.name, g).wait()
-        transport.fetch_add(counter, 1)

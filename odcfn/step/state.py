@@ -52,10 +52,12 @@ class StepConfig:
     inside its backward (only each unit's input is kept between them: activation memory O(T)
     per unit, about 1/3 more compute); ``options.remat`` names units one by one instead.
     ``deterministic``: ODC gradients reduced in a fixed order, so equal inputs give bit-identical
-    results run after run (restarts, debugging): each rank sums its microbatches' gradients
-    locally (an unsharded fp32 gradient per rank: memory), then the ranks push their sums into
-    each owner in rank order. The default adds each microbatch's push as it arrives (faster;
-    runs then differ in the last bits when a rank has several microbatches). Collective mode
+    results run after run (restarts, debugging): every owner adds the pushes in the fixed
+    order (microbatch slot, rank), each microbatch's gradient pushed when its turn comes and
+    staged until then (at most ``ordered_push.WINDOW_BYTES`` plus one gradient per rank; see
+    docs/reliability.md). Refused on CUDA with the fused head (its Triton backward's atomics).
+    The default adds each microbatch's push as it arrives (faster; runs then differ in the last
+    bits when a rank has several microbatches). Collective mode
     is always in a fixed order. Work stealing decides the split at run time: not deterministic.
     ``donate``: ``train_step`` updates the params and optimizer moments in place (JAX's buffer
     donation) and returns a state holding the same tensors; the state passed in is used up, and

@@ -24,16 +24,18 @@ from odcfn.batch import Batch, check_token_range
 from odcfn.kernels.base import supports_odc
 from odcfn.losses import check_loss, loss_metrics
 from odcfn.model import Model
+from odcfn.moe.router import check_routing
 from odcfn.optim import clip_scale
 from odcfn.schedule.plan import ScheduleOptions
-from odcfn.schedule.policy import policy_info, prepare_program
+from odcfn.schedule.policy import policy_info, prepare_program, resolve_policy
 from odcfn.sharding import Layout, make_layout
 from odcfn.sharding.layout import check_shards
 from odcfn.step import fingerprint
 from odcfn.step.execute import execute
+from odcfn.step.ordered_push import check_counters, check_head
 from odcfn.step.state import StepMetrics, TrainState, check_fields, donate
 
-__all__ = ["StepMetrics", "check_inputs", "grad_step", "train_step"]
+__all__ = ["StepMetrics", "check_inputs", "grad_step", "minibatch_fingerprint", "train_step"]
 
 
 def check_inputs(state: TrainState, batch: Batch) -> Layout:
@@ -52,6 +54,7 @@ def check_inputs(state: TrainState, batch: Batch) -> Layout:
     layout = make_layout(state.model, state.mesh)
     check_shards(state.params, layout, state.model.dtype, frozen_dtype=state.config.compute_dtype)
     check_token_range(batch, state.model.vocab_size)
+    check_routing(batch, state.model.router)  # routing replay's expert indices
     return layout
 
 
@@ -95,22 +98,19 @@ def _recording(balance: Any, seen: list) -> Any:
     return recorded
 
 
-def _fingerprint(
-    state: TrainState, batch: Batch, layout: Layout, assignment: list | None = None
+def minibatch_fingerprint(
+    state: TrainState, batch: Batch, layout: Layout, assignment: list | None = None, extra: Any = None
 ) -> tuple[list[int], list[str]]:
-    """This rank's minibatch fingerprint words and what each describes (for the error)."""
-    m, mesh = state.model, state.mesh
-    key = (f"{[(u.name, u.shard_size) for u in layout.units]} W={mesh.world_size} "
-           f"{mesh.sharding}/{mesh.node_size} {m.dtype} {m.config_key}")
-    if m.frozen:  # ranks that disagree on what is trained would push into missing accumulators
-        key += f" frozen={list(m.frozen)}"
-    if batch.step is not None:  # ranks at different steps would draw different dropout masks
-        key += f" step={batch.step}"
+    """This rank's minibatch fingerprint words and what each describes (for the error);
+    ``extra``: the pass's own options (a log-prob pass's head), which must agree too."""
+    key = fingerprint.layout_key(state, layout, batch.step)
     if batch.pairs:  # ranks that disagree on pairing would pack different microbatches
         key += " pairs"
     config = state.config
     if assignment is not None:
         config = (config, [[list(map(int, mb)) for mb in r] for r in assignment])
+    if extra is not None:
+        config = (config, extra)
     words = fingerprint.minibatch_words(batch, config, key)
     lengths = repr(batch.lengths) if len(batch) <= 16 else f"{batch.lengths[:16]}... ({len(batch)} samples)"
     detail = [f"lengths {lengths}, {batch.num_loss_tokens} loss tokens", f"token hash {words[1]:05x}",
@@ -138,15 +138,23 @@ def _grads(state: TrainState, batch: Batch) -> tuple[dict[str, torch.Tensor], St
         max_counters=getattr(transport, "max_counters", None),
     )
     program = preference.expand_program(program, batch)
-    dtype = cfg.compute_dtype or model.dtype
     device = next(iter(state.params.values())).device  # compute follows the parameter shards
-    words, detail = _fingerprint(state, batch, layout, seen[-1] if seen else None)
+    if cfg.deterministic:
+        check_head(cfg.loss, device)
+    slots = 0
+    if cfg.deterministic and cfg.comm == "odc":  # the turn order spans the busiest rank's microbatches
+        check_counters(sum(not u.frozen for u in layout.units), getattr(transport, "max_counters", None))
+        assignment = seen[-1] if seen else resolve_policy(cfg.balance, cfg.comm, cfg.cost)(
+            batch.lengths, mesh.world_size, cap)
+        slots = max(len(r) for r in assignment)
+    dtype = cfg.compute_dtype or model.dtype
+    words, detail = minibatch_fingerprint(state, batch, layout, seen[-1] if seen else None)
     before = transport.counters.copy()
     transport.begin_step(layout, state.params, dtype)
     result, plan = execute(
         program, model=model, layout=layout, batch=batch, transport=transport,
         compute_dtype=dtype, comm=cfg.comm, device=device, riders=fingerprint.encode(words, device),
-        loss=cfg.loss, deterministic=cfg.deterministic,
+        loss=cfg.loss, deterministic=cfg.deterministic, slots=slots,
     )
     # every rank sees the same sums, so every rank raises alike (before any optimizer step)
     fingerprint.check_agreement(result.riders, mesh.world_size, words, detail)
