@@ -247,3 +247,11 @@ def test_the_docs_config_is_a_valid_dpo_config():
     (block,) = re.findall(r"```toml\n(.*?)```", text, re.S)
     cfg = config_from_dict(tomllib.loads(block))  # every key and cross-check, without the files
     assert cfg.train.task == "dpo" and cfg.dpo.uses_reference
+
+
+def test_another_model_seed_does_not_resume_a_dpo_run(tmp_path, capsys):
+    """A fresh model's seed is its reference: resuming with another would mix two references."""
+    cli.main(["train", "--config", str(_setup(tmp_path, steps=2, every=0)), "--quiet"])
+    cfg = _setup(tmp_path, steps=3, every=0, model_seed=3)
+    assert cli.main(["train", "--config", str(cfg), "--quiet"]) == 2
+    assert "model.seed 0 -> 3" in capsys.readouterr().err
