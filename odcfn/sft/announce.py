@@ -83,10 +83,21 @@ def run_lines(cfg: SFTConfig, qcfg: Any, model: Any, data: Any) -> list[str]:
         lines.append(f"trained: every parameter (full fine-tuning: {_count(trained)}); a [lora] section "
                      "with rank trains adapters instead")
     ds, d = data.dataset, cfg.data
-    what = f"chat, tokenizer {d.tokenizer}" if d.tokenizer else "token records"
-    lines.append(f"data: {d.path} ({what}): {len(ds)} samples, {ds.num_tokens} tokens; minibatch "
-                 f"{d.batch_size} samples, {data.per_epoch} steps per epoch"
-                 f"{', shuffled' if d.shuffle else ''}")
+    if cfg.train.task == "dpo":
+        p = cfg.dpo
+        ref = "no reference pass" if not p.uses_reference else "reference: the initial model" + (
+            " (the base, adapters off)" if cfg.lora.rank else "")
+        lines.append(f"task: dpo, loss {p.loss_type}, beta {p.beta:g}, label_smoothing {p.label_smoothing:g}"
+                     f"{f', simpo_gamma {p.simpo_gamma:g}' if p.loss_type == 'simpo' else ''}"
+                     f"{f', sft_weight {p.sft_weight:g}' if p.sft_weight else ''}; {ref}")
+        lines.append(f"data: {d.path} (preference pairs, tokenizer {d.tokenizer}): {len(ds) // 2} pairs, "
+                     f"{ds.num_tokens} tokens; minibatch {d.batch_size} pairs, {data.per_epoch} steps "
+                     f"per epoch{', shuffled' if d.shuffle else ''}")
+    else:
+        what = f"chat, tokenizer {d.tokenizer}" if d.tokenizer else "token records"
+        lines.append(f"data: {d.path} ({what}): {len(ds)} samples, {ds.num_tokens} tokens; minibatch "
+                     f"{d.batch_size} samples, {data.per_epoch} steps per epoch"
+                     f"{', shuffled' if d.shuffle else ''}")
     t = cfg.train
     cap = t.max_tokens_per_microbatch or "one sample"
     remat = ", remat" if t.remat else ""

@@ -11,22 +11,13 @@ from pathlib import Path
 from typing import Any
 
 from odcfn._check import ArgTypeError
+from odcfn.sft.config_dpo import DpoSection, check_task
 from odcfn.sft.keys import KEYS, check_key
 
 __all__ = [
-    "CheckpointSection",
-    "DataSection",
-    "LogSection",
-    "LoraSection",
-    "ModelSection",
-    "SFTConfig",
-    "TrainSection",
-    "config_from_dict",
-    "config_from_stored",
-    "load_config",
-    "model_config",
-    "check_inputs",
-    "default_world_size",
+    "CheckpointSection", "DataSection", "DpoSection", "LogSection", "LoraSection", "ModelSection",
+    "SFTConfig", "TrainSection", "config_from_dict", "config_from_stored", "load_config",
+    "model_config", "check_inputs", "default_world_size",
 ]
 
 
@@ -82,6 +73,7 @@ class DataSection:
 @dataclass(frozen=True)
 class TrainSection:
     steps: int = 0
+    task: str = "sft"  # "dpo": preference pairs and [dpo]'s loss (odcfn.sft.config_dpo)
     lr: float = 1e-3
     warmup_steps: int = 0
     schedule: str = "constant"
@@ -163,6 +155,7 @@ class SFTConfig:
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     log: LogSection = field(default_factory=LogSection)
     lora: LoraSection = field(default_factory=LoraSection)
+    dpo: DpoSection = field(default_factory=DpoSection)
 
     def __post_init__(self) -> None:
         t = self.train
@@ -180,6 +173,7 @@ class SFTConfig:
                 f"config: train.max_restarts = {t.max_restarts} needs train.backend = \"processes\" "
                 f"(threads of one process cannot be restarted alone), got backend {t.backend!r}"
             )
+        check_task(self)
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -197,6 +191,7 @@ _SECTIONS = {
     "checkpoint": CheckpointSection,
     "log": LogSection,
     "lora": LoraSection,
+    "dpo": DpoSection,
 }
 _PATH_KEYS = {
     ("model", "hf_path"),

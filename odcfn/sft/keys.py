@@ -44,6 +44,12 @@ def _decay_masks() -> tuple[str, ...]:
     return tuple(DECAY_MASKS)
 
 
+def _dpo_losses() -> tuple[str, ...]:
+    from odcfn.losses_dpo import DPO_LOSS_TYPES
+
+    return DPO_LOSS_TYPES
+
+
 _PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _POS = {"lo": 1}  # a count: at least one
 _NONNEG = {"lo": 0}
@@ -70,8 +76,9 @@ KEYS: dict[tuple[str, str], Rule] = {
     ("model", "seed"): Rule("fresh model: seed of the initial weights", **_NONNEG),
     # [data]
     ("data", "path"): Rule("REQUIRED: the JSONL training file (token records, or chat messages with "
-                           "data.tokenizer)"),
-    ("data", "batch_size"): Rule("samples per minibatch (one optimizer step)", **_POS),
+                           "data.tokenizer; train.task = \"dpo\": prompt/chosen/rejected pairs)"),
+    ("data", "batch_size"): Rule("samples per minibatch (one optimizer step); pairs with train.task = "
+                                 "\"dpo\"", **_POS),
     ("data", "seed"): Rule("seed of the per-epoch shuffle", **_NONNEG),
     ("data", "shuffle"): Rule("shuffle the samples each epoch (false: file order)"),
     ("data", "max_length"): Rule("longest sample in tokens (longer ones: see long_samples); unset: no limit",
@@ -86,6 +93,9 @@ KEYS: dict[tuple[str, str], Rule] = {
                                              "or a step without an update (true)"),
     # [train]
     ("train", "steps"): Rule("REQUIRED: optimizer steps (minibatches) of the whole run", **_POS),
+    ("train", "task"): Rule("what is trained: supervised fine-tuning, or preference optimization (DPO "
+                            "family: data.path holds prompt/chosen/rejected pairs, the loss is [dpo]'s)",
+                            choices=("sft", "dpo")),
     ("train", "lr"): Rule("peak learning rate", lo=0, strict=True),
     ("train", "warmup_steps"): Rule("steps of linear warmup from 0 to lr (at most train.steps)", **_NONNEG),
     ("train", "schedule"): Rule("learning rate after warmup", choices=("constant", "cosine")),
@@ -134,6 +144,16 @@ KEYS: dict[tuple[str, str], Rule] = {
     ("lora", "targets"): Rule("projections that get adapters", choices=_PROJECTIONS),
     ("lora", "use_rslora"): Rule("rank-stabilised scaling alpha / sqrt(r)"),
     ("lora", "seed"): Rule("seed of the adapters' initial A", **_NONNEG),
+    # [dpo]: train.task = "dpo" only (docs/preference.md)
+    ("dpo", "beta"): Rule("strength of the pull toward the reference (TRL's beta)", lo=0, strict=True),
+    ("dpo", "loss_type"): Rule("the preference loss (formulas: docs/preference.md); simpo is "
+                               "reference-free", choices=_dpo_losses),
+    ("dpo", "label_smoothing"): Rule("probability that a pair's label is flipped (cDPO, robust: < 0.5)",
+                                     lo=0, hi=1, hi_strict=True),
+    ("dpo", "reference_free"): Rule("take the reference log-probs as 0: no reference pass"),
+    ("dpo", "simpo_gamma"): Rule("loss_type = \"simpo\": the target reward margin gamma", **_NONNEG),
+    ("dpo", "sft_weight"): Rule("weight of an added NLL term on the chosen answers (TRL's rpo_alpha)",
+                                **_NONNEG),
 }
 
 # a bool is an int to Python: True must not pass for a step count

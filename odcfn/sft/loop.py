@@ -10,37 +10,11 @@ a rerun resumes from the newest committed one, and because minibatches are a pur
 the step, the resumed run continues exactly where the interrupted one would have (metrics lines
 past the resumed step are dropped and rewritten, so the log reads like one uninterrupted run).
 
-Config (TOML or JSON), every key optional except ``data.path`` and ``train.steps``::
-
-    out_dir = "runs/sft"                  # relative paths are relative to the config file
-    [model]       # either a local HF checkpoint ...
-    hf_path = "path/to/qwen2"             # ... or a fresh model:
-    vocab_size = 256, d_model = 64, n_layers = 2, n_heads = 4, n_kv_heads = 2, d_ff = 128, seed = 0
-    head_dim, qk_norm, o_bias, tie_embeddings, qkv_bias, rope_theta   # QwenConfig's other fields
-    [data]
-    path = "train.jsonl", batch_size = 8, seed = 0, shuffle = true, max_length = 4096
-    tokenizer = "path/to/tokenizer"       # optional: path holds {"messages": [...]} chat lines
-    cache_dir = "path"                    # tokenized chat shards (default: <path>.odcfn-cache)
-    long_samples = "error" | "truncate" | "drop"   # samples over max_length / the microbatch cap
-    skip_empty_minibatches = false        # true: a minibatch without loss tokens is no update
-    [train]
-    steps = 100, lr = 1e-3, warmup_steps = 0, schedule = "constant" | "cosine",
-    optimizer = "adamw" | "sgd", weight_decay = 0.0, max_grad_norm = 1.0,
-    weight_decay_mask = "no_norms_biases" | "no_norms_biases_embeddings" | "all",
-    comm = "odc" | "collective", balance = "lb_mini" (ODC) / "lb_micro" (collective),
-    max_tokens_per_microbatch = 4096, compute_dtype = "float32" | "bfloat16",
-    world_size = one per CPU core up to 4, backend = "threads" | "processes"
-    deterministic = false  # bit-identical reruns/restarts (StepConfig.deterministic)
-    max_restarts = 0       # processes backend: restart all ranks after a failure (as torchrun)
-    remat = false          # true: recompute every unit in its backward (O(T) activations)
-    [checkpoint]
-    every = 100, keep = 3, export_hf = "path"  # (and after the last step); HF copy of the final weights
-    async_save = true      # disk checkpoints written in the background
-    memory_every = 0       # a /dev/shm snapshot every N steps; a restart resumes from the newest
-    resume = true          # false (or --no-resume): start over, deleting out_dir's checkpoints
-    resume_anyway = false  # resuming with another config/dataset is refused unless true
-    [log]
-    every = 1, tensorboard = false        # progress line every N steps (JSONL gets every step)
+The config (TOML or JSON; every key optional except ``data.path`` and ``train.steps``) is
+listed, key by key with allowed values and defaults, in docs/config.md, generated from
+``odcfn.sft.keys`` and ``odcfn.sft.config`` (one source of truth: a test keeps them equal).
+``train.task = "dpo"`` trains on preference pairs (``odcfn.sft.preference``) with a reference
+pass before the first step (``odcfn.sft.ref_logprobs``).
 
 ``odcfn train --init DIR`` writes a runnable example (``DIR/run.toml`` + a generated
 ``DIR/train.jsonl``) to start from. The config dataclasses live in ``odcfn.sft.config``.
@@ -64,6 +38,7 @@ from odcfn.sft.config import (
     load_config,
     model_config,
 )
+from odcfn.sft.config_dpo import dpo_loss
 from odcfn.sft.example import write_example
 from odcfn.sft.prepare import PreparedData, prepare_data
 from odcfn.sft.record import Logger, already_done, data_summary, step_record
@@ -136,6 +111,7 @@ class _Run:
     start: int
     resumed: str | None
     tier: Any  # the memory tier (sft/restart.py)
+    reference: dict[str, Any] | None = None  # train.task = "dpo": where its reference log-probs came from
 
 
 def _setup(cfg: SFTConfig, rank: int, transport, data: PreparedData | None = None) -> _Run:
@@ -167,6 +143,7 @@ def _setup(cfg: SFTConfig, rank: int, transport, data: PreparedData | None = Non
         comm=t.comm, balance=t.balance, max_tokens_per_microbatch=t.max_tokens_per_microbatch,
         compute_dtype=dtype, max_grad_norm=t.max_grad_norm, deterministic=t.deterministic, remat=t.remat,
         donate=True,  # the loop never reuses a state: update in place (no second copy of it)
+        loss=dpo_loss(cfg),  # None: cross-entropy (SFT)
     )
     start, resumed = 0, None
     data_sha = sha256(Path(cfg.data.path))
@@ -193,7 +170,13 @@ def _setup(cfg: SFTConfig, rank: int, transport, data: PreparedData | None = Non
     # this run's), in both tiers. Safe without a barrier: no rank saves before the first
     # step's sync.
     clear_for_fresh_start(cfg, start, tier, rank)
-    return _Run(state, data, lr, data_sha, start, resumed, tier)
+    reference = None  # train.task = "dpo": the reference pass, or its cache (sft/ref_logprobs.py)
+    if t.task == "dpo":
+        from odcfn.sft.ref_logprobs import attach_reference
+
+        data, reference = attach_reference(cfg, state, data, data_sha, qcfg, resumed=ck is not None,
+                                           initial=lambda: _build_model(cfg, mesh)[2])
+    return _Run(state, data, lr, data_sha, start, resumed, tier, reference)
 
 
 def _say_schedule_change(stored: dict[str, Any], cfg: SFTConfig, start: int) -> None:
@@ -224,7 +207,6 @@ def train_rank(cfg: SFTConfig, rank: int, transport, data: PreparedData | None =
     ``data``: the launcher's checked dataset (else this rank reads and checks it)."""
     import odcfn
     from odcfn.checkpoint.kill_point import kill_point
-    from odcfn.data.records import batch_at
 
     run = _setup(cfg, rank, transport, data)
     logger = Logger(cfg, run.start) if rank == 0 else None
@@ -239,8 +221,7 @@ def train_rank(cfg: SFTConfig, rank: int, transport, data: PreparedData | None =
                 run.state = run.state.replace(step=step + 1)
                 snaps.after_step(run.state, step + 1)
                 continue
-            d = cfg.data
-            batch = batch_at(run.data.dataset, step, d.batch_size, seed=d.seed, shuffle=d.shuffle)
+            batch = run.data.batch(step, cfg.data)  # a pure function of the step (pairs too)
             kill_point("step", step + 1, rank)  # tests only (ODCFN_TEST_KILL_AT)
             run.state, m = odcfn.train_step(run.state, batch)
             last = m.loss
@@ -260,6 +241,7 @@ def train_rank(cfg: SFTConfig, rank: int, transport, data: PreparedData | None =
         "resumed_from": run.resumed,
         "snapshot_fetch": run.tier.fetched,  # files read back from other nodes
         "data": run.data.report(),
+        "reference": run.reference,
     }
     if cfg.checkpoint.export_hf:
         # numpy: torch would send tensors to the launcher as shared-memory handles that die

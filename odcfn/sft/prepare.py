@@ -28,6 +28,12 @@ class PreparedData:
     dropped: tuple[str, ...] = ()  # file:line of each sample left out for its length
     skip_steps: frozenset[int] = field(default_factory=frozenset)  # 0-based steps without loss tokens
 
+    def batch(self, step: int, d: Any) -> Any:
+        """Step ``step``'s minibatch (``d``: the ``[data]`` section): a pure function of the step."""
+        from odcfn.data.records import batch_at
+
+        return batch_at(self.dataset, step, d.batch_size, seed=d.seed, shuffle=d.shuffle)
+
     def report(self) -> dict[str, Any]:
         return {
             "samples": len(self.dataset),
@@ -120,9 +126,15 @@ def _empty_steps(cfg: SFTConfig, data: TokenDataset, per_epoch: int) -> frozense
     return frozenset(empty)
 
 
-def prepare_data(cfg: SFTConfig, vocab_size: int) -> PreparedData:
-    """Read ``cfg.data.path`` and check all of it against ``cfg`` (see the module docstring)."""
+def prepare_data(cfg: SFTConfig, vocab_size: int) -> Any:
+    """Read ``cfg.data.path`` and check all of it against ``cfg`` (see the module docstring);
+    ``train.task = "dpo"``: its preference pairs (``odcfn.sft.preference.PreparedPairs``)."""
     from odcfn.data.records import steps_per_epoch
+
+    if cfg.train.task == "dpo":
+        from odcfn.sft.preference import prepare_pairs
+
+        return prepare_pairs(cfg, vocab_size)
 
     data, truncated, dropped = _fit_lengths(cfg, _read(cfg, vocab_size))
     try:

@@ -18,6 +18,9 @@ from odcfn.trace import COMPUTE_KINDS
 
 __all__ = ["Logger", "already_done", "data_summary", "prune", "step_record"]
 
+_LOSS_FIGURES = frozenset(("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
+                           "logps/chosen", "logps/rejected", "nll_loss"))
+
 
 def step_record(m: StepMetrics, step: int, epoch: int, lr: float) -> dict[str, Any]:
     """One metrics line: ``step`` is 1-based (the number of updates done)."""
@@ -41,6 +44,8 @@ def step_record(m: StepMetrics, step: int, epoch: int, lr: float) -> dict[str, A
         # rank 0's forward+backward share of its step (1 - its own bubble)
         "busy_fraction": busy / m.step_time if m.step_time > 0 else 0.0,
         "time": time.time(),
+        # a preference loss's figures as TRL names them (rewards/..., logps/..., nll_loss)
+        **{k: float(v) for k, v in m.extra.items() if k in _LOSS_FIGURES},
     }
 
 
@@ -88,6 +93,7 @@ class Logger:
             print(
                 f"step {rec['step']:>6}/{total}  loss {rec['loss']:.4f}  "
                 f"grad_norm {rec['grad_norm']:.3f}  lr {rec['lr']:.2e}  "
+                + (f"acc {rec['rewards/accuracies']:.2f}  " if "rewards/accuracies" in rec else "") +
                 f"{rec['tokens_per_s']:.0f} tok/s  {rec['step_time']:.2f}s/step  eta {eta:.0f}s",
                 flush=True,
             )
@@ -126,7 +132,10 @@ def data_summary(rep: dict[str, Any], cfg: SFTConfig) -> list[str]:
         if lines:
             more = f" and {len(lines) - 3} more" if len(lines) > 3 else ""
             shown = ", ".join(lines[:3])
-            out.append(f"{kind} {len(lines)} sample(s) longer than {key}={limit}: {shown}{more}")
+            # a pair is too long by a member (data.max_length) or by its sum (the microbatch cap)
+            what = "pair(s) too long for one microbatch or data.max_length" if "pairs" in rep else (
+                f"sample(s) longer than {key}={limit}")
+            out.append(f"{kind} {len(lines)} {what}: {shown}{more}")
     skipped = rep.get("skipped_steps") or []
     if skipped:
         out.append(f"skipped {len(skipped)} step(s) whose minibatch has no loss tokens: {skipped[:10]}")

@@ -13,6 +13,7 @@ from typing import Any
 from odcfn.sft.config import (
     CheckpointSection,
     DataSection,
+    DpoSection,
     LogSection,
     LoraSection,
     ModelSection,
@@ -23,7 +24,8 @@ from odcfn.sft.keys import KEYS, describe
 __all__ = ["SECTIONS", "config_markdown", "config_toml", "defaults"]
 
 SECTIONS = {"model": ModelSection, "data": DataSection, "train": TrainSection,
-            "checkpoint": CheckpointSection, "log": LogSection, "lora": LoraSection}
+            "checkpoint": CheckpointSection, "log": LogSection, "lora": LoraSection,
+            "dpo": DpoSection}
 
 # defaults that TrainSection resolves when the file leaves them unset (shown as unset, with why)
 _RESOLVED = {("train", "balance"), ("train", "world_size")}
@@ -86,7 +88,9 @@ def config_markdown() -> str:
         "Relative paths are relative to the config file. `data.path` and `train.steps` are required;",
         "a `[lora]` section requires `rank`; with `model.hf_path` the model's shape keys must be left",
         "out; `train.warmup_steps` may not exceed `train.steps`; `train.max_restarts` needs",
-        '`train.backend = "processes"`.',
+        '`train.backend = "processes"`. `train.task = "dpo"` trains on preference pairs with the',
+        "`[dpo]` loss (docs/preference.md) and needs `data.tokenizer`; with `train.task = \"sft\"`",
+        "the `[dpo]` keys must keep their defaults.",
     ]
     section = None
     for (name, key), (default, annotation) in defaults().items():
