@@ -29,9 +29,9 @@ from odcfn.schedule.plan import ScheduleOptions
 from odcfn.schedule.policy import policy_info, prepare_program
 from odcfn.sharding import Layout, make_layout
 from odcfn.sharding.layout import check_shards
-from odcfn.step import fingerprint
+from odcfn.step import fingerprint, stale
 from odcfn.step.execute import execute
-from odcfn.step.state import StepMetrics, TrainState, check_fields, donate
+from odcfn.step.state import StepConfig, StepMetrics, TrainState, check_fields, donate
 
 __all__ = ["StepMetrics", "check_inputs", "grad_step", "train_step"]
 
@@ -193,12 +193,19 @@ def grad_step(state: TrainState, batch: Batch) -> tuple[dict[str, torch.Tensor],
     The gradients are copies the caller owns (the next step does not overwrite them). Every
     input check happens before any communication, identically on every rank.
     """
+    if isinstance(state, TrainState) and isinstance(state.config, StepConfig) and stale.active(state.config):
+        raise ValueError(
+            "grad_step cannot run with StepConfig.staleness >= 1: under staleness the owners consume "
+            "a step's gradients themselves, asynchronously (use train_step, or staleness=0)"
+        )
     grads, metrics, _ = _grads(state, batch)
     return {k: g.clone() for k, g in trainable.split(state.model, grads).items()}, metrics
 
 
 def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, StepMetrics]:
     """One optimizer step on one minibatch: ``(new state, metrics)``."""
+    if isinstance(state, TrainState) and isinstance(state.config, StepConfig) and stale.active(state.config):
+        return stale.train_step(state, batch)  # τ >= 1: per-owner versions, no global sync
     grads, metrics, layout = _grads(state, batch)
     if metrics.extra.get("skipped_nonfinite"):  # nonfinite="skip": nothing changes
         return state, metrics
