@@ -13,8 +13,9 @@ Here nothing is global:
 - **Completion.** After its last push of ``j`` a rank deposits its stats and bumps a per-owner
   ``done(o, j)`` counter. An owner whose ``done`` count reached its group's size applies step
   ``j`` (the step layer's ``apply`` callback: the optimizer), zeroes the slot and publishes
-  ``j + 1``. It does so at its next wait or step boundary: every wait of this module first
-  applies the owner's completed steps, since a peer may be waiting for exactly those.
+  ``j + 1``. The thread that completes the step runs it at once (in-process ranks share
+  memory: the last pusher applies for the owner, under the owner's lock), so an owner busy
+  computing, or between steps, never holds its peers back.
 
 Why the ring is big enough: a reader in minibatch ``j`` pins ``v >= j - τ_max`` and an owner can
 publish ``v + R`` only after step ``v + R - 1 >= j`` completed, which needs this reader's
@@ -58,6 +59,8 @@ class VersionBoard:
         self.stats: dict[int, dict[int, torch.Tensor]] = defaultdict(dict)  # step -> rank -> stats
         self.norm2: dict[int, dict[int, float]] = defaultdict(dict)  # step -> owner -> |g_o|^2
         self.shared: dict[tuple[int, int], int] = {}  # (step, counter) -> value, for fetch_add
+        self.appliers: list[Apply | None] = [None] * w  # each owner's update (the step layer's)
+        self.apply_locks = [threading.Lock() for _ in range(w)]
 
 
 def _board(world: LocalWorld, ring: int, start: int) -> VersionBoard:
@@ -81,8 +84,8 @@ def _board(world: LocalWorld, ring: int, start: int) -> VersionBoard:
 class StaleLocal:
     """Rank ``r``'s side of the versions; it also serves as the executor's transport for one
     minibatch (``gather``, ``scatter_accumulate``, ``fetch_add``) between ``open`` and
-    ``complete``. ``apply(step, grads, stats)`` is set by the step layer: it returns the owner's
-    new shards for version ``step + 1``."""
+    ``complete``. The owner's ``apply(step, grads, stats)`` (given to ``start`` by the step layer)
+    returns its new shards for version ``step + 1``."""
 
     def __init__(self, transport: LocalTransport, ring: int, start: int) -> None:
         self.world = transport.world
@@ -92,7 +95,6 @@ class StaleLocal:
         self.board = _board(self.world, ring, start)
         self.ring, self.rank = ring, self.mesh.rank
         self.owners = self.mesh.shard_group
-        self.apply: Apply | None = None
         self.owner: Any = None  # the step layer's owner state (params, optimizer state) lives here
         self.layout: Layout | None = None
         self.dtype: torch.dtype | None = None
@@ -103,10 +105,10 @@ class StaleLocal:
         self.wait_s = 0.0
 
     # --- versions ---------------------------------------------------------------------------
-    def publish(self, version: int, shards: Mapping[str, torch.Tensor]) -> None:
-        """Make ``shards`` (fp32 masters) this owner's ``version``, in the compute dtype."""
-        b, r = self.board, self.rank
-        slot = b.pub[r][version % self.ring]
+    def publish(self, owner: int, version: int, shards: Mapping[str, torch.Tensor]) -> None:
+        """Make ``shards`` (fp32 masters) ``owner``'s ``version``, in the compute dtype."""
+        b = self.board
+        slot = b.pub[owner][version % self.ring]
         for u in self.layout.units:
             src = shards[u.name].detach()
             dst = slot.get(u.name)
@@ -115,7 +117,7 @@ class StaleLocal:
             else:
                 dst.copy_(src)
         with self.world.cond:
-            b.latest[r] = version
+            b.latest[owner] = version
             lo = min(b.latest)
             for k in [k for k in b.shared if k[0] < lo]:  # every rank is past those minibatches
                 del b.shared[k]
@@ -124,14 +126,18 @@ class StaleLocal:
                     del d[k]
             self.world.cond.notify_all()
 
-    def start(self, layout: Layout, shards: Mapping[str, torch.Tensor], dtype: torch.dtype) -> None:
-        """Publish the starting version and allocate the accumulator ring (first stale step)."""
+    def start(
+        self, layout: Layout, shards: Mapping[str, torch.Tensor], dtype: torch.dtype, apply: Apply
+    ) -> None:
+        """Publish the starting version, allocate the accumulator ring and register the owner's
+        ``apply`` (first stale step)."""
         self.layout, self.dtype = layout, dtype
         for slot in self.board.acc[self.rank]:
             for u in layout.units:
                 if not u.frozen:  # never pushed into: no accumulator
                     slot[u.name] = torch.zeros(u.shard_size, dtype=torch.float32)
-        self.publish(self.board.start, shards)
+        self.board.appliers[self.rank] = apply
+        self.publish(self.rank, self.board.start, shards)
 
     def open(self, j: int, taus: Mapping[str, int]) -> None:
         """Begin minibatch ``j`` with each unit's bound ``taus``."""
@@ -143,10 +149,10 @@ class StaleLocal:
         """This owner's newest version (its shards after the updates of steps below it)."""
         return self.board.latest[self.rank]
 
-    # --- waiting (applies this owner's completed steps: a peer may be waiting for them) -----
-    def _own_ready(self) -> int | None:
-        k = self.board.latest[self.rank]
-        return k if self.board.done.get((self.rank, k), 0) >= len(self.owners) else None
+    # --- completion: whoever sees an owner's step complete applies it ----------------------
+    def _ready(self, owner: int) -> int | None:
+        k = self.board.latest[owner]
+        return k if self.board.done.get((owner, k), 0) >= len(self.owners) else None
 
     def wait(self, pred: Callable[[], bool], what: str) -> None:
         w, t0 = self.world, time.perf_counter()
@@ -159,7 +165,7 @@ class StaleLocal:
                         raise TransportError(f"aborted while waiting for {what}: {w.aborted}")
                     if pred():
                         return
-                    if self._own_ready() is not None:
+                    if any(self._ready(o) is not None for o in self.owners):
                         continue
                     left = deadline - time.perf_counter()
                     if left <= 0:
@@ -171,32 +177,41 @@ class StaleLocal:
             self.wait_s += time.perf_counter() - t0
 
     def service(self) -> int:
-        """Apply every completed step of this owner, in order; returns how many."""
-        b, r, n = self.board, self.rank, 0
-        while True:
-            with self.world.cond:
-                k = self._own_ready()
-                if k is None:
-                    return n
-                parts = b.stats[k]
-                if len(parts) < self.mesh.world_size:  # deposits precede done bumps: a bug if hit
-                    raise TransportError(f"step {k}: stats of ranks {sorted(parts)} only")
-                stats = parts[0].clone()
-                for q in range(1, self.mesh.world_size):  # rank order: the same sum on every rank
-                    stats += parts[q]
-            grads = b.acc[r][k % self.ring]
-            norm2 = sum(float(g.double().square().sum()) for g in grads.values())
-            with self.world.cond:
-                b.norm2[k][r] = norm2
-            if self.apply is None:
-                raise TransportError("StaleLocal.apply is not set (the step layer sets it)")
-            shards = self.apply(k, grads, stats)
-            for g in grads.values():
-                g.zero_()
-            with self.world.cond:
-                b.done.pop((r, k), None)
-            self.publish(k + 1, shards)
-            n += 1
+        """Apply every completed step of the owners this rank pushes into (its own included), in
+        order. An owner busy computing, or between steps, would apply late: so the thread that
+        completes a step applies it, under the owner's lock (one applier per owner at a time)."""
+        return sum(self._service(o) for o in self.owners)
+
+    def _service(self, o: int) -> int:
+        b, n = self.board, 0
+        if not b.apply_locks[o].acquire(blocking=False):  # another thread is applying o's steps
+            return 0
+        try:
+            while True:
+                with self.world.cond:
+                    k = self._ready(o)
+                    if k is None:
+                        return n
+                    parts = b.stats[k]
+                    if len(parts) < self.mesh.world_size:  # deposits precede done bumps: a bug if hit
+                        raise TransportError(f"step {k}: stats of ranks {sorted(parts)} only")
+                    stats = parts[0].clone()
+                    for q in range(1, self.mesh.world_size):  # rank order: the same sum everywhere
+                        stats += parts[q]
+                    apply = b.appliers[o]
+                grads = b.acc[o][k % self.ring]
+                norm2 = sum(float(g.double().square().sum()) for g in grads.values())
+                with self.world.cond:
+                    b.norm2[k][o] = norm2
+                shards = apply(k, grads, stats)
+                for g in grads.values():
+                    g.zero_()
+                with self.world.cond:
+                    b.done.pop((o, k), None)
+                self.publish(o, k + 1, shards)
+                n += 1
+        finally:
+            b.apply_locks[o].release()
 
     def report(self, k: int) -> tuple[torch.Tensor, float] | None:
         """Step ``k``'s summed stats and global gradient norm² once every rank and owner has

@@ -90,8 +90,9 @@ class _Owner:
 
     model: Model
     optimizer: Optimizer
-    params: dict[str, torch.Tensor]
-    opt_state: Any
+    # (params, optimizer state) of the newest applied version, swapped as one: a peer's thread may
+    # apply this owner's step (odcfn.kernels.versions) while this rank reads it
+    current: tuple[dict[str, torch.Tensor], Any]
     next_step: int  # the minibatch this rank runs next
     world_size: int
     handed: Any = None  # the params dict the last returned state holds (the caller must pass it back)
@@ -110,11 +111,12 @@ class _Owner:
                 f"step {k}: the minibatch's loss sum is {float(stats[0])} or this owner's gradient is not "
                 "finite: refusing the step (staleness runs with nonfinite='raise')"
             )
-        trained = trainable.split(self.model, self.params)
+        params, opt_state = self.current
         ours = trainable.split(self.model, grads)
-        new, self.opt_state = self.optimizer.update(ours, self.opt_state, trained)
-        self.params = {**self.params, **new} if self.model.frozen else new
-        return self.params
+        new, opt_state = self.optimizer.update(ours, opt_state, trainable.split(self.model, params))
+        params = {**params, **new} if self.model.frozen else new
+        self.current = (params, opt_state)
+        return params
 
 
 class _StaleExecutor(Executor):
@@ -140,10 +142,10 @@ def _owner_of(state: TrainState, layout: Layout, dtype: torch.dtype, ring: int) 
     view = state.transport.versions(ring, state.step)
     owner = view.owner
     if owner is None:
-        owner = _Owner(state.model, state.optimizer.for_layout(layout), dict(state.params), state.opt_state,
+        owner = _Owner(state.model, state.optimizer.for_layout(layout), (dict(state.params), state.opt_state),
                        state.step, state.mesh.world_size, reported=state.step)
-        view.owner, view.apply = owner, owner.apply
-        view.start(layout, state.params, dtype)
+        view.owner = owner
+        view.start(layout, state.params, dtype, owner.apply)
     elif state.step != owner.next_step or state.params is not owner.handed:
         raise ValueError(
             f"bounded staleness: pass the TrainState the last train_step (or drain) returned, at step "
@@ -239,8 +241,9 @@ def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, StepMetrics
             "reports": reports,
         },
     )
-    owner.handed = owner.params
-    return state.replace(params=owner.params, opt_state=owner.opt_state, step=j + 1), metrics
+    params, opt_state = owner.current
+    owner.handed = params
+    return state.replace(params=params, opt_state=opt_state, step=j + 1), metrics
 
 
 def drain(state: TrainState) -> tuple[TrainState, dict[int, dict[str, float]]]:
@@ -257,8 +260,9 @@ def drain(state: TrainState) -> tuple[TrainState, dict[int, dict[str, float]]]:
     n = state.step
     view.wait(lambda: min(view.board.latest) >= n, f"every owner to apply the steps below {n}")
     reports = _reports(view, owner, state.config.loss, n)
-    owner.handed = owner.params
-    return state.replace(params=owner.params, opt_state=owner.opt_state), reports
+    params, opt_state = owner.current
+    owner.handed = params
+    return state.replace(params=params, opt_state=opt_state), reports
 
 
 def record(metrics: list[list[StepMetrics]]) -> list[list[tuple[tuple[int, ...], dict[str, int]]]]:
