@@ -238,3 +238,13 @@ def test_a_dead_peer_raises_within_the_timeout():
     with pytest.raises(odcfn.TransportError, match="timed out after 2"):
         odcfn.run_local(fn, 2, timeout=2)
     assert time.perf_counter() - t0 < 15
+
+
+def test_the_docs_example_runs_and_matches_its_replay(capsys):
+    from pathlib import Path
+
+    text = (Path(__file__).parent.parent / "docs" / "staleness.md").read_text()
+    code = text.split("```python\n", 1)[1].split("```", 1)[0]
+    exec(compile(code, "docs/staleness.md", "exec"), {})
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert float(lines[-1]) < 2e-6
