@@ -4,19 +4,27 @@
 (the SFT loss). ``reference_rl_loss``: the RL losses written a second time, independently of
 ``odcfn.losses``: per sample, unpacked, on a padded ``[samples, max_len - 1]`` response matrix
 the way verl-style trainers compute them, from logits any function gives per sample.
+``replay``: a bounded-staleness run (``StepConfig.staleness``) recomputed from its record, each
+step's gradients taken at the parameter versions every rank read, applied in order.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import copy
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
-from odcfn.batch import Batch
+from odcfn import trainable
+from odcfn.batch import Batch, pack
 from odcfn.model import Model, reference_loss
+from odcfn.optim import Optimizer
+from odcfn.sharding import Mesh, make_layout, shard, unshard
 from odcfn.tree import PyTree
 
-__all__ = ["reference_rl_loss", "reference_value_and_grad"]
+__all__ = ["reference_rl_loss", "reference_value_and_grad", "replay"]
+
+Record = Sequence[Sequence[tuple[Sequence[int], Mapping[str, int]]]]
 
 
 def reference_value_and_grad(model: Model, params: PyTree, batch: Batch) -> tuple[torch.Tensor, PyTree]:
@@ -114,3 +122,46 @@ def reference_rl_loss(
         "entropy": entropy,
     }
     return loss, {k: v.detach() for k, v in metrics.items()}
+
+
+def replay(
+    model: Model, params: PyTree, optimizer: Optimizer, batches: Sequence[Batch], record: Record,
+    *, start: int = 0,
+) -> PyTree:
+    """The params a bounded-staleness run ends with, recomputed on one process from its record.
+
+    ``record[k][r] = (sample ids, {unit: version})``: what rank ``r`` ran in step ``start + k``
+    and the parameter version each unit was gathered at (``odcfn.step.stale.record(metrics)``).
+    Version ``v`` is the params after the updates of steps ``< v`` (``params`` is version
+    ``start``). Step ``k``'s gradient is the sum over ranks, in rank order, of the gradient of
+    the rank's samples' share of the minibatch loss at the unsharded params mixing, unit by
+    unit, the versions that rank read; the optimizer then applies it to version ``k``. Every
+    shard-wise operation of the run is elementwise, so the result equals the run's params up to
+    fp32 summation order (the run sums microbatches and ranks in arrival order): see
+    docs/staleness.md. Dense models with the default cross-entropy loss.
+    """
+    if model.router is not None:
+        raise ValueError("replay covers dense models (a mixture's aux loss is not split by rank here)")
+    mesh = Mesh(1, 0)
+    layout = make_layout(model, mesh)
+    opt = optimizer.for_layout(layout)
+    history = {start: shard(params, model, mesh)}  # version -> {unit: flat fp32}
+    opt_state = opt.init(trainable.split(model, history[start]))
+    names = trainable.trainable_names(model)
+    for k, (batch, ranks) in enumerate(zip(batches, record, strict=True), start):
+        batch = copy.copy(batch)
+        object.__setattr__(batch, "step", k)  # as train_step keys training-time randomness
+        grads = {u: torch.zeros_like(history[k][u]) for u in names}
+        for samples, versions in ranks:
+            if not samples:  # nothing run on that rank: no gradient
+                continue
+            point = {u: history[versions[u]][u].detach().requires_grad_(u in names) for u in model.unit_names}
+            tree = {u: layout[u].unflatten(point[u]) for u in model.unit_names}
+            total = sum(model.apply(tree, pack(batch, [i])) for i in samples) / batch.num_loss_tokens
+            got = torch.autograd.grad(total, [point[u] for u in names], allow_unused=True)
+            for u, g in zip(names, got):
+                if g is not None:
+                    grads[u] += g
+        new, opt_state = opt.update(grads, opt_state, trainable.split(model, history[k]))
+        history[k + 1] = {**history[k], **new}
+    return unshard([history[max(history)]], model, mesh)

@@ -28,6 +28,7 @@ from odcfn.kernels.base import (
     check_counter,
 )
 from odcfn.kernels.heartbeat import Patience
+from odcfn.kernels.versions import StaleLocal
 from odcfn.sharding import Layout, Mesh
 
 __all__ = ["LocalCollectives", "LocalTransport", "LocalWorld", "run_local"]
@@ -62,6 +63,7 @@ class LocalWorld:
         self._groups: dict[tuple[int, ...], tuple[threading.Barrier, list[Any]]] = {}
         self._groups_lock = threading.Lock()
         self._store: Any = None
+        self.versions: Any = None  # the VersionBoard of bounded staleness (odcfn.kernels.versions)
 
     def transport(self, rank: int) -> LocalTransport:
         return LocalTransport(self, self.mesh.with_rank(rank))
@@ -171,6 +173,19 @@ class LocalTransport(StepCollectives):
         self.counters = Counters()
         self.step = 0
         self.layout: Layout | None = None
+        self._stale: StaleLocal | None = None
+
+    def versions(self, ring: int, start: int) -> StaleLocal:
+        """This rank's bounded-staleness side (τ >= 1, ``odcfn.kernels.versions``), made on first
+        use and kept for the transport's life: it holds the owner's version ring."""
+        if self._stale is None:
+            self._stale = StaleLocal(self, ring, start)
+        elif self._stale.ring != ring:
+            raise ValueError(
+                f"StepConfig.staleness changed on this transport: it keeps {self._stale.ring} versions, "
+                f"the config asks for {ring}"
+            )
+        return self._stale
 
     # --- per step ---------------------------------------------------------------------------
     def begin_step(

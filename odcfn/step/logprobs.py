@@ -30,8 +30,8 @@ from odcfn.sharding import make_layout
 from odcfn.sharding.layout import check_shards
 from odcfn.step import fingerprint
 from odcfn.step.execute import Executor
+from odcfn.step.prepare import check_inputs, minibatch_fingerprint, schedule_options
 from odcfn.step.state import TrainState, check_fields
-from odcfn.step.train import check_inputs, minibatch_fingerprint, schedule_options
 from odcfn.trace import Event
 
 __all__ = ["gather_params", "log_probs"]

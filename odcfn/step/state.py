@@ -25,6 +25,7 @@ from odcfn.schedule.plan import Comm, Plan, ScheduleOptions
 from odcfn.schedule.policy import Policy, WorkStealing, policy_info, resolve_policy
 from odcfn.sharding import Mesh, make_layout, shard
 from odcfn.sharding.layout import check_shards
+from odcfn.step.stale_config import Staleness, check_staleness, max_staleness
 from odcfn.trace import Event
 from odcfn.trainable import freeze, split
 from odcfn.tree import register_dataclass, tree_flatten_with_path
@@ -65,6 +66,10 @@ class StepConfig:
     again raises ``ValueError``. It saves the update's new copy of every trained shard and of
     its moments (three fp32 copies of a 151,936 × 4,096 head: 7 GiB). Shards given to
     ``TrainState.create`` as tensors are updated in place too.
+    ``staleness``: bounded staleness τ (docs/staleness.md): 0 (default) is the synchronous step;
+    τ >= 1 lets a rank run up to τ minibatches ahead of the slowest, each gather reading a
+    parameter version >= step - τ; a dict of unit patterns -> τ (``{"head": 0, "*": 1}``) keeps
+    some units synchronous. τ >= 1 needs ``comm="odc"`` and a transport with versions.
     """
 
     comm: Comm = "odc"
@@ -79,6 +84,7 @@ class StepConfig:
     deterministic: bool = False
     remat: bool = False
     donate: bool = False
+    staleness: Staleness = 0
 
     def __post_init__(self) -> None:
         if self.comm not in ("odc", "collective"):
@@ -113,6 +119,14 @@ class StepConfig:
             raise ValueError(
                 "StepConfig(deterministic=True) cannot use work stealing: which rank runs which "
                 "microbatch is decided at run time, so the summation order is not fixed"
+            )
+        check_staleness(self.staleness)
+        if isinstance(self.staleness, Mapping):  # a private copy: the caller's dict may change later
+            object.__setattr__(self, "staleness", dict(self.staleness))
+        if max_staleness(self.staleness) and self.comm != "odc":
+            raise ValueError(
+                f"StepConfig.staleness={self.staleness!r} needs comm='odc': a collective step makes every "
+                "rank meet at every unit, so no rank can run ahead (use staleness=0)"
             )
         check_loss(self.loss)  # a TypeError naming what a non-loss lacks, at construction
         if self.cost is not None and not callable(self.cost):

@@ -14,108 +14,28 @@ from __future__ import annotations
 import copy
 import math
 import time
-from dataclasses import replace
-from typing import Any
 
 import torch
 
 from odcfn import preference, trainable
-from odcfn.batch import Batch, check_token_range
-from odcfn.kernels.base import supports_odc
+from odcfn.batch import Batch
 from odcfn.losses import check_loss, loss_metrics
-from odcfn.model import Model
-from odcfn.moe.router import check_routing
 from odcfn.optim import clip_scale
-from odcfn.schedule.plan import ScheduleOptions
-from odcfn.schedule.policy import policy_info, prepare_program, resolve_policy
-from odcfn.sharding import Layout, make_layout
-from odcfn.sharding.layout import check_shards
-from odcfn.step import fingerprint
+from odcfn.schedule.policy import prepare_program, resolve_policy
+from odcfn.sharding import Layout
+from odcfn.step import fingerprint, stale
 from odcfn.step.execute import execute
 from odcfn.step.ordered_push import check_counters, check_head
-from odcfn.step.state import StepMetrics, TrainState, check_fields, donate
+from odcfn.step.prepare import (
+    check_inputs,
+    expert_load_metrics,
+    minibatch_fingerprint,
+    recording,
+    schedule_options,
+)
+from odcfn.step.state import StepConfig, StepMetrics, TrainState, donate
 
 __all__ = ["StepMetrics", "check_inputs", "grad_step", "minibatch_fingerprint", "train_step"]
-
-
-def check_inputs(state: TrainState, batch: Batch) -> Layout:
-    """Every check a pass over ``batch`` needs (train, grad and log-prob passes alike), before any
-    communication and identically on every rank; returns the layout."""
-    if not isinstance(state, TrainState):
-        raise TypeError(f"state must be an odcfn.TrainState (TrainState.create), got {type(state).__name__}")
-    if not isinstance(batch, Batch):
-        raise TypeError(f"batch must be an odcfn.Batch, got {type(batch).__name__}")
-    check_fields(state)
-    if state.config.comm == "odc" and not supports_odc(state.transport):
-        raise TypeError(
-            f"comm='odc' needs a point-to-point transport (ShmTransport, LocalWorld's, the GPU ones); "
-            f"{type(state.transport).__name__} only does collectives: use StepConfig(comm='collective')"
-        )
-    layout = make_layout(state.model, state.mesh)
-    check_shards(state.params, layout, state.model.dtype, frozen_dtype=state.config.compute_dtype)
-    check_token_range(batch, state.model.vocab_size)
-    check_routing(batch, state.model.router)  # routing replay's expert indices
-    return layout
-
-
-def schedule_options(options: ScheduleOptions | None, model: Model, remat: bool = False) -> ScheduleOptions:
-    """The schedule options with the model's tied-weight uses, which the plan must gather, and
-    every unit rematerialised when ``remat`` (``StepConfig.remat``)."""
-    options = options or ScheduleOptions()
-    if remat:
-        options = replace(options, remat=frozenset(model.unit_names))
-    if options.uses and options.uses != model.uses:
-        raise ValueError(f"ScheduleOptions.uses={options.uses} differs from the model's {model.uses}")
-    if options.frozen and options.frozen != frozenset(model.frozen):
-        raise ValueError(
-            f"ScheduleOptions.frozen={sorted(options.frozen)} differs from the model's {model.frozen}"
-        )
-    options = replace(options, uses=model.uses) if model.uses else options
-    if options.routed and options.routed != model.routed:
-        raise ValueError("ScheduleOptions.routed differs from the model's experts (Model.routed)")
-    options = replace(options, routed=model.routed) if model.routed else options
-    passthrough = frozenset(u.name for u in model.units if getattr(u.fwd, "passthrough", False))
-    if options.passthrough and options.passthrough != passthrough:
-        raise ValueError(
-            f"ScheduleOptions.passthrough={sorted(options.passthrough)} differs from the model's"
-        )
-    if passthrough:
-        options = replace(options, passthrough=passthrough)
-    return replace(options, frozen=frozenset(model.frozen)) if model.frozen else options
-
-
-def _recording(balance: Any, seen: list) -> Any:
-    """A user's balancer callable that keeps what it returned: unlike the built-in ones it may
-    differ by rank (unseeded randomness, rank-aware code), so its assignment joins the
-    fingerprint."""
-    if policy_info(balance) is not None:
-        return balance
-
-    def recorded(lengths, world_size, max_tokens):
-        seen.append(balance(lengths, world_size, max_tokens))
-        return seen[-1]
-
-    return recorded
-
-
-def minibatch_fingerprint(
-    state: TrainState, batch: Batch, layout: Layout, assignment: list | None = None, extra: Any = None
-) -> tuple[list[int], list[str]]:
-    """This rank's minibatch fingerprint words and what each describes (for the error);
-    ``extra``: the pass's own options (a log-prob pass's head), which must agree too."""
-    key = fingerprint.layout_key(state, layout, batch.step)
-    if batch.pairs:  # ranks that disagree on pairing would pack different microbatches
-        key += " pairs"
-    config = state.config
-    if assignment is not None:
-        config = (config, [[list(map(int, mb)) for mb in r] for r in assignment])
-    if extra is not None:
-        config = (config, extra)
-    words = fingerprint.minibatch_words(batch, config, key)
-    lengths = repr(batch.lengths) if len(batch) <= 16 else f"{batch.lengths[:16]}... ({len(batch)} samples)"
-    detail = [f"lengths {lengths}, {batch.num_loss_tokens} loss tokens", f"token hash {words[1]:05x}",
-              fingerprint.stable_repr(config)[:300], key[:300]]
-    return words, detail
 
 
 def _grads(state: TrainState, batch: Batch) -> tuple[dict[str, torch.Tensor], StepMetrics, Layout]:
@@ -131,7 +51,7 @@ def _grads(state: TrainState, batch: Batch) -> tuple[dict[str, torch.Tensor], St
     lengths, cap = preference.schedule_lengths(batch, cfg.max_tokens_per_microbatch)
     seen: list = []
     program = prepare_program(
-        _recording(cfg.balance, seen), lengths, units=model.unit_names, world_size=mesh.world_size,
+        recording(cfg.balance, seen), lengths, units=model.unit_names, world_size=mesh.world_size,
         rank=mesh.rank,
         max_tokens=cap, comm=cfg.comm, options=schedule_options(cfg.options, model, cfg.remat), cost=cfg.cost,
         fetch_add=getattr(transport, "fetch_add", None),
@@ -184,29 +104,25 @@ def _grads(state: TrainState, batch: Batch) -> tuple[dict[str, torch.Tensor], St
     return transport.grad_shards(), metrics, layout
 
 
-def expert_load_metrics(model: Model, loads: torch.Tensor) -> dict[str, Any]:
-    """Each sparse layer's tokens per expert over the minibatch (``moe/load/<unit>``, E values)
-    and their max over mean (``moe/load_max_over_mean/<unit>``; 1.0 is perfect balance)."""
-    out: dict[str, Any] = {}
-    for (unit, _), load in zip(model.routed, loads):
-        out[f"moe/load/{unit}"] = load.clone()
-        mean = float(load.mean())
-        out[f"moe/load_max_over_mean/{unit}"] = float(load.max()) / mean if mean else 0.0
-    return out
-
-
 def grad_step(state: TrainState, batch: Batch) -> tuple[dict[str, torch.Tensor], StepMetrics]:
     """This rank's gradient shards of the minibatch-mean loss, and the step's metrics.
 
     The gradients are copies the caller owns (the next step does not overwrite them). Every
     input check happens before any communication, identically on every rank.
     """
+    if isinstance(state, TrainState) and isinstance(state.config, StepConfig) and stale.active(state.config):
+        raise ValueError(
+            "grad_step cannot run with StepConfig.staleness >= 1: under staleness the owners consume "
+            "a step's gradients themselves, asynchronously (use train_step, or staleness=0)"
+        )
     grads, metrics, _ = _grads(state, batch)
     return {k: g.clone() for k, g in trainable.split(state.model, grads).items()}, metrics
 
 
 def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, StepMetrics]:
     """One optimizer step on one minibatch: ``(new state, metrics)``."""
+    if isinstance(state, TrainState) and isinstance(state.config, StepConfig) and stale.active(state.config):
+        return stale.train_step(state, batch)  # τ >= 1: per-owner versions, no global sync
     grads, metrics, layout = _grads(state, batch)
     if metrics.extra.get("skipped_nonfinite"):  # nonfinite="skip": nothing changes
         return state, metrics
