@@ -131,3 +131,10 @@ def test_recovery_example_loads_back_what_it_saved(capsys):
 
 def test_lora_example_moves_the_adapters_only(capsys):
     assert _run(LORA, capsys) == ["lora.layers.0", "lora.layers.1"]
+
+
+def test_moe_example_gathers_routed_experts(capsys):
+    """docs/moe.md's example: one sync, routed expert-group gathers in the trace, loads reported."""
+    (MOE,) = _blocks("docs/moe.md")[:1]
+    out = _run(MOE, capsys)
+    assert out == [(1, True, True), (1, True, True)]
