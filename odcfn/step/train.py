@@ -24,7 +24,6 @@ from odcfn.optim import clip_scale
 from odcfn.schedule.policy import prepare_program, resolve_policy
 from odcfn.sharding import Layout
 from odcfn.step import fingerprint, stale
-from odcfn.step.execute import execute
 from odcfn.step.ordered_push import check_counters, check_head
 from odcfn.step.prepare import (
     check_inputs,
@@ -33,6 +32,7 @@ from odcfn.step.prepare import (
     recording,
     schedule_options,
 )
+from odcfn.step.run import execute
 from odcfn.step.state import StepConfig, StepMetrics, TrainState, donate
 
 __all__ = ["StepMetrics", "check_inputs", "grad_step", "minibatch_fingerprint", "train_step"]
