@@ -28,7 +28,8 @@ def main(T: int, d: int, r: int) -> None:
         m = torch.rand(T, d) < P
         return F.linear(x.masked_fill(m, 0) * (1 / (1 - P)), a)
 
-    plan = dropout_plan(P, seed=0, step=1, unit="layers.0", path="self_attn.q_proj", samples=(0,), lengths=(T,))
+    plan = dropout_plan(P, seed=0, step=1, unit="layers.0", path="self_attn.q_proj",
+                        samples=(0,), lengths=(T,))
     for name, fn in (("whole mask (before)", before), ("tiles (now)", plan)):
         x.grad = a.grad = None
         t0 = time.perf_counter()
