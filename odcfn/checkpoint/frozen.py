@@ -6,12 +6,21 @@ sha256 of its files (``odcfn.save(path, state, base=hf_dir)``). Loading verifies
 files still hash the same (every rank reads the same files, so every rank raises alike) and
 keeps the state's own frozen shards. Each process hashes a base file once and reuses the digest
 while the file's size, inode and modification time stay the same.
+
+A base that records its own files' digests is not hashed at all (a base is GBs, and every
+process of every save and load would read it whole): an odcfn checkpoint's manifest (its
+rank files' sha256; the small manifest itself is hashed, so the reference pins the digests it
+holds) and a Hugging Face cache snapshot (its large files are links to blobs named by their
+content's sha256). Those digests name the base's identity; its bytes are checked where the base
+is read (an odcfn checkpoint's files by ``read_shards``).
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -43,16 +52,51 @@ def _files(base: Path) -> list[Path]:
 _DIGESTS: dict[tuple, str] = {}
 
 
+def _hash_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
 def _sha256(path: Path) -> str:
     st = path.stat()
     key = (str(path.resolve()), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
     if key not in _DIGESTS:
-        h = hashlib.sha256()
-        with open(path, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                h.update(block)
-        _DIGESTS[key] = h.hexdigest()
+        _DIGESTS[key] = _hash_file(path)
     return _DIGESTS[key]
+
+
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+
+
+def _recorded(root: Path) -> dict[str, str]:
+    """Name -> sha256 of the base's files whose digest the base itself records (see above)."""
+    out: dict[str, str] = {}
+    if root.is_dir():
+        try:
+            doc = json.loads((root / sharded.MANIFEST).read_text())
+        except (OSError, ValueError):
+            doc = None
+        ours = isinstance(doc, dict) and doc.get("format") == sharded.FORMAT
+        for e in doc.get("files") if ours and isinstance(doc.get("files"), list) else ():
+            if isinstance(e, dict) and isinstance(e.get("name"), str) and isinstance(e.get("sha256"), str):
+                out[e["name"]] = e["sha256"]
+        for p in _files(root):
+            target = Path(os.readlink(p)) if p.is_symlink() else None
+            if target is not None and target.parent.name == "blobs" and _HEX64.fullmatch(target.name):
+                out[str(p.relative_to(root))] = target.name
+    return out
+
+
+def _digests(root: Path) -> dict[str, str]:
+    """Name -> sha256 of every file of the base: recorded where the base records it, else hashed."""
+    known = _recorded(root)
+    return {
+        (name := str(p.relative_to(root)) if p != root else p.name): known.get(name) or _sha256(p)
+        for p in _files(root)
+    }
 
 
 def base_reference(model: Model, base: str | os.PathLike | None) -> dict[str, Any]:
@@ -65,7 +109,7 @@ def base_reference(model: Model, base: str | os.PathLike | None) -> dict[str, An
     if base is not None:
         root = Path(base)
         ref["path"] = str(root.resolve())
-        ref["sha256"] = {str(p.relative_to(root)) if p != root else p.name: _sha256(p) for p in _files(root)}
+        ref["sha256"] = _digests(root)
     return ref
 
 
@@ -83,13 +127,13 @@ def verify_base(ref: Any, model: Model, where: Path, base: str | os.PathLike | N
     if not want:
         return  # saved without base=: nothing to verify against (the model config was checked)
     root = Path(base) if base is not None else Path(ref.get("path") or "")
-    got = {str(p.relative_to(root)) if p != root else p.name: p for p in _files(root)}
+    got = _digests(root)
     for name, digest in sorted(want.items()):
         if name not in got:
             raise ValueError(
                 f"checkpoint {where}: its base file {root / name} is missing (the base has changed)"
             )
-        if _sha256(got[name]) != digest:
+        if got[name] != digest:
             raise ValueError(
                 f"checkpoint {where}: base file {root / name} differs from the one the adapters were trained "
                 "on (sha256 mismatch): a LoRA checkpoint only makes sense on its own base"

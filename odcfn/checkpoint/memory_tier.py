@@ -13,8 +13,10 @@ with no verified snapshot. ``cleanup`` removes the directory at the run's normal
 
 ``newest_verified(roots)``: among the committed snapshots of several tiers, the one with the
 highest step whose every file matches its manifest; a snapshot that fails is skipped for the
-next with a warning naming the file. Every rank checks every file, so all ranks (which see the
-same files on one node) reach the same verdict without communicating.
+next with a warning naming the file. Given the job's collectives, each rank checks only the
+files it reads and the ranks agree on the verdict through an all-reduce (one when all is well);
+alone, a process checks every file. A process hashes a file once (``verify.matches``), so
+loading the chosen snapshot does not hash its files again.
 
 Across nodes, /dev/shm is per node: ``MemoryTier(out_dir, node=n)`` is node n's directory, whose
 snapshots are *parts* (its own ranks' files and a copy of its neighbour's) written and restored
@@ -31,10 +33,14 @@ import shutil
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
+
+import torch
 
 from odcfn.checkpoint.commit import CheckpointError, fsync_path, list_quietly
 from odcfn.checkpoint.sharded import MANIFEST, read_manifest, write_shards
-from odcfn.checkpoint.verify import check_files, sha256
+from odcfn.checkpoint.verify import check_files, files_read, matches
+from odcfn.kernels.base import world_group
 from odcfn.kernels.shm_sync import shm_dir
 
 __all__ = ["MemoryTier", "committed", "newest_verified", "remove_stale", "verify_all"]
@@ -59,7 +65,7 @@ def verify_all(path: Path, *, part_ok: bool = False) -> None:
             continue  # a part of a cross-node snapshot: another node keeps that file
         if not f.is_file():
             raise CheckpointError(f"{f} is missing")
-        if f.stat().st_size != entry.get("bytes") or sha256(f) != entry.get("sha256"):
+        if not matches(f, entry):
             raise CheckpointError(f"{f} does not match the sha256 in its manifest")
 
 
@@ -87,17 +93,92 @@ def committed(root: Path) -> list[tuple[int, Path]]:
     return sorted(out, key=lambda x: x[0], reverse=True)
 
 
-def newest_verified(roots: Sequence[Path]) -> Path | None:
+def newest_verified(roots: Sequence[Path], *, mesh: Any = None, collectives: Any = None) -> Path | None:
     """The verified snapshot with the highest step among ``roots`` (earlier roots win a tie:
-    list the fastest tier first); failing ones are skipped with a warning naming the file."""
+    list the fastest tier first); failing ones are skipped with a warning naming the file.
+
+    Alone (no ``collectives``, or one rank) every file is checked. Given the job's ``mesh`` and
+    ``collectives`` (every rank calls, in the same order) each rank checks only the files it
+    will read (``files_read``) and the ranks agree on the newest snapshot that every rank found
+    good, through one all-reduce when all is well (one more per snapshot some rank rejected):
+    a corrupt file read by one rank makes every rank skip that snapshot alike."""
     found = [(step, -i, d) for i, root in enumerate(roots) for step, d in committed(Path(root))]
-    for step, _, d in sorted(found, reverse=True):
-        try:
-            verify_all(d)
-            return d
-        except (CheckpointError, FileNotFoundError) as e:
-            warnings.warn(f"skipping snapshot {d} (step {step}) for an older one: {e}", stacklevel=2)
+    order = [(step, d) for step, _, d in sorted(found, reverse=True)]
+    if collectives is None or mesh is None or mesh.world_size == 1:
+        for step, d in order:
+            if (why := _problem(d, mesh)) is None:
+                return d
+            warnings.warn(f"skipping snapshot {d} (step {step}) for an older one: {why}", stacklevel=2)
+        return None
+    return _agreed(order[:_CANDIDATES], mesh, collectives)
+
+
+_CANDIDATES = 16  # snapshots a collective restart considers, newest first (every rank alike)
+
+
+def _problem(d: Path, mesh: Any, reads: bool = False) -> str | None:
+    """Why snapshot ``d`` is unusable (None: it verifies). ``reads``: check only the files
+    ``mesh``'s rank reads (its own part of a collective verdict)."""
+    try:
+        doc = read_manifest(d)
+        if "part" in doc:
+            raise CheckpointError(f"checkpoint {d} is one node's part of a snapshot, not a whole checkpoint")
+        files = check_files(doc, d)
+        mine = files_read(doc, mesh.shard_index, mesh.shard_count) if reads else range(len(files))
+    except (CheckpointError, FileNotFoundError) as e:
+        return str(e)
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        return f"checkpoint {d}: {e}"
+    for i in sorted(mine):
+        if not files[i].is_file():
+            return f"{files[i]} is missing"
+        if not matches(files[i], doc["files"][i]):
+            return f"{files[i]} does not match the sha256 in its manifest"
     return None
+
+
+def _agreed(order: list[tuple[int, Path]], mesh: Any, collectives: Any) -> Path | None:
+    """Rounds of one all-reduce: each rank names the first snapshot (from the agreed lower
+    bound on) whose files it reads all verify; once every rank names the same one, that is it.
+    Otherwise the largest name is the next lower bound (whoever named it rejected every snapshot
+    before it), so each round moves on or ends. The listing's steps ride along: a position at
+    which the ranks list different snapshots is skipped by all."""
+    K, W = _CANDIDATES, mesh.world_size
+    lb, failed, good = 0, set(), set()  # failed: rejected here or, after a round, by any rank
+
+    def skip(k: int, why: str) -> None:
+        failed.add(k)
+        step, d = order[k] if k < len(order) else (None, f"#{k}")
+        warnings.warn(f"skipping snapshot {d} (step {step}) for an older one: {why}", stacklevel=4)
+
+    while True:
+        first = K  # slot K: nothing left
+        for k in range(lb, len(order)):
+            if k in failed:
+                continue
+            why = None if k in good else _problem(order[k][1], mesh, reads=True)
+            if why is None:
+                good.add(k)
+                first = k
+                break
+            skip(k, why)
+        mine = [order[k][0] + 1 if k < len(order) else 0 for k in range(K)]
+        v = torch.zeros(2 * K + 1, dtype=torch.int64)
+        v[first] = 1
+        v[K + 1:] = torch.tensor(mine)
+        v = collectives.all_reduce(world_group(mesh), v).tolist()
+        for k in range(K):
+            if v[K + 1 + k] != W * mine[k] and k not in failed:
+                skip(k, "the ranks list different snapshots at this position")
+        chosen = max(k for k in range(K + 1) if v[k])
+        if chosen == K:
+            return None
+        if v[chosen] == W and chosen not in failed:
+            return order[chosen][1]
+        for k in range(lb, chosen):
+            if k not in failed and k < len(order):
+                skip(k, "a file another rank reads fails verification")
+        lb = chosen
 
 
 def remove_stale(root: Path, newer_than: int) -> None:
@@ -122,11 +203,17 @@ class MemoryTier:
     write = staticmethod(write_shards)
     fetched = None
 
-    def __init__(self, out_dir: str | os.PathLike, node: int | None = None, *, leader: bool = True) -> None:
+    def __init__(
+        self, out_dir: str | os.PathLike, node: int | None = None, *, leader: bool = True,
+        mesh: Any = None, collectives: Any = None,
+    ) -> None:
         """``node``: this node's index in a job of several (its snapshots are parts, see
         ``checkpoint/node_tier.py``). The directory is under ``ODCFN_SNAPSHOT_DIR`` if set
         (e.g. another memory file system), else the shared-memory directory. ``leader``: this
-        rank is the one that publishes, clears and cleans up (rank 0)."""
+        rank is the one that publishes, clears and cleans up (rank 0). ``mesh`` and
+        ``collectives``: the job's, so that ``resume`` (then a collective) has each rank verify
+        only the files it reads (``newest_verified``)."""
+        self.mesh, self.collectives = mesh, collectives
         key = hashlib.sha256(os.fsencode(os.path.abspath(out_dir))).hexdigest()[:16]
         base = os.environ.get("ODCFN_SNAPSHOT_DIR") or shm_dir()
         self.parts, self.leader = node is not None, leader
@@ -134,7 +221,7 @@ class MemoryTier:
 
     def resume(self, disk: Path) -> Path | None:
         """The newest verified snapshot of this tier or of the ``disk`` tier (this one on a tie)."""
-        return newest_verified([self.root, disk])
+        return newest_verified([self.root, disk], mesh=self.mesh, collectives=self.collectives)
 
     def clear(self, newer_than: int) -> None:
         """The leader, before the first step: drop snapshots past ``newer_than`` and leftovers."""

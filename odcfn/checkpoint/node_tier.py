@@ -256,7 +256,7 @@ class NodeTier:
             if all(bool(avail[ci, :, r].any()) for r in needed):
                 chosen = (ci, step)
                 break
-        ck = newest_verified([disk])
+        ck = newest_verified([disk], mesh=self.mesh, collectives=self.collectives)
         disk_step = None if ck is None else int(sharded.read_manifest(ck)["step"])
         if chosen is None or (disk_step is not None and disk_step > chosen[1]):
             return ck

@@ -4,11 +4,18 @@ A manifest records, per rank file, its name, rank, size and sha256, and per unit
 shard size. ``check_files`` checks the list against the mesh the manifest records (one file per
 shard, rank i's at position i); ``open_verified`` checks a file's bytes, its embedded step and
 rank and every sharded tensor's shape before ``load`` reads from it.
+
+A process hashes a file once (``matches``): a restart verifies the snapshot it picks and then
+opens the same files, so the digest is kept, keyed on the file's identity and times, and reused
+while they stay the same. ``files_read`` says which files a rank of a mesh reads, so that each
+rank verifies those only.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
+import time
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +24,7 @@ from safetensors import safe_open
 from odcfn.checkpoint.skeleton import nodes
 from odcfn.sharding import Layout
 
-__all__ = ["check_files", "check_units", "open_verified", "rank_file", "sha256"]
+__all__ = ["check_files", "check_units", "files_read", "matches", "open_verified", "rank_file", "sha256"]
 
 
 def rank_file(rank: int) -> str:
@@ -30,6 +37,57 @@ def sha256(path: Path) -> str:
         while chunk := f.read(1 << 22):
             h.update(chunk)
     return h.hexdigest()
+
+
+# (path, device, inode, size, mtime_ns, ctime_ns) -> sha256 this process computed
+_HASHED: dict[tuple, str] = {}
+# A digest is kept only for a file whose times were this much older than the hashing: the
+# kernel stamps times from a coarse clock (ms), so a file rewritten within the same tick as its
+# last write could keep its stat; a file already settled when hashed cannot change unseen
+# (any later write or utime moves its ctime past the tick it was hashed in).
+_SETTLED_NS = 2_000_000_000
+_MAX_KEPT = 4096
+
+
+def matches(f: Path, entry: dict) -> bool:
+    """Whether ``f`` is a file of the size and sha256 that ``entry`` (a manifest's file entry)
+    records. Hashed at most once per process while the file stays the same."""
+    try:
+        st = f.stat()
+    except OSError:
+        return False
+    if not f.is_file() or st.st_size != entry.get("bytes"):
+        return False
+    key = (str(f.resolve()), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    digest = _HASHED.get(key)
+    if digest is None:
+        started = time.time_ns()
+        digest = sha256(f)
+        if max(st.st_mtime_ns, st.st_ctime_ns) < started - _SETTLED_NS:
+            if len(_HASHED) >= _MAX_KEPT:  # a long run's old snapshots: forget them all
+                _HASHED.clear()
+            _HASHED[key] = digest
+    return digest == entry.get("sha256")
+
+
+def files_read(doc: dict, shard_index: int, shard_count: int) -> set[int]:
+    """The positions in ``doc["files"]`` whose files shard ``shard_index`` of ``shard_count``
+    reads when it loads the checkpoint (``sharded.read_shards`` cuts the saved flat units into
+    the new mesh's shards: ceil(numel / shard_count) each): the saved shards its range
+    overlaps, and rank 0's file where the tree has replicated tensors or its range is all
+    padding (the dtype is read there)."""
+    out: set[int] = set()
+    for u in doc["units"].values():
+        old, numel = u["shard_size"], u["numel"]
+        new = max(1, math.ceil(numel / shard_count))
+        lo, hi = shard_index * new, min((shard_index + 1) * new, numel)
+        if lo >= hi:
+            out.add(0)
+        else:
+            out.update(range(lo // old, (hi - 1) // old + 1))
+    if any(n.get("type") == "tensor" for n in nodes(doc["tree"])):
+        out.add(0)
+    return out
 
 
 def check_units(doc: dict, layout: Layout, path: Path) -> None:
@@ -98,7 +156,7 @@ def open_verified(f: Path, entry: dict, doc: dict) -> Any:
         raise ValueError(f"{f.name} is not held by this part of a snapshot (another node keeps it)")
     if not f.is_file():
         raise ValueError(f"{f.name} is missing")
-    if f.stat().st_size != entry["bytes"] or sha256(f) != entry["sha256"]:
+    if not matches(f, entry):
         raise ValueError(f"{f.name} does not match the sha256 in the manifest (corrupted or replaced)")
     h = safe_open(str(f), framework="pt")
     meta = h.metadata() or {}

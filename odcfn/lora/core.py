@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -12,6 +11,7 @@ from typing import Any
 import torch
 
 from odcfn._check import check_int, check_number
+from odcfn.lora.dropout import dropout_mask, dropout_plan
 from odcfn.model import Model, Unit
 from odcfn.tree import PyTree, tree_flatten_with_path
 
@@ -51,25 +51,12 @@ class _Passthrough:
         return x
 
 
-def dropout_mask(
-    p: float, *, seed: int, step: int, sample: int, unit: str, path: str, length: int, d_in: int,
-    device: torch.device | str = "cpu",
-) -> torch.Tensor:
-    """The bool ``(length, d_in)`` mask of the inputs LoRA dropout zeroes for one sample at one
-    projection (True: dropped, each with probability ``p``). It depends only on the LoRA seed,
-    the optimizer step, the sample's index in the minibatch, the unit and the projection path,
-    so ranks, balancers, microbatch packing and rematerialisation all see the same mask."""
-    h = hashlib.blake2b(f"{seed}/{step}/{sample}/{unit}/{path}".encode(), digest_size=8)
-    g = torch.Generator(device=device).manual_seed(int.from_bytes(h.digest(), "little") >> 1)
-    return torch.rand(length, d_in, generator=g, device=device) < p
-
-
 @dataclass(frozen=True)
 class _LoraUnit:
     """The adapted unit's fwd: its own fwd on params whose targeted projection dicts carry
     ``lora_A``/``lora_B``/``lora_scale`` (``odcfn.models.qwen.linear`` adds the low-rank term)
-    and, when training with dropout, ``lora_drop`` (the tokens x inputs dropout zeroes on the A
-    path) and ``lora_keep_scale`` (1 / (1 - p))."""
+    and, when training with dropout, ``lora_drop`` (a ``DropoutPlan``: the A path's input
+    dropped and multiplied by A, its mask drawn tile by tile)."""
 
     fwd: Any
     adapter: str
@@ -79,17 +66,15 @@ class _LoraUnit:
     dropout: float = 0.0
     seed: int = 0
 
-    def _drop(self, path: str, d_in: int, mb: Any, device: torch.device) -> dict:
+    def _drop(self, path: str, mb: Any) -> dict:
         """PEFT's dropout on the A path's input, training only (``Microbatch.step`` set): the
-        per-sample masks of ``dropout_mask`` end to end, in the microbatch's sample order."""
+        per-sample masks of ``dropout_mask`` end to end, in the microbatch's sample order, as a
+        plan that draws them tile by tile (``lora/dropout.py``), never whole."""
         if not self.dropout or getattr(mb, "step", None) is None:
             return {}
-        masks = [
-            dropout_mask(self.dropout, seed=self.seed, step=mb.step, sample=i, unit=self.original.name,
-                         path=path, length=n, d_in=d_in, device=device)
-            for i, n in zip(mb.sample_ids, mb.seqlens)
-        ]
-        return {"lora_drop": torch.cat(masks), "lora_keep_scale": 1.0 / (1.0 - self.dropout)}
+        plan = dropout_plan(self.dropout, seed=self.seed, step=mb.step, unit=self.original.name, path=path,
+                            samples=mb.sample_ids, lengths=mb.seqlens)
+        return {"lora_drop": plan}
 
     def __call__(self, p: PyTree, x: Any, mb: Any) -> Any:
         p = dict(p)
@@ -100,8 +85,7 @@ class _LoraUnit:
             for k in keys[:-1]:  # copy the dicts on the way: the caller's tree is not mutated
                 node[k] = dict(node[k])
                 node, src = node[k], src[k]
-            a = src[keys[-1]]["lora_A"]
-            drop = self._drop(path, a.shape[1], mb, a.device)
+            drop = self._drop(path, mb)
             node[keys[-1]] = {**node[keys[-1]], **src[keys[-1]], "lora_scale": self.scale, **drop}
         return self.fwd(p, x, mb)
 

@@ -24,10 +24,12 @@ def rms_norm(x_TxD: torch.Tensor, w_D: torch.Tensor, eps: float) -> torch.Tensor
 def linear(x: torch.Tensor, p: dict) -> torch.Tensor:
     y = F.linear(x, p["weight"], p.get("bias"))
     if "lora_A" in p:  # a LoRA-adapted projection (odcfn.lora): PEFT's W x + b + scale * B (A x)
-        x_a = x
-        if "lora_drop" in p:  # LoRA dropout (training): on the A path's input only, as PEFT's
-            x_a = x.masked_fill(p["lora_drop"], 0) * p["lora_keep_scale"]
-        y = y + F.linear(F.linear(x_a, p["lora_A"]), p["lora_B"]) * p["lora_scale"]
+        if "lora_drop" in p:  # LoRA dropout (training): on the A path's input only, as PEFT's;
+            # the plan (odcfn.lora.dropout) draws the mask tile by tile, never whole
+            h = p["lora_drop"](x, p["lora_A"])
+        else:
+            h = F.linear(x, p["lora_A"])
+        y = y + F.linear(h, p["lora_B"]) * p["lora_scale"]
     return y
 
 

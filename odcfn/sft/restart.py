@@ -40,7 +40,7 @@ def open_memory_tier(cfg: SFTConfig, mesh: Any, collectives: Any) -> MemoryTier 
     several nodes) this node's part of the cross-node tier, which is a collective to open."""
     if cfg.checkpoint.memory_every and mesh.num_nodes > 1:
         return NodeTier(cfg.out_dir, mesh, collectives, timeout=cfg.train.timeout)
-    return MemoryTier(cfg.out_dir, leader=mesh.rank == 0)
+    return MemoryTier(cfg.out_dir, leader=mesh.rank == 0, mesh=mesh, collectives=collectives)
 
 
 def resume_point(cfg: SFTConfig, tier: MemoryTier | NodeTier) -> Path | None:
