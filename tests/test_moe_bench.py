@@ -47,6 +47,8 @@ def test_bench_moe_section_report(capsys):
     assert eb["peak_resident_experts_per_layer"]["all_experts"] == E
     assert 1 <= eb["peak_resident_experts_per_layer"]["odc"] <= min(E, m["config"]["expert_group"])
     assert set(eb["odc_gathered_per_layer_rank_step"]) == {"layers.0", "layers.1"}
+    n_max = max(v["fsdp2"]["microbatches_per_rank"][0])  # FSDP2 all-gathers all E, fwd + bwd, per layer
+    assert eb["fsdp2_lb_micro_all_experts_per_rank_step"] == n_max * 2 * 2 * E * eb["expert_bytes_fp32"]
     assert all(a["computed"] for a in m["a2a_vs_fetch"].values())
     ec = m["expert_compute"]
     assert ec["input_grads_agree"]  # every contender computed the same input gradient

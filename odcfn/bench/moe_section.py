@@ -117,7 +117,7 @@ def _expert_bytes(recs: list[list[dict]], cfg, W: int) -> dict:
             got.append(n * ebytes)
             every.append(2 * len(r["microbatches"]) * L * E * ebytes)
     n_rs = len(got)
-    fsdp2_mb = [max(len(x) for x in s) for s in _by_step(recs, "fsdp2")]  # n_max of LB-Micro
+    fsdp2_mb = [s[0]["n_max"] for s in _by_step(recs, "fsdp2")]  # LB-Micro's count, every rank alike
     return {
         "expert_bytes_fp32": ebytes,
         "note": "bytes an expert occupies once gathered (full, fp32); the wire carries the (W-1)/W of it "
