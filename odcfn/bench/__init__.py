@@ -17,7 +17,8 @@ from pathlib import Path
 
 SCHEMA = "odcfn.bench/1"
 SECTIONS = (
-    "end_to_end", "balanced", "fsdp2", "primitives", "simulator", "straggler", "rl", "lora", "recovery"
+    "end_to_end", "balanced", "fsdp2", "primitives", "simulator", "straggler", "rl", "lora", "recovery",
+    "moe",
 )
 STRAGGLER_SLOWDOWN = 1.5
 
@@ -55,6 +56,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--memory-threads", type=int, default=1,
                    help="--memory: torch intra-op threads of each point's process")
     p.add_argument("--plot", type=Path, default=None, help="--memory: write the PNG plot here")
+    p.add_argument("--moe-shape", choices=("full", "quick", "tiny"), default=None,
+                   help="moe: the toy's size (default full; --quick: quick; tiny: the tests')")
     p.add_argument("--cost", choices=("calibrated", "default"), default="calibrated",
                    help="balancers' cost model: fitted to this machine's measured unit times "
                         "(default) or the schedule layer's FLOPs-based default")
@@ -82,6 +85,7 @@ def main(args: argparse.Namespace) -> int:
     if args.memory:
         return memory_main(args)
     from odcfn.bench import lora_section as LS
+    from odcfn.bench import moe_section as MS
     from odcfn.bench import recovery, summary
     from odcfn.bench import rl_section as RL
     from odcfn.bench import sections as S
@@ -140,6 +144,7 @@ def main(args: argparse.Namespace) -> int:
         "rl": lambda: RL.section(ctx, (8,) if args.quick else (8, 64, 1024)),
         "lora": lambda: LS.section(ctx, args.quick),
         "recovery": lambda: recovery.section(ctx),
+        "moe": lambda: MS.section(ctx, args.quick, args.moe_shape),
     }
     # the simulator replays end_to_end's plans, so it runs after it
     for name in sorted(sections, key=lambda s: s == "simulator"):
@@ -158,7 +163,7 @@ def main(args: argparse.Namespace) -> int:
     if args.json:
         print(text)
     else:
-        print(summary.render(report) + LS.render(report.get("lora")))
+        print(summary.render(report) + LS.render(report.get("lora")) + MS.render(report.get("moe")))
     # a section that crashed (not one skipped for want of processes) fails the command
     return 1 if any(isinstance(report.get(n), dict) and "error" in report[n] for n in sections) else 0
 

@@ -102,6 +102,12 @@ def fill_ratios(report: dict) -> None:
         "odc_lb_mini_over_torch_fsdp2": (
             paired_median_speedup(f["odc_lb_mini"], f["torch_fsdp2"]) if "odc_lb_mini" in f else None),
     }
+    moe = (report.get("moe") or {})
+    if "vs_fsdp2" in moe:  # the MoE section's three headline figures (medians over repeats)
+        r["moe_odc_lb_mini_over_torch_fsdp2"] = moe["vs_fsdp2"]["samples_per_s_odc_over_fsdp2"]
+        r["moe_peak_memory_odc_over_torch_fsdp2"] = moe["memory"]["odc_over_fsdp2"]["median"]
+        r["moe_expert_compute_transformers_over_odcfn"] = (
+            moe["expert_compute"]["transformers_over_odcfn"]["odcfn_routed_ffn"]["median"])
     for comm in ("odc", "collective"):
         vals = [
             pol["syncs_per_minibatch"]
@@ -109,7 +115,7 @@ def fill_ratios(report: dict) -> None:
             for pol in sec["policies"].values() if pol["comm"] == comm
         ]
         report["syncs_per_minibatch"][comm] = max(vals) if vals else None
-    flags = [sec.get("losses_match") for sec in [*e2e.values(), bal, st, f, rl]
+    flags = [sec.get("losses_match") for sec in [*e2e.values(), bal, st, f, rl, moe.get("vs_fsdp2")]
              if isinstance(sec, dict) and "losses_match" in sec]
     report["losses_match"] = all(flags) if flags else None
     report["targets"] = _targets(r)
@@ -134,6 +140,9 @@ TARGETS = (
     ("straggler_odc_work_stealing_over_collective_lb_micro", 1.15, True),
     ("rl_odc_lb_mini_over_collective_lb_micro", 1.10, True),
     ("rl_log_probs_over_train_step", 0.45, False),
+    ("moe_odc_lb_mini_over_torch_fsdp2", 1.15, True),
+    ("moe_peak_memory_odc_over_torch_fsdp2", 0.7, False),
+    ("moe_expert_compute_transformers_over_odcfn", 1.0, True),
 )
 
 
