@@ -12,7 +12,8 @@ only O(T) things (h, labels, lse, H). The backward recomputes each tile's logits
 
     dz = g_logp·(onehot − p) − g_H·p·(log p + H);   dh += dz W / τ;   dW += dzᵀ h / τ
 
-with dW accumulated into ONE fp32 V×D buffer, slice by slice. Peak extra memory is a few
+with dW summed per vocabulary slice in fp32 and added into ``dw_out`` (in the step: the unit's
+flat gradient, ``grad_sink``; else one fp32 V×D buffer). Peak extra memory is a few
 ``token_chunk × vocab_chunk`` fp32 tiles. Math is fp32 whatever the compute dtype (bf16 GEMMs
 produce bf16 logits that are widened, as the unfused ``F.linear(...).float()`` does).
 
