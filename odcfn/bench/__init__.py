@@ -58,6 +58,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="--memory: the model's width (2 layers, 4 heads, SwiGLU 2x; Qwen3-0.6B: 1024)")
     p.add_argument("--memory-tied", action="store_true",
                    help="--memory: the head reads the embedding matrix (tied, as Qwen3-0.6B)")
+    p.add_argument("--memory-timeout-s", type=float, default=900.0,
+                   help="--memory: seconds one point may run before it is recorded as a timeout")
     p.add_argument("--plot", type=Path, default=None, help="--memory: write the PNG plot here")
     p.add_argument("--cost", choices=("calibrated", "default"), default="calibrated",
                    help="balancers' cost model: fitted to this machine's measured unit times "
@@ -176,6 +178,8 @@ def memory_main(args: argparse.Namespace) -> int:
         raise ValueError(f"--memory-tokens must be >= 2, got {args.memory_tokens}")
     if args.memory_threads < 1:
         raise ValueError(f"--memory-threads must be >= 1, got {args.memory_threads}")
+    if args.memory_timeout_s <= 0:
+        raise ValueError(f"--memory-timeout-s must be > 0, got {args.memory_timeout_s}")
     if args.memory_d_model < 4 or args.memory_d_model % 4:  # 4 heads of equal width
         raise ValueError(f"--memory-d-model must be a multiple of 4, >= 4, got {args.memory_d_model}")
     shape = M.shape({"d_model": args.memory_d_model, "tied": args.memory_tied})
@@ -188,6 +192,7 @@ def memory_main(args: argparse.Namespace) -> int:
                   tokens, budget=int(args.memory_budget_gib * M.GIB), log=_log,
                   grpo_tokens=None if args.memory_grpo_tokens is None else tuple(args.memory_grpo_tokens),
                   threads=args.memory_threads, d_model=args.memory_d_model, tied=args.memory_tied,
+                  point_timeout=args.memory_timeout_s,
                   contenders=tuple(args.memory_contenders or M.CONTENDERS))}
     report["elapsed_s"] = time.perf_counter() - t0
     text = json.dumps(report, indent=1, default=_jsonable)

@@ -223,6 +223,7 @@ def memory_bench(
     threads: int = 1,
     d_model: int = SHAPE["d_model"],
     tied: bool = False,
+    point_timeout: float = 900.0,
     log: Any = print,
 ) -> dict:
     """The benchmark's report (JSON-able). ``budget``: bytes a step may add; never more than
@@ -242,7 +243,7 @@ def memory_bench(
             r = {**spec, "status": "skipped"}
         else:
             t0 = time.perf_counter()
-            r = run_point(spec)
+            r = run_point(spec, timeout=point_timeout)
             r["wall_s"] = time.perf_counter() - t0
             if r["status"] != "ok":
                 failed.add((contender, loss, V))
