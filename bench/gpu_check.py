@@ -1,15 +1,17 @@
-"""GPU check: kernels vs references, the fused head (``gpu_check_head``), the CUDA-IPC
-transport with W processes on the GPU(s) (gradients vs the single-process reference and the
-collective path, one sync per step), transport and kernel bandwidth against the device's own
-``copy_``, NVSHMEM last.
+"""GPU check. First minute: each GPU path on its own (``gpu_check_paths``: IPC on one GPU, IPC
+across GPUs, NVSHMEM init, put-with-signal, fused head), PASS / FAIL / SKIP with a reason, each
+under its own timeout. Then the measurements: kernels vs references, the fused head
+(``gpu_check_head``), the CUDA-IPC transport with W processes (gradients vs the single-process
+reference and the collective path, one sync per step), transport and kernel bandwidth against
+the device's own ``copy_``, NVSHMEM last.
 
     python bench/gpu_check.py --json OUT.json         # on a GPU machine (bench/gpu_check.sh wraps it)
     TRITON_INTERPRET=1 python bench/gpu_check.py --device cpu --json OUT.json   # dry run on CPU
 
 Sections run in order of value, each guarded: a failing or hanging section is recorded (status,
-error) and the next one runs. The JSON is rewritten after every section, so a run killed at its
-time limit still leaves what it finished. Exit code 0 when nothing failed (or there is no GPU:
-skipped), 1 otherwise.
+error) and the next one runs; a section whose path failed in the first minute is skipped. The
+JSON is rewritten after every section, so a run killed at its time limit still leaves what it
+finished. Exit code 0 when nothing failed (or there is no GPU: skipped), 1 otherwise.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from gpu_check_head import fused_head  # noqa: E402
+from gpu_check_paths import _needs_nvshmem, blocked, run_paths  # noqa: E402
+from gpu_check_paths import section_names as path_names  # noqa: E402
 from gpu_check_ranks import PARITY_TOL, PhaseError, Ranks, ipc_rank_main, nvshmem_rank_main  # noqa: E402
 
 STATUSES = ("pass", "fail", "error", "timeout", "skip")
@@ -270,19 +274,8 @@ NVSHMEM_ONE_GPU = (
 )
 
 
-def _nvshmem_missing(dev: torch.device) -> str | None:
-    if dev.type != "cuda":
-        return "needs CUDA; not run"
-    try:
-        import nvshmem.core  # noqa: F401
-        import nvshmem.core.interop.torch  # noqa: F401
-    except Exception as e:  # noqa: BLE001 - ImportError, or a cuda.core too old for nvshmem4py
-        return f"nvshmem4py does not import ({type(e).__name__}: {e}); not run"
-    return None
-
-
 def nvshmem(dev: torch.device, world: int, timeout: float) -> tuple[str, str, dict]:
-    missing = _nvshmem_missing(dev)
+    missing = _needs_nvshmem(dev)
     if missing:
         return "skip", missing, {}
     ndev = torch.cuda.device_count()
@@ -317,6 +310,7 @@ def section_names(worlds: list[int]) -> list[str]:
     ipc = [s for w in worlds for s in (f"ipc_w{w}_grads", f"ipc_w{w}_bandwidth")]
     return [
         "env",
+        *path_names(),
         "kernels",
         "fused_head",
         *ipc[:2],
@@ -370,16 +364,31 @@ def main() -> int:
     rep = Report(args.json, section_names(args.world), args.budget)
     rep.meta = {"device": args.device, "world": args.world, "budget_s": args.budget, "argv": sys.argv[1:]}
     rep.run("env", lambda: env(dev))
-    rep.run("kernels", lambda: kernels(dev))
-    rep.run("fused_head", lambda: fused_head(dev), need=60)
+    run_paths(rep, dev)  # the first minute: every path on its own, each with its own timeout
+
+    def run(name: str, fn, need: float = 10.0, paths: tuple[str, ...] = ()) -> None:
+        why = blocked(rep, *paths)  # a path that failed would only hang this section to its timeout
+        if why:
+            return rep.set(name, "skip", why)
+        rep.run(name, fn, need)
+
+    ipc = ("path_ipc_one_gpu", "path_ipc_across_gpus")
+    nvs = ("path_nvshmem_init", "path_nvshmem_put_signal")
+    run("kernels", lambda: kernels(dev))
+    run("fused_head", lambda: fused_head(dev), 60, ("path_fused_head",))
     for i, world in enumerate(args.world):
-        _ipc_sections(rep, dev, world)
+        why = blocked(rep, *ipc)
+        if why:
+            for n in (f"ipc_w{world}_grads", f"ipc_w{world}_bandwidth"):
+                rep.set(n, "skip", why)
+        else:
+            _ipc_sections(rep, dev, world)
         if i == 0:
-            rep.run("kernel_bandwidth", lambda: kernel_bandwidth(dev))
+            run("kernel_bandwidth", lambda: kernel_bandwidth(dev))
     if not args.world:
-        rep.run("kernel_bandwidth", lambda: kernel_bandwidth(dev))
-    rep.run("nvshmem_w1_kernels", lambda: nvshmem(dev, 1, min(120.0, rep.left())), need=30)
-    rep.run("nvshmem_w2_transport", lambda: nvshmem(dev, 2, min(150.0, rep.left())), need=30)
+        run("kernel_bandwidth", lambda: kernel_bandwidth(dev))
+    run("nvshmem_w1_kernels", lambda: nvshmem(dev, 1, min(120.0, rep.left())), 30, nvs)
+    run("nvshmem_w2_transport", lambda: nvshmem(dev, 2, min(150.0, rep.left())), 30, nvs)
     _summary(rep)
     return 1 if any(s["status"] in ("fail", "error", "timeout") for s in rep.sections.values()) else 0
 

@@ -81,13 +81,14 @@ def _paths(h, w, y, gl, ge) -> dict:
     return {"triton": triton_path, "torch_chunked": torch_path, "unfused": unfused}
 
 
-def fused_head(dev: torch.device) -> tuple[str, str, dict]:
+def correctness(dev: torch.device) -> tuple[list[str], dict]:
+    """The Triton kernels vs float64 (fp32: tight; bf16) and vs the torch chunked path at a small
+    shape: ``(failures, relative errors)``. The GPU check's first-minute path and its section."""
     from odcfn.kernels import fused_head as TH
     from odcfn.kernels import fused_head_triton as K
 
     bad: list[str] = []
-    data: dict = {"correctness": {}, "speed": {}}
-    # correctness: fp32 vs float64 (tight), bf16 vs the torch chunked path on the same inputs
+    out: dict = {}
     small = (300, 5000, 128) if dev.type == "cuda" else (20, 40, 16)
     for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
         h, w, y, gl, ge = _inputs(*small, dtype, dev)
@@ -100,10 +101,17 @@ def fused_head(dev: torch.device) -> tuple[str, str, dict]:
         tdh, tdw = TH.head_backward(h, w, y, tlse, tent, gl, ge, 0.9)
         names, ours, theirs = ("logp", "entropy", "dh", "dw"), (logp, ent, dh, dw), (tl_, tent, tdh, tdw)
         errs |= {f"{k}_vs_torch": _rel(a, b) for k, a, b in zip(names, ours, theirs)}
-        data["correctness"][str(dtype)] = errs
+        out[str(dtype)] = errs
         worst = max(errs[k] for k in ("logp", "entropy", "dh", "dw"))
         if not worst < tol:
             bad.append(f"{dtype}: worst relative error vs float64 {worst:.2e} (tolerance {tol:.0e})")
+    return bad, out
+
+
+def fused_head(dev: torch.device) -> tuple[str, str, dict]:
+    # correctness: fp32 vs float64 (tight), bf16 vs the torch chunked path on the same inputs
+    bad, errs = correctness(dev)
+    data: dict = {"correctness": errs, "speed": {}}
     # speed and memory at a real vocabulary: one forward+backward of the head
     shapes = [(4096, 151936, 896), (16384, 151936, 896)] if dev.type == "cuda" else [(16, 40, 16)]
     for T, V, D in shapes:

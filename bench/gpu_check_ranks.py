@@ -54,7 +54,13 @@ class Ranks:
         deadline = time.monotonic() + timeout
         while len(self.got.get(phase, {})) < self.world:
             left = deadline - time.monotonic()
-            if left <= 0:
+            try:
+                # past the deadline, still read what is already queued: groups may run
+                # concurrently while the parent reads one at a time (gpu_check_paths.py)
+                msg = self.q.get(timeout=min(left, 1.0)) if left > 0 else self.q.get_nowait()
+            except Exception:  # noqa: BLE001 - queue.Empty: poll again until the deadline
+                if deadline - time.monotonic() > 0:
+                    continue
                 missing = sorted(set(range(self.world)) - set(self.got.get(phase, {})))
                 dead = [r for r in missing if not self.procs[r].is_alive()]
                 raise PhaseError(
@@ -64,11 +70,8 @@ class Ranks:
                         if dead
                         else ""
                     )
-                )
-            try:
-                rank, ph, err, payload = self.q.get(timeout=min(left, 1.0))
-            except Exception:  # noqa: BLE001 - queue.Empty: poll again until the deadline
-                continue
+                ) from None
+            rank, ph, err, payload = msg
             if err is not None:
                 raise PhaseError(f"phase {ph!r}: rank {rank} failed:\n{err[-3000:]}")
             self.got.setdefault(ph, {})[rank] = payload

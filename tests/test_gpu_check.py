@@ -20,13 +20,17 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 
 import gpu_check as G  # noqa: E402
+import gpu_check_paths as P  # noqa: E402
 from gpu_check_ranks import PhaseError, Ranks  # noqa: E402
+
+PATH_NAMES = ["path_ipc_one_gpu", "path_ipc_across_gpus", "path_nvshmem_init", "path_nvshmem_put_signal",
+              "path_fused_head"]
 
 
 def test_sections_run_in_order_of_value():
     names = G.section_names([2, 4])
     assert names == [
-        "env", "kernels", "fused_head", "ipc_w2_grads", "ipc_w2_bandwidth", "kernel_bandwidth",
+        "env", *PATH_NAMES, "kernels", "fused_head", "ipc_w2_grads", "ipc_w2_bandwidth", "kernel_bandwidth",
         "ipc_w4_grads", "ipc_w4_bandwidth", "nvshmem_w1_kernels", "nvshmem_w2_transport",
     ]  # fmt: skip
 
@@ -92,6 +96,71 @@ def test_rank_groups_report_a_failed_rank_and_time_out_a_silent_one():
     assert not any(p.is_alive() for p in group.procs)
 
 
+def _phases_then_hang(rank, world, port, q):  # answers "init", then never "put_signal"
+    q.put((rank, "init", None, {"arena_bytes": 1}))
+    time.sleep(120)
+
+
+def _raises(rank, world, port, q):
+    try:
+        raise RuntimeError("cudaIpcOpenMemHandle: invalid device context")
+    except BaseException:  # noqa: BLE001
+        q.put((rank, "ipc", traceback.format_exc(), None))
+
+
+def _wrong(rank, world, port, q):
+    q.put((rank, "head", None, {"bad": ["fp32: worst relative error 1e-2"]}))
+
+
+def _fine(rank, world, port, q):
+    q.put((rank, "ipc", None, {"device": f"cpu:{rank}"}))
+
+
+def _never(dev):
+    return "needs 2 GPUs, 1 visible"
+
+
+def test_paths_report_each_path_on_its_own(tmp_path):
+    # deadlines are seconds after a group started; generous where an answer comes (spawning
+    # processes that import torch on a loaded 2-core machine is slow), short where none does
+    none = (lambda d: None)
+    paths = {
+        "hangs": P.Path(_phases_then_hang, 1, lambda d: (),
+                        (("init", "p_init", 120.0), ("put_signal", "p_put", 30.0),
+                         ("after", "p_after", 99.0)), none),
+        "raises": P.Path(_raises, 1, lambda d: (), (("ipc", "p_raises", 120.0),), none),
+        "skips": P.Path(_fine, 2, lambda d: (), (("ipc", "p_skips", 120.0),), _never),
+        "wrong": P.Path(_wrong, 1, lambda d: (), (("head", "p_wrong", 120.0),), none),
+        "fine": P.Path(_fine, 2, lambda d: (), (("ipc", "p_fine", 120.0),), none),
+    }
+    names = P.section_names(paths)
+    rep = G.Report(str(tmp_path / "r.json"), names, budget=1000)
+    t0 = time.monotonic()
+    P.run_paths(rep, G.torch.device("cpu"), paths)
+    assert time.monotonic() - t0 < 120  # the hang costs its own timeout, not the others'
+    s = json.loads((tmp_path / "r.json").read_text())["sections"]
+    assert list(s) == names
+    assert s["p_init"]["status"] == "pass"
+    assert s["p_put"]["status"] == "fail" and s["p_put"]["detail"].startswith("hung: no answer 30 s after")
+    assert "killed" in s["p_put"]["detail"]
+    assert s["p_after"]["status"] == "skip" and "p_put hung" in s["p_after"]["detail"]
+    assert s["p_raises"]["status"] == "fail"
+    assert "RuntimeError: cudaIpcOpenMemHandle: invalid device context" in s["p_raises"]["detail"]
+    assert "Traceback" in s["p_raises"]["error"]
+    assert s["p_skips"] == {"status": "skip", "detail": "needs 2 GPUs, 1 visible", "error": None}
+    assert s["p_wrong"]["status"] == "fail" and "wrong result: fp32" in s["p_wrong"]["detail"]
+    assert s["p_fine"]["status"] == "pass" and "cpu:0" in s["p_fine"]["detail"]
+    assert P.blocked(rep, "p_fine", "p_wrong").startswith("p_wrong failed")
+    assert P.blocked(rep, "p_fine", "p_skips") is None  # a skipped path blocks nothing
+
+
+def test_paths_without_cuda_skip_with_the_reason(monkeypatch):
+    cpu = G.torch.device("cpu")
+    assert P._needs_two_gpus(cpu) == P._needs_nvshmem(cpu) == "needs CUDA (this run is on cpu)"
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert "TRITON_INTERPRET=1" in P._triton_ok(cpu)
+
+
 def _env() -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "PYTHONPATH")}
     return env | {"PYTHON": sys.executable}
@@ -111,8 +180,11 @@ def test_cpu_dry_run_passes_and_writes_every_section(tmp_path):
     assert "=== gpu_check summary" in log and "gpu_check: exit 0" in log
     s = json.loads((out / "gpu_check.json").read_text())["sections"]
     assert list(s) == G.section_names([2])
-    for name in ("env", "kernels", "fused_head", "ipc_w2_grads", "ipc_w2_bandwidth", "kernel_bandwidth"):
+    for name in ("env", "path_ipc_one_gpu", "path_fused_head", "kernels", "fused_head", "ipc_w2_grads",
+                 "ipc_w2_bandwidth", "kernel_bandwidth"):
         assert s[name]["status"] == "pass", (name, s[name])
+    for name in ("path_ipc_across_gpus", "path_nvshmem_init", "path_nvshmem_put_signal"):
+        assert s[name]["status"] == "skip" and "needs CUDA" in s[name]["detail"], (name, s[name])
     for name in ("nvshmem_w1_kernels", "nvshmem_w2_transport"):
         assert s[name]["status"] == "skip" and "needs CUDA" in s[name]["detail"]
     grads = s["ipc_w2_grads"]

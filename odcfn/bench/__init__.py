@@ -55,6 +55,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    default=None, help="--memory: run only these (default: all three)")
     p.add_argument("--memory-threads", type=int, default=1,
                    help="--memory: torch intra-op threads of each point's process")
+    p.add_argument("--memory-d-model", type=int, default=256,
+                   help="--memory: the model's width (2 layers, 4 heads, SwiGLU 2x; Qwen3-0.6B: 1024)")
+    p.add_argument("--memory-tied", action="store_true",
+                   help="--memory: the head reads the embedding matrix (tied, as Qwen3-0.6B)")
+    p.add_argument("--memory-timeout-s", type=float, default=900.0,
+                   help="--memory: seconds one point may run before it is recorded as a timeout")
     p.add_argument("--plot", type=Path, default=None, help="--memory: write the PNG plot here")
     p.add_argument("--moe-shape", choices=("full", "quick", "tiny"), default=None,
                    help="moe: the toy's size (default full; --quick: quick; tiny: the tests')")
@@ -177,15 +183,21 @@ def memory_main(args: argparse.Namespace) -> int:
         raise ValueError(f"--memory-tokens must be >= 2, got {args.memory_tokens}")
     if args.memory_threads < 1:
         raise ValueError(f"--memory-threads must be >= 1, got {args.memory_threads}")
+    if args.memory_timeout_s <= 0:
+        raise ValueError(f"--memory-timeout-s must be > 0, got {args.memory_timeout_s}")
+    if args.memory_d_model < 4 or args.memory_d_model % 4:  # 4 heads of equal width
+        raise ValueError(f"--memory-d-model must be a multiple of 4, >= 4, got {args.memory_d_model}")
+    shape = M.shape({"d_model": args.memory_d_model, "tied": args.memory_tied})
     tokens = tuple(args.memory_tokens or ((1024, 4096, 16384) if args.quick else
                                           (1024, 2048, 4096, 8192, 16384, 32768)))
     t0 = time.perf_counter()
     _log(f"== memory: tokens {list(tokens)}")
-    report = {"schema": SCHEMA, "machine": machine(), "config": {"tokens": list(tokens), "shape": M.SHAPE},
+    report = {"schema": SCHEMA, "machine": machine(), "config": {"tokens": list(tokens), "shape": shape},
               "memory": M.memory_bench(
                   tokens, budget=int(args.memory_budget_gib * M.GIB), log=_log,
                   grpo_tokens=None if args.memory_grpo_tokens is None else tuple(args.memory_grpo_tokens),
-                  threads=args.memory_threads,
+                  threads=args.memory_threads, d_model=args.memory_d_model, tied=args.memory_tied,
+                  point_timeout=args.memory_timeout_s,
                   contenders=tuple(args.memory_contenders or M.CONTENDERS))}
     report["elapsed_s"] = time.perf_counter() - t0
     text = json.dumps(report, indent=1, default=_jsonable)

@@ -42,6 +42,13 @@ CONTENDERS = ("fused", "unfused", "transformers")
 SHAPE = {"d_model": 256, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "d_ff": 512}
 
 
+def shape(spec: dict) -> dict:
+    """The model of a point: ``SHAPE`` at the spec's width (``d_model``; SwiGLU 2·d_model) and
+    tying (``tied``: the head reads the embedding matrix, as Qwen3-0.6B's)."""
+    d = int(spec.get("d_model", SHAPE["d_model"]))
+    return {**SHAPE, "d_model": d, "d_ff": 2 * d, "tie_embeddings": bool(spec.get("tied", False))}
+
+
 # --- the child: one step, its peak --------------------------------------------------------------
 
 
@@ -88,7 +95,7 @@ def _odcfn_step(spec: dict) -> tuple[Any, Any]:
     from odcfn.models import QwenConfig, init_params, qwen_model
 
     T, V = spec["T"], spec["V"]
-    cfg = QwenConfig(vocab_size=V, **SHAPE)
+    cfg = QwenConfig(vocab_size=V, **shape(spec))
     model, params = qwen_model(cfg), init_params(cfg)
     head = {"head": spec["contender"]}
     if spec["loss"] == "ce":
@@ -129,10 +136,11 @@ def _transformers_step(spec: dict) -> tuple[Any, Any]:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     T, V = spec["T"], spec["V"]
-    cfg = Qwen2Config(vocab_size=V, hidden_size=SHAPE["d_model"], intermediate_size=SHAPE["d_ff"],
-                      num_hidden_layers=SHAPE["n_layers"], num_attention_heads=SHAPE["n_heads"],
-                      num_key_value_heads=SHAPE["n_kv_heads"], max_position_embeddings=max(T, 32),
-                      tie_word_embeddings=False, use_cache=False)
+    sh = shape(spec)
+    cfg = Qwen2Config(vocab_size=V, hidden_size=sh["d_model"], intermediate_size=sh["d_ff"],
+                      num_hidden_layers=sh["n_layers"], num_attention_heads=sh["n_heads"],
+                      num_key_value_heads=sh["n_kv_heads"], max_position_embeddings=max(T, 32),
+                      tie_word_embeddings=sh["tie_embeddings"], use_cache=False)
     cfg._attn_implementation = "sdpa"
     model = Qwen2ForCausalLM(cfg)
     getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
@@ -213,22 +221,29 @@ def memory_bench(
     grpo_tokens: tuple[int, ...] | None = None,
     contenders: tuple[str, ...] = CONTENDERS,
     threads: int = 1,
+    d_model: int = SHAPE["d_model"],
+    tied: bool = False,
+    point_timeout: float = 900.0,
     log: Any = print,
 ) -> dict:
     """The benchmark's report (JSON-able). ``budget``: bytes a step may add; never more than
-    the machine's available memory less 2 GiB."""
+    the machine's available memory less 2 GiB. ``d_model``/``tied``: the model (``shape``)."""
     budget = int(min(budget, max(1 * GIB, _available() - 2 * GIB)))
+    # a second (timed) step only where there is a fused and an unfused step to compare
+    if not {"fused", "unfused"} <= set(contenders):
+        speed_tokens = ()
     points: list[dict] = []
 
     def point(contender: str, loss: str, V: int, T: int, failed: set) -> None:
         spec = {"contender": contender, "loss": loss, "V": V, "T": T, "budget": budget,
-                "threads": threads, "steps": 2 if T in speed_tokens and V == BIG_V and loss == "ce"
+                "threads": threads, "d_model": d_model, "tied": tied,
+                "steps": 2 if T in speed_tokens and V == BIG_V and loss == "ce"
                 and contender != "transformers" else 1}
         if (contender, loss, V) in failed:  # a larger T of a series that already did not fit
             r = {**spec, "status": "skipped"}
         else:
             t0 = time.perf_counter()
-            r = run_point(spec)
+            r = run_point(spec, timeout=point_timeout)
             r["wall_s"] = time.perf_counter() - t0
             if r["status"] != "ok":
                 failed.add((contender, loss, V))
@@ -310,7 +325,8 @@ def plot(report: dict, path: str) -> None:
     ax.set_xscale("log", base=2)
     ax.set_xlabel("tokens in the microbatch (one sample)")
     ax.set_ylabel("peak step memory above the process (GiB)")
-    ax.set_title("One step, V=151,936, D=256, 2 layers, every unit rematerialised")
+    d = next((p.get("d_model", SHAPE["d_model"]) for p in report["points"]), SHAPE["d_model"])
+    ax.set_title(f"One step, V=151,936, D={d}, 2 layers, every unit rematerialised")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -12,7 +12,8 @@ only O(T) things (h, labels, lse, H). The backward recomputes each tile's logits
 
     dz = g_logp·(onehot − p) − g_H·p·(log p + H);   dh += dz W / τ;   dW += dzᵀ h / τ
 
-with dW accumulated into ONE fp32 V×D buffer, slice by slice. Peak extra memory is a few
+with dW summed per vocabulary slice in fp32 and added into ``dw_out`` (in the step: the unit's
+flat gradient, ``grad_sink``; else one fp32 V×D buffer). Peak extra memory is a few
 ``token_chunk × vocab_chunk`` fp32 tiles. Math is fp32 whatever the compute dtype (bf16 GEMMs
 produce bf16 logits that are widened, as the unfused ``F.linear(...).float()`` does).
 
@@ -33,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from odcfn._check import check_int, check_number
+from odcfn.kernels.grad_sink import destination
 
 __all__ = [
     "IGNORE",
@@ -197,12 +199,18 @@ def head_backward(
     *,
     token_chunk: int | None = None,
     vocab_chunk: int | None = None,
+    dw_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(dh_TxD in h's dtype, dw_VxD fp32)``: the gradients of ``Σ g_logp·logp + Σ g_H·H``.
-    ``entropy_T``/``g_entropy_T`` may be None (no entropy term)."""
+    """``(dh_TxD in h's dtype, dw_VxD)``: the gradients of ``Σ g_logp·logp + Σ g_H·H``.
+    ``entropy_T``/``g_entropy_T`` may be None (no entropy term). dW is fp32, or with ``dw_out``
+    (V×D, any float dtype) ADDED into ``dw_out`` and returned as it: vocabulary slice by slice,
+    each slice summed over the tokens in fp32 and added once, so no V×D fp32 buffer exists."""
     V = w_VxD.shape[0]
     dh_TxD = torch.zeros_like(h_TxD)
-    dw_VxD = torch.zeros(w_VxD.shape, dtype=torch.float32, device=w_VxD.device)
+    if dw_out is None:
+        dw_out = torch.zeros(w_VxD.shape, dtype=torch.float32, device=w_VxD.device)
+    elif dw_out.shape != w_VxD.shape:
+        raise ValueError(f"dw_out must have W's shape {tuple(w_VxD.shape)}, got {tuple(dw_out.shape)}")
     with_h = entropy_T is not None and g_entropy_T is not None
     rows = _rows(labels_T)
     pick = (lambda x: x) if rows is None else (lambda x: x[rows])
@@ -212,17 +220,23 @@ def head_backward(
     gl = pick(g_logp_T).float() * inv_tau
     gH, H = (pick(g_entropy_T).float() * inv_tau, pick(entropy_T)) if with_h else (None, None)
     n = h.shape[0]
+    if n == 0:
+        return dh_TxD, dw_out
     tc, vc = _chunks(n, V, token_chunk, vocab_chunk)
     fp32 = w_VxD.dtype == torch.float32
-    dh_parts = []
+    h32 = h if fp32 else h.float()  # dW's GEMM in fp32 (T×D: small against V×D)
+    dh = torch.zeros(n, h.shape[1], dtype=torch.float32, device=h.device)
     tiles = _Tiles(min(tc, n), vc, h, 2 if with_h else 1)
-    for t0 in range(0, n, tc):
-        t1 = min(n, t0 + tc)
-        hc, yc, glc = h[t0:t1], y[t0:t1], gl[t0:t1]
-        hc32 = hc if fp32 else hc.float()
-        dh_c = torch.zeros(t1 - t0, h.shape[1], dtype=torch.float32, device=h.device)
-        for v0 in range(0, V, vc):
-            wv = w_VxD[v0: v0 + vc]
+    # fp32 rows straight into dw_out; else one vc×D fp32 slice, cast-added once it is complete
+    direct = dw_out.dtype == torch.float32
+    slice32 = None if direct else torch.empty(min(vc, V), h.shape[1], dtype=torch.float32, device=h.device)
+    # vocabulary outside, tokens inside: a slice of dW is finished before the next one starts
+    for v0 in range(0, V, vc):
+        wv = w_VxD[v0: v0 + vc]
+        dw_v = dw_out[v0: v0 + vc] if direct else slice32[: wv.shape[0]].zero_()
+        for t0 in range(0, n, tc):
+            t1 = min(n, t0 + tc)
+            hc, yc, glc = h[t0:t1], y[t0:t1], gl[t0:t1]
             z = tiles.logits(hc, wv)
             if inv_tau != 1.0:
                 z.mul_(inv_tau)
@@ -239,19 +253,17 @@ def head_backward(
                 r = inside.nonzero().squeeze(1)
                 dz[r, yc[r] - v0] += glc[r]
             if fp32:
-                dh_c.addmm_(dz, wv)
-                dw_VxD[v0: v0 + vc].addmm_(dz.T, hc32)
+                dh[t0:t1].addmm_(dz, wv)
             else:  # bf16 GEMM for dh (as autograd's unfused backward), fp32 for dW's accumulation
-                dh_c.add_(dz.to(wv.dtype) @ wv)
-                dw_VxD[v0: v0 + vc].addmm_(dz.T, hc32)
-        dh_parts.append(dh_c)
-    if n:
-        dh = torch.cat(dh_parts).to(h_TxD.dtype)
-        if rows is None:
-            dh_TxD = dh
-        else:
-            dh_TxD[rows] = dh
-    return dh_TxD, dw_VxD
+                dh[t0:t1].add_(dz.to(wv.dtype) @ wv)
+            dw_v.addmm_(dz.T, h32[t0:t1])
+        if not direct:
+            dw_out[v0: v0 + vc].add_(dw_v)  # rounds once per slice, as a cast of the fp32 sum
+    if rows is None:
+        dh_TxD = dh.to(h_TxD.dtype)
+    else:
+        dh_TxD[rows] = dh.to(h_TxD.dtype)
+    return dh_TxD, dw_out
 
 
 @functools.cache
@@ -302,14 +314,21 @@ class _FusedHead(torch.autograd.Function):
             g_logp = torch.zeros_like(lse)
         if ent is None:
             g_ent = None
+        # W a view of a unit's flat buffer (the step): dW lands in the flat gradient itself
+        dest = destination(w) if ctx.needs_input_grad[1] else None
         kern = _triton() if h.is_cuda else None
         if kern is not None:
-            dh, dw = kern.triton_head_backward(h, w, labels, lse, ent, g_logp, g_ent, temperature)
+            fp32_out = dest is not None and dest.dtype == torch.float32 and dest.is_contiguous()
+            dh, dw = kern.triton_head_backward(h, w, labels, lse, ent, g_logp, g_ent, temperature,
+                                               dw_out=dest if fp32_out else None)
+            if dest is not None and not fp32_out:  # a bf16 sink: one fp32 V×D transient on GPU
+                dest.add_(dw)
         else:
             dh, dw = head_backward(h, w, labels, lse, ent, g_logp, g_ent, temperature,
-                                   token_chunk=tc, vocab_chunk=vc)
+                                   token_chunk=tc, vocab_chunk=vc, dw_out=dest)
         dh = dh if ctx.needs_input_grad[0] else None
-        dw = dw.to(w.dtype) if ctx.needs_input_grad[1] else None
+        # written into the sink: no gradient to return (the flat gradient already holds it)
+        dw = dw.to(w.dtype) if ctx.needs_input_grad[1] and dest is None else None
         return dh, dw, None, None, None, None, None
 
 

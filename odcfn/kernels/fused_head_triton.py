@@ -350,13 +350,22 @@ def triton_head_backward(
     block_v: int | None = None,
     block_d: int | None = None,
     splits: int | None = None,
+    dw_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(dh_TxD in h's dtype, dw_VxD fp32)``, the gradients of ``Σ g_logp·logp + Σ g_H·H``: as
-    ``fused_head.head_backward``. ``entropy_T``/``g_entropy_T`` may be None (no entropy term)."""
+    ``fused_head.head_backward``. ``entropy_T``/``g_entropy_T`` may be None (no entropy term).
+    ``dw_out`` (fp32, contiguous V×D): dW is ADDED into it (the dW kernel loads, adds and stores
+    its own rows) and it is returned, so no V×D buffer of its own is allocated."""
     T, D = h_TxD.shape
     V = w_VxD.shape[0]
     dev = h_TxD.device
-    dw_VxD = torch.zeros(V, D, dtype=torch.float32, device=dev)
+    if dw_out is None:
+        dw_VxD = torch.zeros(V, D, dtype=torch.float32, device=dev)
+    elif dw_out.shape != (V, D) or dw_out.dtype != torch.float32 or not dw_out.is_contiguous():
+        raise ValueError(f"dw_out must be a contiguous fp32 ({V}, {D}) tensor, got "
+                         f"{tuple(dw_out.shape)} {dw_out.dtype}")
+    else:
+        dw_VxD = dw_out
     dh_TxD = torch.zeros_like(h_TxD)
     rows = _rows(labels_T)
     pick = (lambda x: x) if rows is None else (lambda x: x[rows])

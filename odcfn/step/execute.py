@@ -19,6 +19,7 @@ import torch
 
 from odcfn.batch import Batch, Microbatch, pack
 from odcfn.kernels.base import Handle, Transport
+from odcfn.kernels.grad_sink import flat_views
 from odcfn.model import Model, unit_inputs
 from odcfn.schedule.plan import (
     AllGather,
@@ -36,6 +37,7 @@ from odcfn.sharding import Layout
 from odcfn.step.experts import expert_source
 from odcfn.step.ordered_push import OrderedPusher
 from odcfn.trace import Event
+from odcfn.tree import tree_unflatten
 
 __all__ = ["Executor"]
 
@@ -135,7 +137,11 @@ class Executor:
     def _params(self, unit: str) -> tuple[torch.Tensor, Any]:
         self._wait(unit)
         flat = self.bufs[unit].detach().requires_grad_(unit not in self.frozen)
-        return flat, self.layout[unit].unflatten(flat)
+        lay = self.layout[unit]
+        if not flat.requires_grad:
+            return flat, lay.unflatten(flat)
+        # views whose flat gradient ops may fill in place (the fused head's dW: no V×D copies)
+        return flat, tree_unflatten(lay.treedef, flat_views(flat, lay.numels, lay.shapes))
 
     def _inputs(self, s: Forward | Backward) -> tuple[torch.Tensor, Any, tuple[torch.Tensor, ...], tuple]:
         """``(own flat, what fwd receives, used units' flats, all-gathered experts' (name, flat))``;
