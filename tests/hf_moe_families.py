@@ -3,14 +3,12 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
+import transformers
 
 import odcfn
 from odcfn.models import QwenMoeConfig, init_params
 from odcfn.tree import tree_flatten_with_path
-
-transformers = pytest.importorskip("transformers")
 
 # 3 layers: layer 1 is dense (mlp_only_layers) or layers 0 and 2 are (decoder_sparse_step=2)
 BASE = dict(vocab_size=64, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,

@@ -92,7 +92,6 @@ METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/
 @pytest.mark.parametrize("kind,ls,sft", [("sigmoid", 0.0, 0.0), ("sigmoid", 0.0, 0.7), ("robust", 0.2, 0.0),
                                          ("hinge", 0.0, 0.3), ("ipo", 0.0, 0.0)])
 def test_loss_metrics_and_gradient_equal_trl(kind, ls, sft):
-    pytest.importorskip("trl")
     batch = pair_batch(SHAPES, V, seed=1)
     loss = losses.dpo(beta=0.3, loss_type=kind, label_smoothing=ls, sft_weight=sft)
     logps = _logps(batch, seed=2)
@@ -111,7 +110,6 @@ def test_loss_metrics_and_gradient_equal_trl(kind, ls, sft):
 
 
 def test_simpo_equals_trl_cpo():
-    pytest.importorskip("trl")
     from trl.experimental.cpo.cpo_trainer import CPOTrainer
 
     batch = pair_batch(SHAPES, V, seed=3, ref=False)

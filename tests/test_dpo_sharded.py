@@ -12,6 +12,7 @@ import os
 
 import pytest
 import torch
+import transformers  # noqa: F401 (a hard requirement of these tests)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -20,8 +21,6 @@ from odcfn import losses
 from odcfn.models import QwenConfig, init_params, qwen_model
 from tests.dpo_ref import LN2, pair_batch, reference
 from tests.util import ref_shards, run_grad_step
-
-pytest.importorskip("transformers")
 
 CFG = QwenConfig(vocab_size=23, d_model=16, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=20)
 RTOL, ATOL = 2e-4, 2e-6

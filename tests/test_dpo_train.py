@@ -16,12 +16,12 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers  # noqa: F401 (a hard requirement of these tests)
 
 import odcfn
 from odcfn import cli
 from odcfn.sft.ref_logprobs import CACHE_NAME
 
-pytest.importorskip("transformers")
 ROOT = Path(__file__).parent.parent
 TOKENIZER = ROOT / "examples" / "chat" / "tokenizer"  # shipped: no download
 
@@ -239,9 +239,12 @@ def test_bad_pairs_are_named_by_line_before_training(tmp_path, capsys):
 
 
 def test_the_docs_config_is_a_valid_dpo_config():
-    from odcfn.sft.config import config_from_dict
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # Python 3.10: the package's own dependency (pyproject: tomli)
+        import tomli as tomllib
 
-    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    from odcfn.sft.config import config_from_dict
 
     text = (ROOT / "docs" / "preference.md").read_text()
     (block,) = re.findall(r"```toml\n(.*?)```", text, re.S)

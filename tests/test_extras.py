@@ -15,7 +15,9 @@ from odcfn.step.fingerprint import minibatch_words
 from tests.mp_pool import mp_pool  # noqa: F401 - the session fixture (multi-process test)
 from tests.util import TINY, make_state, tiny
 
-KEY = "routed_experts"
+# any integer per-position extra behaves like MoE routing replay's ``routed_experts``; a dense
+# model refuses that key itself (it has no experts: tests/test_moe_replay.py)
+KEY = "expert_ids"
 
 
 def routed_batch(lengths, *, seed: int = 0, dtype: torch.dtype = torch.int64, shape=(3, 2)) -> odcfn.Batch:

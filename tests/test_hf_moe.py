@@ -12,6 +12,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+import transformers
 from safetensors.torch import save_file
 
 import odcfn
@@ -21,8 +22,6 @@ from odcfn.models.hf import hf_name
 from odcfn.models.hf_config import config_from_hf, config_to_hf
 from odcfn.tree import tree_flatten_with_path
 from tests.hf_moe_families import BASE, FAMILIES, TO_HF, hf_loss, hf_moe_model, hub_names, random_params, rel
-
-transformers = pytest.importorskip("transformers")
 
 CASES = [("qwen3_moe", False, False), ("qwen3_moe", True, True), ("qwen2_moe", False, True),
          ("qwen2_moe", True, False)]  # fmt: skip
@@ -213,7 +212,6 @@ def test_from_hf_train_to_hf_loads_in_transformers(tmp_path):
 def test_odcfn_train_and_export_of_a_moe_checkpoint(tmp_path, monkeypatch):
     """``odcfn train`` with ``[model] hf_path`` of a Qwen3-MoE checkpoint, then ``odcfn export``:
     the trained weights in the Hub layout, a config transformers reads as Qwen3-MoE, its loss."""
-    pytest.importorskip("tokenizers")
     from odcfn import cli
     from odcfn.checkpoint.sharded import read_shards
     from odcfn.data.records import synthetic_records, write_jsonl

@@ -6,17 +6,16 @@ from __future__ import annotations
 
 import json
 
+import peft
 import pytest
 import torch
+import transformers
 
 import odcfn
 from odcfn import cli
 from odcfn.checkpoint.sharded import read_manifest
 from odcfn.data.records import synthetic_records, write_jsonl
 from odcfn.models import QwenConfig, from_hf, init_params, to_hf
-
-transformers = pytest.importorskip("transformers")
-peft = pytest.importorskip("peft")
 
 CFG = QwenConfig(vocab_size=29, d_model=12, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=20)
 

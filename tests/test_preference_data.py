@@ -6,13 +6,11 @@ from __future__ import annotations
 import json
 
 import pytest
+import tokenizers  # noqa: F401 (a hard requirement of these tests)
+import transformers  # noqa: F401
 
 import odcfn
 from odcfn.data.preference import read_preference_jsonl
-
-pytest.importorskip("transformers")
-pytest.importorskip("tokenizers")
-
 from tests.test_chat_data import _tokenizer  # noqa: E402  (after the skips: it needs both)
 
 

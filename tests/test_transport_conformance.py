@@ -69,6 +69,11 @@ class CpuNvshmemFabric(nvmod.NvshmemFabric):
     def fence(self) -> None:
         return None  # CPU stores: x86-64 keeps them in order (as the IPC fabric on CPU)
 
+    def signal_read(self, idx: int) -> int:
+        # a plain load of the mapped word: the CUDA side-stream poll is the device's own
+        # mechanism (tests/test_gpu_nvshmem_poll.py covers it)
+        return int(self.sig[idx])
+
     def close(self) -> None:
         self.mem.close()
 
