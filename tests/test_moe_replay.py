@@ -180,11 +180,16 @@ def test_bad_replay_is_refused_on_every_rank_before_any_communication(bad, match
 def test_a_dense_model_refuses_routing_replay():
     cfg = odcfn.models.QwenConfig(vocab_size=31, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=12)
     model = qwen_model(cfg)
-    batch = odcfn.Batch((odcfn.Sample(torch.arange(5), extras={KEY: torch.zeros(5, 1, 2, dtype=torch.long)}),))
+    batch = odcfn.Batch(
+        (odcfn.Sample(torch.arange(5), extras={KEY: torch.zeros(5, 1, 2, dtype=torch.long)}),)
+    )
 
     def worker(rank, transport):
         state = odcfn.TrainState.create(
-            params=odcfn.models.init_params(cfg), model=model, optimizer=odcfn.adamw(1e-3), transport=transport
+            params=odcfn.models.init_params(cfg),
+            model=model,
+            optimizer=odcfn.adamw(1e-3),
+            transport=transport,
         )
         with pytest.raises(ValueError, match="no experts"):
             odcfn.train_step(state, batch)
