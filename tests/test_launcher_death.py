@@ -103,3 +103,19 @@ def test_a_live_rank_keeps_the_out_dir_locked(tmp_path):
         rank.wait()
     with RunLock(tmp_path, wait_ranks=0.5), RankLock(tmp_path, 1):  # the rank's death freed it
         assert json.loads((tmp_path / LOCK_NAME).read_text())["pid"] == os.getpid()
+
+
+def test_torchrun_rank0_locks_beside_its_own_ranks_not_another_jobs(tmp_path, monkeypatch):
+    """Under torchrun every rank runs ``odcfn train``: rank 0's run lock must not mistake its own
+    peers' rank locks for an earlier run's, and must still refuse another job's."""
+    from odcfn.sft.lock import RankLock, RunDirLocked, RunLock
+
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-a")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    with RankLock(tmp_path, 1):  # a peer of this job
+        with RunLock(tmp_path):
+            pass
+        monkeypatch.setenv("MASTER_PORT", "29501")  # another torchrun job
+        with pytest.raises(RunDirLocked, match="rank1"):
+            RunLock(tmp_path, wait_ranks=0.2).acquire()

@@ -49,14 +49,30 @@ def _record(fd: int, **more: object) -> None:
                               "started": time.strftime("%Y-%m-%d %H:%M:%S"), **more}).encode(), 0)
 
 
+def _job() -> str | None:
+    """The torchrun job this process is a rank of (None outside torchrun). Under torchrun every
+    rank runs ``odcfn train`` itself and rank 0 takes the run's lock while its peers may already
+    hold their rank locks: those belong to this job, not to an earlier run."""
+    env = os.environ
+    if "TORCHELASTIC_RUN_ID" not in env or "MASTER_PORT" not in env:
+        return None
+    return f"torchrun {env.get('MASTER_ADDR', '')}:{env['MASTER_PORT']} {env['TORCHELASTIC_RUN_ID']}"
+
+
 def _held_rank_locks(root: Path) -> list[Path]:
-    held = []
+    """Rank locks held by a process of another run (or whose holder has not said yet)."""
+    held, job = [], _job()
     for path in sorted(root.glob(f"{LOCK_NAME}.rank*")):
         fd = _try_lock(path)
-        if fd is None:
-            held.append(path)
-        else:
+        if fd is not None:
             os.close(fd)
+            continue
+        try:
+            mine = job is not None and json.loads(path.read_bytes()[:4096] or b"{}").get("job") == job
+        except (ValueError, OSError, AttributeError):
+            mine = False  # a record being written: wait for it
+        if not mine:
+            held.append(path)
     return held
 
 
@@ -123,7 +139,7 @@ class RankLock(RunLock):
                 f"out_dir {self.path.parent}: rank {self.rank} of another odcfn train run "
                 f"({_describe(self.path.read_bytes()[:4096])}) still runs in it; stop it first"
             )
-        _record(fd, rank=self.rank)
+        _record(fd, rank=self.rank, job=_job())
         self._fd = fd
         return self
 
