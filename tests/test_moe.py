@@ -332,3 +332,10 @@ def test_cost_model_counts_active_parameters():
     few = flops_cost(QwenMoeConfig(num_experts=4, num_experts_per_tok=4)).b
     many = flops_cost(QwenMoeConfig(num_experts=64, num_experts_per_tok=4)).b
     assert math.isclose(many - few, 6.0 * 2 * 64 * (64 - 4))
+
+
+def test_active_params_count_top_k_experts_only():
+    cfg = QwenMoeConfig(d_model=32, n_layers=3, num_experts=10, num_experts_per_tok=3,
+                        moe_intermediate_size=16, mlp_only_layers=(1,))
+    expert = 3 * 32 * 16
+    assert cfg.num_params - cfg.active_params == 2 * (10 - 3) * expert  # two sparse layers

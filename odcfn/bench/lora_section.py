@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-__all__ = ["LoraBenchSpec", "lora_worker", "section"]
+__all__ = ["LoraBenchSpec", "PeakSampler", "lora_worker", "pss", "section"]
 
 SAVES = 3
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -41,7 +41,7 @@ class LoraBenchSpec:
     timeout: float = 300.0
 
 
-def _pss() -> int:
+def pss() -> int:
     """This process's proportional set size in bytes (shared pages split among their users)."""
     try:
         with open("/proc/self/smaps_rollup") as f:
@@ -53,21 +53,21 @@ def _pss() -> int:
     return 0
 
 
-class _PeakSampler:
+class PeakSampler:
     def __init__(self, every: float = 0.002) -> None:
-        self.peak, self.every, self._stop = _pss(), every, threading.Event()
+        self.peak, self.every, self._stop = pss(), every, threading.Event()
         self._t = threading.Thread(target=self._run, daemon=True)
         self._t.start()
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.peak = max(self.peak, _pss())
+            self.peak = max(self.peak, pss())
             time.sleep(self.every)
 
     def stop(self) -> int:
         self._stop.set()
         self._t.join()
-        return max(self.peak, _pss())
+        return max(self.peak, pss())
 
 
 def _nbytes(tree) -> int:
@@ -97,8 +97,8 @@ def lora_worker(spec: LoraBenchSpec, ckpt_root: str) -> dict:
     del full
     gc.collect()
     with ShmTransport(mesh, timeout=spec.timeout) as tr:
-        base = _pss()
-        sampler = _PeakSampler()
+        base = pss()
+        sampler = PeakSampler()
         dtype = getattr(torch, spec.compute_dtype) if spec.compute_dtype else None
         state = odcfn.TrainState.create(
             params=shards,

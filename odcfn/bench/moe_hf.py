@@ -134,7 +134,7 @@ def moe_fsdp2_worker(spec: MoeFsdp2Spec) -> list[dict]:
     from torch.distributed.device_mesh import init_device_mesh
 
     import odcfn
-    from odcfn.bench.lora_section import _PeakSampler, _pss
+    from odcfn.bench.lora_section import PeakSampler, pss
     from odcfn.bench.workload import make_batch
     from odcfn.kernels.shm import ShmTransport
     from odcfn.models import init_params, qwen_model
@@ -153,7 +153,7 @@ def moe_fsdp2_worker(spec: MoeFsdp2Spec) -> list[dict]:
 
     with ShmTransport(mesh, timeout=spec.timeout) as tr:  # (creates the default gloo group)
         gc.collect()
-        base = _pss()  # before either model exists: what each contender adds on top
+        base = pss()  # before either model exists: what each contender adds on top
         full = init_params(w.model, seed=w.seed)
         state = module = topt = None
         if "odc" in impls:
@@ -176,7 +176,7 @@ def moe_fsdp2_worker(spec: MoeFsdp2Spec) -> list[dict]:
             order = impls if step % 2 == 0 else impls[::-1]
             for which in order:
                 dist.barrier()
-                sampler = _PeakSampler() if spec.mode != "time" else None
+                sampler = PeakSampler() if spec.mode != "time" else None
                 t0 = time.perf_counter()
                 rec: dict = {"impl": which, "step": step, "warmup": step < spec.warmup, "rank": mesh.rank,
                              "samples": len(batch), "tokens": sum(batch.lengths)}

@@ -127,6 +127,15 @@ class QwenMoeConfig(QwenConfig):
                 raise TypeError(f"QwenMoeConfig.{name} must be a bool, got {getattr(self, name)!r}")
 
     @property
+    def active_params(self) -> int:
+        """Parameters one token computes with: every parameter but the experts its router did
+        not choose (``num_params`` less ``num_experts - num_experts_per_tok`` experts per sparse
+        layer)."""
+        per_expert = 3 * self.d_model * self.moe_intermediate_size
+        unused = (self.num_experts - self.num_experts_per_tok) * per_expert * len(sparse_layers(self))
+        return self.num_params - unused
+
+    @property
     def active_mlp_params(self) -> int:
         """MLP weights one token multiplies through, over all layers: the top-k experts, the
         shared expert and the router of a sparse layer, the dense MLP of the others (what the
