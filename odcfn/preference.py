@@ -36,7 +36,8 @@ def preference_batch(
     """A minibatch of preference pairs: samples ``chosen_0, rejected_0, chosen_1, ...``.
 
     Each member is an ``odcfn.Sample`` whose ``loss_mask`` is 1 on its answer (prompt tokens 0).
-    The members' prompts may differ (multi-turn contexts). ``ref_logprobs``: the reference's
+    Both members share one prompt (the tokens before the first answer token) or it is an error
+    naming the pair. ``ref_logprobs``: the reference's
     per-token log-probs of every sample in that order (what ``odcfn.log_probs`` of the reference
     returns on this batch), stored as the samples' ``extras["ref_logprobs"]``; or give them as
     extras yourself, or use a reference-free loss."""
@@ -89,12 +90,35 @@ def describe(batch: Batch, i: int) -> str:
     return f"batch sample {i}"
 
 
+def prompt_of(s: Sample) -> torch.Tensor:
+    """A member's prompt: its tokens before the first answer (``loss_mask`` 1) token."""
+    if s.loss_mask is None:
+        return s.tokens[:0]
+    answer = torch.nonzero(s.loss_mask.bool())
+    return s.tokens[: int(answer[0, 0]) if len(answer) else s.length]
+
+
 def check_pairs(batch: Batch) -> None:
-    """A ``ValueError`` naming the first pair member with no answer (loss) tokens: its sequence
-    log-prob would be an empty sum and its length-normalised one undefined."""
-    for i, s in enumerate(batch.samples):
-        if s.num_loss_tokens == 0:
-            raise ValueError(f"{describe(batch, i)} has no loss tokens: its loss_mask marks no answer")
+    """A ``ValueError`` naming the first pair with a member with no answer (loss) tokens (its
+    sequence log-prob would be an empty sum and its length-normalised one undefined) or whose
+    members differ in prompt (a preference compares two answers to ONE prompt: different
+    prompts usually mean the pairs were zipped out of order). Purely local, so every rank
+    raises it before any communication."""
+    for k in range(len(batch) // 2):
+        for i in (2 * k, 2 * k + 1):
+            if batch.samples[i].num_loss_tokens == 0:
+                raise ValueError(f"{describe(batch, i)} has no loss tokens: its loss_mask marks no answer")
+        # as lists: the members' token dtypes may differ (int32 from a tokenizer, int64 by hand)
+        pc, pr = (prompt_of(batch.samples[i]).tolist() for i in (2 * k, 2 * k + 1))
+        if pc != pr:
+            diff = next((t for t, (a, b) in enumerate(zip(pc, pr)) if a != b), None)
+            where = (f"first differing token at position {diff}" if diff is not None
+                     else f"{len(pc)} vs {len(pr)} prompt tokens")
+            raise ValueError(
+                f"preference pair {k} (batch samples {2 * k}, {2 * k + 1}): chosen and rejected differ "
+                f"in prompt (the tokens before the first loss_mask=1 token; {where}): both members "
+                "must answer the same prompt"
+            )
 
 
 def schedule_lengths(batch: Batch, cap: int | None) -> tuple[tuple[int, ...], int]:

@@ -12,12 +12,14 @@ import odcfn
 from tests.rl_ref import hf_logits_fn
 
 
-def pair_batch(shapes, vocab: int, *, seed: int = 0, ref: bool = True, same_prompt: bool = True):
+def pair_batch(shapes, vocab: int, *, seed: int = 0, ref: bool = True, same_prompt=True):
     """``shapes``: (prompt, chosen answer, rejected answer) lengths per pair; random tokens and,
-    with ``ref``, random per-token reference log-probs."""
+    with ``ref``, random per-token reference log-probs. ``same_prompt``: a bool, or one per pair
+    (False: the rejected member gets its own random prompt, an invalid pair)."""
     g = torch.Generator().manual_seed(seed)
     pairs = []
-    for p, a, b in shapes:
+    same = [same_prompt] * len(shapes) if isinstance(same_prompt, bool) else list(same_prompt)
+    for (p, a, b), same_prompt in zip(shapes, same):
         prompt = torch.randint(0, vocab, (p,), generator=g)
         members = []
         for n in (a, b):

@@ -165,6 +165,10 @@ def test_bad_pair_input_is_named():
         odcfn.preference_batch([(a, b, a)])
     with pytest.raises(TypeError, match="pair 0 rejected: expected odcfn.Sample"):
         odcfn.preference_batch([(a, "b")])
+    with pytest.raises(TypeError, match="pair 1 rejected: expected odcfn.Sample, got NoneType"):
+        odcfn.preference_batch([(a, b), (a, None)])
+    with pytest.raises(ValueError, match="pair 0 must be \\(chosen, rejected\\), got 1 items"):
+        odcfn.preference_batch([(a,)])
     with pytest.raises(ValueError, match="pair 1 lacks its rejected member"):
         odcfn.Batch((a, b, a), pairs=True)
     batch = odcfn.preference_batch([(a, b), (b, a)])
@@ -185,7 +189,21 @@ def test_bad_pair_input_is_named():
             losses.dpo(**kw)
 
 
-def test_different_prompts_in_a_pair_are_allowed():
-    batch = pair_batch([(3, 2, 2), (2, 1, 3)], V, same_prompt=False)
-    assert batch.samples[0].tokens[:3].tolist() != batch.samples[1].tokens[:3].tolist()
-    losses.dpo().validate(batch)
+def test_a_pair_whose_members_differ_in_prompt_is_named():
+    # same length, one token differs; and one prompt a strict prefix of the other
+    with pytest.raises(ValueError, match=r"pair 1 \(batch samples 2, 3\): chosen and rejected differ in "
+                                         r"prompt .*first differing token at position \d"):
+        pair_batch([(3, 2, 2), (3, 1, 3)], V, same_prompt=[True, False])
+    a = _sample(5, 2)
+    b = odcfn.Sample(torch.arange(5) % V, loss_mask=torch.arange(5) >= 4)  # prompt 0..3 vs 0..2
+    with pytest.raises(ValueError, match=r"pair 0 .*differ in prompt .*3 vs 4 prompt tokens"):
+        odcfn.preference_batch([(a, b)])
+    # the check also guards a pair batch built by hand, at the loss, before any communication
+    with pytest.raises(ValueError, match="pair 0 .*differ in prompt"):
+        losses.dpo(reference_free=True).validate(odcfn.Batch((a, b), pairs=True))
+    # equal prompts of different token dtypes and a member without a mask (no prompt) vs one
+    # whose mask starts at 0 are the same prompt
+    c = odcfn.Sample((torch.arange(5) % V).int(), loss_mask=torch.arange(5) >= 3)
+    odcfn.preference_batch([(a, c)])
+    d, e = odcfn.Sample(torch.arange(4)), odcfn.Sample(torch.arange(3), loss_mask=torch.ones(3))
+    odcfn.preference_batch([(d, e)])

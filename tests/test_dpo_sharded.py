@@ -104,16 +104,19 @@ def test_one_pair_per_microbatch_equals_one_microbatch_of_all():
     odcfn.tree_assert_allclose(g1, g2, rtol=RTOL, atol=ATOL)
 
 
-@pytest.mark.parametrize("case", ["cap", "ref", "no_pairs"])
+@pytest.mark.parametrize("case", ["cap", "ref", "no_pairs", "prompt"])
 def test_bad_input_fails_on_every_rank_before_any_communication(case):
     full, model = _params(0), qwen_model(CFG)
     batch = pair_batch([(2, 3, 3), (6, 5, 6)], CFG.vocab_size, ref=case != "ref")
     if case == "no_pairs":
         batch = odcfn.Batch(batch.samples)
+    if case == "prompt":  # pair 1 answers pair 0's prompt; built by hand (preference_batch refuses it)
+        batch = odcfn.Batch((*batch.samples[:3], batch.samples[1]), pairs=True)
     want = {"cap": r"preference pair 1 \(samples 2, 3\) has 11 \+ 12 = 23 tokens, more than "
                    r"max_tokens_per_microbatch=20",
             "ref": r"preference pair 0 chosen \(batch sample 0\) lacks extras\['ref_logprobs'\]",
-            "no_pairs": "dpo needs a pair batch"}[case]
+            "no_pairs": "dpo needs a pair batch",
+            "prompt": r"preference pair 1 \(batch samples 2, 3\): chosen and rejected differ in prompt"}[case]
 
     def fn(rank, tr):
         cfg = odcfn.StepConfig(loss=losses.dpo(), max_tokens_per_microbatch=20)

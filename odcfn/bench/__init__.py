@@ -18,7 +18,7 @@ from pathlib import Path
 SCHEMA = "odcfn.bench/1"
 SECTIONS = (
     "end_to_end", "balanced", "fsdp2", "primitives", "simulator", "straggler", "rl", "lora", "recovery",
-    "moe",
+    "moe", "preference",
 )
 STRAGGLER_SLOWDOWN = 1.5
 
@@ -92,6 +92,7 @@ def main(args: argparse.Namespace) -> int:
         return memory_main(args)
     from odcfn.bench import lora_section as LS
     from odcfn.bench import moe_section as MS
+    from odcfn.bench import preference_section as PS
     from odcfn.bench import recovery, summary
     from odcfn.bench import rl_section as RL
     from odcfn.bench import sections as S
@@ -110,7 +111,7 @@ def main(args: argparse.Namespace) -> int:
     ctx = S.Context(workload=w, backend=backend, steps=steps, warmup=args.warmup,
                     progress=not args.json or sys.stderr.isatty(), log=_log)
     if args.cost == "calibrated" and ({"end_to_end", "balanced", "fsdp2", "straggler",
-                                       "simulator", "rl"} & set(sections)):
+                                       "simulator", "rl", "preference"} & set(sections)):
         from odcfn.bench.sim import calibrate_cost
 
         _log("== calibrating the cost model (forward+backward time of each unit vs length)")
@@ -151,6 +152,7 @@ def main(args: argparse.Namespace) -> int:
         "lora": lambda: LS.section(ctx, args.quick),
         "recovery": lambda: recovery.section(ctx),
         "moe": lambda: MS.section(ctx, args.quick, args.moe_shape),
+        "preference": lambda: PS.section(ctx, 2 if args.quick else 3, (8,) if args.quick else (8, 64, 1024)),
     }
     # the simulator replays end_to_end's plans, so it runs after it
     for name in sorted(sections, key=lambda s: s == "simulator"):
@@ -169,7 +171,8 @@ def main(args: argparse.Namespace) -> int:
     if args.json:
         print(text)
     else:
-        print(summary.render(report) + LS.render(report.get("lora")) + MS.render(report.get("moe")))
+        print(summary.render(report) + LS.render(report.get("lora")) + MS.render(report.get("moe"))
+              + PS.render(report.get("preference")))
     # a section that crashed (not one skipped for want of processes) fails the command
     return 1 if any(isinstance(report.get(n), dict) and "error" in report[n] for n in sections) else 0
 

@@ -66,6 +66,10 @@ def fill_ratios(report: dict) -> None:
     r["rl_odc_lb_micro_over_collective_lb_micro"] = ratio(_sps(rl, "odc+lb-micro"), rb)
     r["rl_odc_lb_mini_over_odc_lb_micro"] = ratio(_sps(rl, "odc+lb-mini"), _sps(rl, "odc+lb-micro"))
     r["rl_log_probs_over_train_step"] = ((rl or {}).get("log_probs") or {}).get("log_probs_over_train_step")
+    pref = report.get("preference")
+    # the median over the section's repeated side-by-side runs (their range is in the section)
+    r["preference_odc_lb_mini_over_collective_lb_micro"] = (
+        ((pref or {}).get("odc_lb_mini_over_collective_lb_micro") or {}).get("median"))
     s = report.get("simulator") or {}
     r["simulated_over_measured_step_time"] = s.get("simulated_over_measured_step_time")
     st = report.get("straggler")
@@ -111,15 +115,15 @@ def fill_ratios(report: dict) -> None:
     for comm in ("odc", "collective"):
         vals = [
             pol["syncs_per_minibatch"]
-            for sec in [*e2e.values(), bal, st, rl] if isinstance(sec, dict) and "policies" in sec
+            for sec in [*e2e.values(), bal, st, rl, pref] if isinstance(sec, dict) and "policies" in sec
             for pol in sec["policies"].values() if pol["comm"] == comm
         ]
         report["syncs_per_minibatch"][comm] = max(vals) if vals else None
-    flags = [sec.get("losses_match") for sec in [*e2e.values(), bal, st, f, rl, moe.get("vs_fsdp2")]
+    flags = [sec.get("losses_match") for sec in [*e2e.values(), bal, st, f, rl, moe.get("vs_fsdp2"), pref]
              if isinstance(sec, dict) and "losses_match" in sec]
     report["losses_match"] = all(flags) if flags else None
     report["targets"] = _targets(r)
-    sums = [pol for sec in [*e2e.values(), bal, st, rl] if isinstance(sec, dict) and "policies" in sec
+    sums = [pol for sec in [*e2e.values(), bal, st, rl, pref] if isinstance(sec, dict) and "policies" in sec
             for pol in sec["policies"].values()]
     shares = [p["core_share"] for p in sums if p.get("core_share") is not None]
     report["core_share_min"] = min(shares) if shares else None
@@ -140,6 +144,7 @@ TARGETS = (
     ("straggler_odc_work_stealing_over_collective_lb_micro", 1.15, True),
     ("rl_odc_lb_mini_over_collective_lb_micro", 1.10, True),
     ("rl_log_probs_over_train_step", 0.45, False),
+    ("preference_odc_lb_mini_over_collective_lb_micro", 1.10, True),
     ("moe_odc_lb_mini_over_torch_fsdp2", 1.15, True),
     ("moe_peak_memory_odc_over_torch_fsdp2", 0.7, False),
     ("moe_expert_compute_transformers_over_odcfn", 1.0, True),

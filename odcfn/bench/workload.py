@@ -57,7 +57,9 @@ class Workload:
     balanced: bool = False  # all samples of equal (mean) length: no imbalance to remove
     seed: int = 0
     lr: float = 1e-3
-    dataset: str = "longalign"  # or "aime-rl": GRPO groups under policy_gradient (bench/rl.py)
+    # or "aime-rl": GRPO groups under policy_gradient (bench/rl.py); or "preference": DPO pairs
+    # (bench/preference.py), samples_per_rank then counting pairs
+    dataset: str = "longalign"
     group_size: int = 4  # aime-rl: responses per prompt
 
     def __post_init__(self) -> None:
@@ -71,8 +73,10 @@ class Workload:
             raise ValueError(
                 f"Workload.length_scale must be a positive int, got {self.length_scale!r}"
             )
-        if self.dataset not in ("longalign", "aime-rl"):
-            raise ValueError(f"Workload.dataset must be 'longalign' or 'aime-rl', got {self.dataset!r}")
+        if self.dataset not in ("longalign", "aime-rl", "preference"):
+            raise ValueError(
+                f"Workload.dataset must be 'longalign', 'aime-rl' or 'preference', got {self.dataset!r}"
+            )
 
     @property
     def samples_per_step(self) -> int:
@@ -85,6 +89,10 @@ class Workload:
             from odcfn.bench.rl import rl_max_tokens
 
             return rl_max_tokens(self.length_scale)
+        if self.dataset == "preference":
+            from odcfn.bench.preference import preference_max_tokens
+
+            return preference_max_tokens(self.length_scale)
         return LONGALIGN_MAX // self.length_scale
 
     @property
@@ -94,6 +102,10 @@ class Workload:
             from odcfn.bench.rl import rl_loss
 
             return rl_loss()
+        if self.dataset == "preference":
+            from odcfn.bench.preference import preference_loss
+
+            return preference_loss()
         return None
 
     def with_(self, **kw) -> Workload:
@@ -112,6 +124,10 @@ def make_lengths(w: Workload, step: int) -> tuple[int, ...]:
         from odcfn.bench.rl import rl_lengths
 
         return tuple(t for _, t in rl_lengths(n, w.group_size, w.length_scale, w.seed * 100_003 + step))
+    if w.dataset == "preference":
+        from odcfn.bench.preference import member_lengths
+
+        return member_lengths(n, w.length_scale, w.seed * 100_003 + step)
     if w.balanced:
         return (LONGALIGN_MEAN // w.length_scale,) * n
     raw = sample_longalign_like(n, seed=w.seed * 100_003 + step)
@@ -125,4 +141,9 @@ def make_batch(w: Workload, step: int) -> Batch:
 
         return rl_batch(w.samples_per_step, w.group_size, w.length_scale, w.model.vocab_size,
                         w.seed * 100_003 + step)
+    if w.dataset == "preference":
+        from odcfn.bench.preference import preference_batch_of
+
+        return preference_batch_of(w.samples_per_step, w.length_scale, w.model.vocab_size,
+                                   w.seed * 100_003 + step)
     return random_batch(make_lengths(w, step), w.model.vocab_size, seed=w.seed * 100_003 + step)

@@ -24,8 +24,9 @@ from typing import Any
 
 import torch
 
-from odcfn.batch import Sample
+from odcfn.batch import Batch, Sample
 from odcfn.data.chat import load_tokenizer
+from odcfn.preference import check_pairs
 
 __all__ = ["read_preference_jsonl", "tokenize_pair"]
 
@@ -112,6 +113,10 @@ def read_preference_jsonl(
             except json.JSONDecodeError as e:
                 raise ValueError(f"{where}: not valid JSON ({e.msg})") from None
             pair = tokenize_pair(tok, rec, where)
+            try:  # named by line here, not later by its pair index in some minibatch
+                check_pairs(Batch(pair, pairs=True))
+            except ValueError as e:
+                raise ValueError(f"{where}: {e}") from None
             for k, s in zip(("chosen", "rejected"), pair):
                 if max_length is not None and s.length > max_length:
                     raise ValueError(f"{where} {k}: {s.length} tokens, more than max_length={max_length}")
