@@ -166,17 +166,21 @@ def check_params(model: Model, params: Any) -> None:
                 raise ValueError(f"params leaf {path} has dtype {leaf.dtype}, expected {model.dtype}")
 
 
-def reference_loss(model: Model, params: Mapping[str, PyTree], batch: Batch) -> torch.Tensor:
+def reference_loss(
+    model: Model, params: Mapping[str, PyTree], batch: Batch, router_bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """The minibatch loss on unsharded params in one process: the definition every path matches.
 
     Each sample is its own microbatch, so the reference shares no packing code path with the
     sharded runtime beyond ``pack`` of one sample. A mixture of experts with an aux loss adds
-    ``coef * mean over sequences`` of it (``odcfn.moe.router``).
+    ``coef * mean over sequences`` of it (``odcfn.moe.router``); ``router_bias``: its routers'
+    aux-loss-free balancing bias (``TrainState.router_bias``), which shifts the choice only.
     """
     total, aux = None, 0.0
     for i in range(len(batch)):
         mb = pack(batch, [i])
-        log = None if model.router is None else model.router.log(mb.seqlens, len(batch), graph=True)
+        log = None if model.router is None else model.router.log(mb.seqlens, len(batch), graph=True,
+                                                                   bias=router_bias)
         s = model.apply(params, mb, log)
         total = s if total is None else total + s
         if log is not None:

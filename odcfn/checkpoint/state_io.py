@@ -7,10 +7,14 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+import torch
+
 from odcfn.checkpoint import frozen, sharded
 from odcfn.checkpoint.async_save import AsyncSaver, default_saver
 from odcfn.step.state import TrainState, check_live, check_opt_state
 from odcfn.trainable import split
+
+ROUTER_BIAS = "router_bias"  # the manifest's extra key of a mixture's aux-loss-free bias
 
 
 def savable(
@@ -19,6 +23,8 @@ def savable(
     """``(params, model, extra)`` as a checkpoint holds them: everything, or for a state with
     frozen units (LoRA) the trained units only plus a reference to the frozen base."""
     model, params, extra = state.model, state.params, dict(extra or {})
+    if state.router_bias is not None:  # a few floats (layers x experts), exact in JSON
+        extra[ROUTER_BIAS] = state.router_bias.detach().cpu().double().tolist()
     if model.frozen:  # the base never changes: keep only what does, and where the base came from
         extra[frozen.KEY] = frozen.base_reference(model, base)
         params, model = split(model, params), frozen.trained_model(model)
@@ -71,4 +77,11 @@ def load(path: str | os.PathLike, state: TrainState, *, base: str | os.PathLike 
     params, opt_state, step = frozen.load_parts(path, state.model, state.mesh, state.params, base)
     # a checkpoint of another optimizer (SGD's into AdamW's state) would fail only in the update
     check_opt_state(opt_state, state.opt_state, f"odcfn.load: the opt_state of checkpoint {os.fspath(path)}")
+    bias = sharded.read_manifest(path).get("extra", {}).get(ROUTER_BIAS)
+    if state.router_bias is not None and bias is not None:  # aux-loss-free balancing continues
+        t = torch.tensor(bias, dtype=torch.float32, device=state.router_bias.device)
+        if t.shape != state.router_bias.shape:
+            raise ValueError(f"odcfn.load: checkpoint {os.fspath(path)} holds a router bias of shape "
+                             f"{tuple(t.shape)}, this model's is {tuple(state.router_bias.shape)}")
+        return state.replace(params=params, opt_state=opt_state, step=step, router_bias=t)
     return state.replace(params=params, opt_state=opt_state, step=step)

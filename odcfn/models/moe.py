@@ -66,6 +66,7 @@ def moe_layer_fwd(p: dict, x_TxD: torch.Tensor, mb: Microbatch, *, cfg, moe_inde
     idx_TxK, w_TxK = route(
         logits_TxE, cfg.num_experts_per_tok, norm_topk_prob=cfg.norm_topk_prob, layer=moe_index,
         log=source.log, replay_TxK=None if replay is None else replay[:, moe_index],
+        bias_E=None if source.log is None or source.log.bias is None else source.log.bias[moe_index],
     )
     y_TxD = source.apply(n_TxD, idx_TxK, w_TxK)
     if "shared_expert" in m:

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["ROUTED_EXTRA", "RouterLog", "RouterSpec", "check_routing", "route"]
+__all__ = ["ROUTED_EXTRA", "RouterLog", "RouterSpec", "check_routing", "route", "update_bias"]
 
 ROUTED_EXTRA = "routed_experts"  # Sample.extras key of routing replay: (T, MoE layers, top-k) ints
 
@@ -39,12 +39,25 @@ class RouterSpec:
     top_k: int
     aux_coef: float = 0.0
 
-    def log(self, seqlens: Sequence[int], num_sequences: int, *, graph: bool = False) -> RouterLog:
+    def log(self, seqlens: Sequence[int], num_sequences: int, *, graph: bool = False,
+            bias: torch.Tensor | None = None) -> RouterLog:
         """A microbatch's log; ``num_sequences``: the minibatch's (the aux loss's mean).
         ``graph``: ``aux_loss()`` is a differentiable tensor (one autograd graph over every
-        layer: the single-process reference) instead of gradients added layer by layer."""
+        layer: the single-process reference) instead of gradients added layer by layer.
+        ``bias``: aux-loss-free balancing's per-expert bias, sparse layers x E (``update_bias``)."""
         return RouterLog(seqlens, self.num_layers, self.num_experts, self.aux_coef / max(1, num_sequences),
-                         graph=graph)
+                         graph=graph, bias=bias)
+
+
+def update_bias(bias_LxE: torch.Tensor, loads_LxE: torch.Tensor, rate: float) -> torch.Tensor:
+    """Auxiliary-loss-free balancing's step: each sparse layer's bias moves by ``rate`` toward
+    its under-loaded experts (``sign(mean load - load)``), centred so it stays zero-mean (a
+    constant shift changes no top-k choice). ``loads``: the minibatch's tokens per expert, the
+    same on every rank after the one sync, so every rank computes the same new bias."""
+    loads = loads_LxE.to(bias_LxE.device, torch.float64)
+    delta = torch.sign(loads.mean(-1, keepdim=True) - loads)
+    delta = delta - delta.mean(-1, keepdim=True)
+    return bias_LxE + (rate * delta).to(bias_LxE.dtype)
 
 
 def check_routing(batch: Any, spec: RouterSpec | None) -> None:
@@ -87,8 +100,8 @@ class RouterLog:
     """
 
     def __init__(self, seqlens: Sequence[int], num_layers: int, num_experts: int, aux_scale: float = 0.0,
-                 *, graph: bool = False):
-        self.graph = graph
+                 *, graph: bool = False, bias: torch.Tensor | None = None):
+        self.graph, self.bias = graph, bias
         self.seqlens = tuple(int(s) for s in seqlens)
         self.num_layers, self.num_experts, self.aux_scale = num_layers, num_experts, float(aux_scale)
         self.counts: dict[int, torch.Tensor] = {}  # layer -> S x E top-k choices (aux)

@@ -88,6 +88,7 @@ class Executor:
         # a mixture of experts: one router log per microbatch (aux loss, routing record) and
         # this rank's tokens per expert of each sparse layer, summed in the one sync
         self.router = model.router
+        self.router_bias: torch.Tensor | None = None  # aux-loss-free balancing (TrainState.router_bias)
         self.logs: dict[int, Any] = {}
         self.loads = None if self.router is None else torch.zeros(
             self.router.num_layers, self.router.num_experts, dtype=torch.float64)
@@ -165,7 +166,7 @@ class Executor:
         if self.router is None:
             return None
         if mb not in self.logs:
-            self.logs[mb] = self.router.log(self._mb(mb).seqlens, len(self.batch))
+            self.logs[mb] = self.router.log(self._mb(mb).seqlens, len(self.batch), bias=self.router_bias)
         return self.logs[mb]
 
     def _mb(self, mb: int) -> Microbatch:

@@ -94,6 +94,7 @@ def log_probs(
     words, detail = minibatch_fingerprint(state, batch, layout, extra=head)
     transport.begin_step(layout, state.params, dtype)
     ex = _ForwardOnly(model, layout, batch, transport, dtype, torch.device(device), loss=head)
+    ex.router_bias = state.router_bias  # route as training does
     ex.microbatches.extend(plan.microbatches)
     events: list[Event] = []
     t0 = time.perf_counter()

@@ -4,6 +4,7 @@ model implies, the minibatch fingerprint; and the step's expert-load metrics."""
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import replace
 from typing import Any
 
@@ -91,6 +92,9 @@ def minibatch_fingerprint(
     key = fingerprint.layout_key(state, layout, batch.step)
     if batch.pairs:  # ranks that disagree on pairing would pack different microbatches
         key += " pairs"
+    if state.router_bias is not None:  # ranks whose biases differ would route differently
+        raw = state.router_bias.detach().to("cpu", torch.float32).contiguous().numpy().tobytes()
+        key += f" router_bias={hashlib.sha256(raw).hexdigest()[:16]}"
     config = state.config
     if assignment is not None:
         config = (config, [[list(map(int, mb)) for mb in r] for r in assignment])

@@ -48,6 +48,7 @@ def execute(
     loss: Any,
     deterministic: bool = False,
     slots: int = 0,
+    router_bias: torch.Tensor | None = None,
 ) -> tuple[ExecResult, Plan]:
     """Run a rank's program (``odcfn.schedule.policy.prepare_program``: a static plan is one
     piece, work stealing one piece per decision) up to and including its one Sync; the
@@ -57,7 +58,7 @@ def execute(
     ``slots``: the most microbatches any rank runs; the program must be static)."""
     t0 = time.perf_counter()
     ex = Executor(model, layout, batch, transport, compute_dtype, torch.device(device), loss)
-    ex.riders, ex.t0 = riders, t0
+    ex.riders, ex.t0, ex.router_bias = riders, t0, router_bias
     if deterministic and comm == "odc":
         program = list(program)  # static (work stealing is refused): one piece
         mine = sum(len(p.microbatches) for p in program)

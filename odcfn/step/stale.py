@@ -82,6 +82,11 @@ def check(state: TrainState) -> dict[str, int]:
             "StepConfig.donate=True cannot be combined with StepConfig.staleness >= 1: older versions "
             "stay readable by peers, so updates are never made in place"
         )
+    if cfg.expert_bias_rate:
+        raise ValueError(
+            "StepConfig.expert_bias_rate > 0 cannot be combined with StepConfig.staleness >= 1 yet: the "
+            "bias update needs the minibatch's summed expert loads, which no rank waits for under staleness"
+        )
     if cfg.deterministic:
         raise ValueError(
             "StepConfig.deterministic=True cannot be combined with StepConfig.staleness >= 1 yet: the "

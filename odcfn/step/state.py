@@ -9,6 +9,7 @@ new state; nothing is mutated but the transport's buffers.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -70,6 +71,10 @@ class StepConfig:
     τ >= 1 lets a rank run up to τ minibatches ahead of the slowest, each gather reading a
     parameter version >= step - τ; a dict of unit patterns -> τ (``{"head": 0, "*": 1}``) keeps
     some units synchronous. τ >= 1 needs ``comm="odc"`` and a transport with versions.
+    ``expert_bias_rate``: a mixture of experts' auxiliary-loss-free balancing (docs/moe.md): each
+    router adds a per-expert bias (``TrainState.router_bias``) to its scores for the top-k choice
+    only, and after every step the bias moves by this rate toward the under-loaded experts of
+    the minibatch (loads summed in the one sync: every rank computes the same bias). 0: off.
     """
 
     comm: Comm = "odc"
@@ -85,6 +90,7 @@ class StepConfig:
     remat: bool = False
     donate: bool = False
     staleness: Staleness = 0
+    expert_bias_rate: float = 0.0
 
     def __post_init__(self) -> None:
         if self.comm not in ("odc", "collective"):
@@ -120,6 +126,9 @@ class StepConfig:
                 "StepConfig(deterministic=True) cannot use work stealing: which rank runs which "
                 "microbatch is decided at run time, so the summation order is not fixed"
             )
+        r = self.expert_bias_rate
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 <= r < math.inf:
+            raise ValueError(f"StepConfig.expert_bias_rate must be a finite number >= 0, got {r!r}")
         check_staleness(self.staleness)
         if isinstance(self.staleness, Mapping):  # a private copy: the caller's dict may change later
             object.__setattr__(self, "staleness", dict(self.staleness))
@@ -152,6 +161,9 @@ class TrainState:
     optimizer: Optimizer
     transport: Transport
     config: StepConfig
+    # a mixture of experts' aux-loss-free balancing bias, sparse layers x E, replicated on every
+    # rank (``StepConfig.expert_bias_rate``); None: none
+    router_bias: torch.Tensor | None = None
 
     @classmethod
     def create(
@@ -165,6 +177,7 @@ class TrainState:
         opt_state: Any = None,
         step: int = 0,
         trainable: Any = _MODEL,
+        router_bias: torch.Tensor | None = None,
     ) -> TrainState:
         """``params``: this rank's shards (``odcfn.shard``), or the full unsharded params tree,
         which is sharded here for ``transport.mesh``. ``opt_state``: None calls
@@ -211,7 +224,8 @@ class TrainState:
             opt_state = fresh
         else:  # a resumed state from another optimizer or mesh fails here, not in the update
             check_opt_state(opt_state, fresh)
-        return cls(params, opt_state, step, model, optimizer, transport, config)
+        return cls(params, opt_state, step, model, optimizer, transport, config,
+                   _router_bias(model, config, router_bias, next(iter(params.values())).device))
 
     @property
     def mesh(self) -> Mesh:
@@ -272,8 +286,26 @@ def check_fields(state: TrainState) -> None:
         )
 
 
+def _router_bias(model: Model, config: StepConfig, given: Any, device: torch.device) -> torch.Tensor | None:
+    """The aux-loss-free bias a state starts with: ``given`` (a resumed run's) or zeros."""
+    if not config.expert_bias_rate:
+        if given is not None:
+            raise ValueError("TrainState.create: router_bias given but StepConfig.expert_bias_rate is 0")
+        return None
+    if model.router is None:
+        raise ValueError("StepConfig.expert_bias_rate > 0 needs a mixture of experts (no router here)")
+    shape = (model.router.num_layers, model.router.num_experts)
+    if given is None:
+        return torch.zeros(shape, dtype=torch.float32, device=device)
+    if not isinstance(given, torch.Tensor) or tuple(given.shape) != shape:
+        raise ValueError(f"TrainState.create: router_bias must be a tensor of shape {shape} (sparse layers x "
+                         f"experts), got {getattr(given, 'shape', type(given).__name__)}")
+    return given.to(device, torch.float32)
+
+
 register_dataclass(
-    TrainState, children=("params", "opt_state", "step"), static=("model", "optimizer", "transport", "config")
+    TrainState, children=("params", "opt_state", "step", "router_bias"),
+    static=("model", "optimizer", "transport", "config")
 )
 
 

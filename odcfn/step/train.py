@@ -20,6 +20,7 @@ import torch
 from odcfn import preference, trainable
 from odcfn.batch import Batch
 from odcfn.losses import check_loss, loss_metrics
+from odcfn.moe.router import update_bias
 from odcfn.optim import clip_scale
 from odcfn.schedule.policy import prepare_program, resolve_policy
 from odcfn.sharding import Layout
@@ -74,7 +75,7 @@ def _grads(state: TrainState, batch: Batch) -> tuple[dict[str, torch.Tensor], St
     result, plan = execute(
         program, model=model, layout=layout, batch=batch, transport=transport,
         compute_dtype=dtype, comm=cfg.comm, device=device, riders=fingerprint.encode(words, device),
-        loss=cfg.loss, deterministic=cfg.deterministic, slots=slots,
+        loss=cfg.loss, deterministic=cfg.deterministic, slots=slots, router_bias=state.router_bias,
     )
     # every rank sees the same sums, so every rank raises alike (before any optimizer step)
     fingerprint.check_agreement(result.riders, mesh.world_size, words, detail)
@@ -134,6 +135,10 @@ def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, StepMetrics
     params, opt_state = optimizer.update(grads, state.opt_state, trained, grad_scale=scale, **inplace)
     params = {**state.params, **params} if state.model.frozen else params
     new_state = state.replace(params=params, opt_state=opt_state, step=state.step + 1)
+    if state.router_bias is not None:  # aux-loss-free balancing, from the loads the sync summed
+        loads = torch.stack([metrics.extra[f"moe/load/{u}"] for u, _ in state.model.routed])
+        new_state = new_state.replace(
+            router_bias=update_bias(state.router_bias, loads, state.config.expert_bias_rate))
     if state.config.donate:
         donate(state)
     return new_state, metrics
