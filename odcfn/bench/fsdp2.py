@@ -52,13 +52,15 @@ def _fsdp2_model(w: Workload, mesh):
     return module
 
 
-def fsdp2_step(module, opt, batch, microbatches, n_max: int) -> float:
+def fsdp2_step(module, opt, batch, microbatches, n_max: int, loss_fn=None) -> float:
+    """One FSDP2 minibatch with gradient accumulation; ``loss_fn(module, mb)`` the microbatch's
+    summed token loss (default ``module(mb)``: odcfn's module mirror)."""
     from odcfn.batch import pack
 
     loss_sum = torch.zeros((), dtype=torch.float64)
-    for i in range(n_max):
+    for i in range(n_max):  # a rank with fewer microbatches still joins every collective
         mb = pack(batch, microbatches[i]) if i < len(microbatches) else dummy_microbatch()
-        loss = module(mb)
+        loss = module(mb) if loss_fn is None else loss_fn(module, mb)
         (loss / batch.num_loss_tokens).backward()
         loss_sum += loss.detach().double()
     opt.step()

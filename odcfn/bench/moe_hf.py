@@ -107,24 +107,6 @@ def _fsdp2_module(cfg, params: dict, dmesh, impl: str):
     return module
 
 
-def _fsdp2_step(module, opt, batch, microbatches, n_max: int) -> float:
-    import torch.distributed as dist
-
-    from odcfn.batch import pack
-    from odcfn.bench.fsdp2 import dummy_microbatch
-
-    loss_sum = torch.zeros((), dtype=torch.float64)
-    for i in range(n_max):  # a rank with fewer microbatches still joins every collective
-        mb = pack(batch, microbatches[i]) if i < len(microbatches) else dummy_microbatch()
-        loss = hf_microbatch_loss(module, mb)
-        (loss / batch.num_loss_tokens).backward()
-        loss_sum += loss.detach().double()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    dist.all_reduce(loss_sum)  # the loss to report, like odcfn's one sync
-    return float(loss_sum) / batch.num_loss_tokens
-
-
 def moe_fsdp2_worker(spec: MoeFsdp2Spec) -> list[dict]:
     """One launched rank: ODC + LB-Mini and/or FSDP2 + LB-Micro on transformers' Qwen3-MoE."""
     import gc
@@ -134,6 +116,7 @@ def moe_fsdp2_worker(spec: MoeFsdp2Spec) -> list[dict]:
     from torch.distributed.device_mesh import init_device_mesh
 
     import odcfn
+    from odcfn.bench.fsdp2 import fsdp2_step
     from odcfn.bench.lora_section import PeakSampler, pss
     from odcfn.bench.workload import make_batch
     from odcfn.kernels.shm import ShmTransport
@@ -190,7 +173,8 @@ def moe_fsdp2_worker(spec: MoeFsdp2Spec) -> list[dict]:
                 else:
                     assignment = lb_micro(batch.lengths, mesh.world_size, cap)
                     n_max = max(len(a) for a in assignment)
-                    rec.update(loss=_fsdp2_step(module, topt, batch, assignment[mesh.rank], n_max),
+                    rec.update(loss=fsdp2_step(module, topt, batch, assignment[mesh.rank], n_max,
+                                               loss_fn=hf_microbatch_loss),
                                microbatches=[list(x) for x in assignment[mesh.rank]], n_max=n_max)
                 rec["wall"] = time.perf_counter() - t0
                 if sampler is not None:

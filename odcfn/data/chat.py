@@ -34,6 +34,7 @@ import torch
 
 from odcfn.batch import Sample
 from odcfn.data.dataset import TokenDataset
+from odcfn.data.records import jsonl_records
 
 __all__ = [
     "CACHE_VERSION", "TOKENIZER_FILES", "chat_cache_key", "load_tokenizer", "read_chat_jsonl",
@@ -210,17 +211,9 @@ def _read_chat_jsonl(path, tokenizer_dir, vocab_size, max_length, cache_dir) -> 
         samples, lines = cached
     else:
         samples, lines = [], []
-        with open(path) as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                where = f"{path}:{lineno}"
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{where}: not valid JSON ({e.msg})") from None
-                samples.append(tokenize_chat(tok, _messages(rec, where), where))
-                lines.append(lineno)
+        for lineno, where, rec in jsonl_records(path):
+            samples.append(tokenize_chat(tok, _messages(rec, where), where))
+            lines.append(lineno)
         if samples:
             root.mkdir(parents=True, exist_ok=True)
             _write_cache(final, samples, lines)

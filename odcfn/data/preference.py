@@ -17,7 +17,6 @@ prompt does not render as a prefix is refused for that line rather than guessed 
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -26,6 +25,7 @@ import torch
 
 from odcfn.batch import Batch, Sample
 from odcfn.data.chat import load_tokenizer
+from odcfn.data.records import jsonl_records
 from odcfn.preference import check_pairs
 
 __all__ = ["read_preference_jsonl", "tokenize_pair"]
@@ -103,22 +103,14 @@ def read_preference_jsonl(
     member is longer than ``max_length`` is an error (not silently truncated)."""
     tok = load_tokenizer(tokenizer_dir)
     pairs = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: not valid JSON ({e.msg})") from None
-            pair = tokenize_pair(tok, rec, where)
-            try:  # named by line here, not later by its pair index in some minibatch
-                check_pairs(Batch(pair, pairs=True))
-            except ValueError as e:
-                raise ValueError(f"{where}: {e}") from None
-            for k, s in zip(("chosen", "rejected"), pair):
-                if max_length is not None and s.length > max_length:
-                    raise ValueError(f"{where} {k}: {s.length} tokens, more than max_length={max_length}")
-            pairs.append(pair)
+    for _, where, rec in jsonl_records(path):
+        pair = tokenize_pair(tok, rec, where)
+        try:  # named by line here, not later by its pair index in some minibatch
+            check_pairs(Batch(pair, pairs=True))
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
+        for k, s in zip(("chosen", "rejected"), pair):
+            if max_length is not None and s.length > max_length:
+                raise ValueError(f"{where} {k}: {s.length} tokens, more than max_length={max_length}")
+        pairs.append(pair)
     return pairs

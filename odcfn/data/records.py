@@ -80,11 +80,9 @@ def _record_to_sample(rec: Any, where: str, vocab_size: int | None, max_length: 
     return Sample(torch.tensor(ids, dtype=torch.int32), mask_t)
 
 
-def read_jsonl(
-    path: str | os.PathLike, *, vocab_size: int | None = None, max_length: int | None = None
-) -> TokenDataset:
-    """Samples from a JSONL file; errors name the file and line."""
-    samples, lines = [], []
+def jsonl_records(path: str | os.PathLike) -> Iterator[tuple[int, str, Any]]:
+    """``(line number, "file:line", record)`` for every non-blank line of a JSONL file; a line that
+    is not UTF-8 or not JSON is a ValueError naming its file and line."""
     with open(path, "rb") as f:  # bytes: a bad byte is reported with its line, not the file's offset
         for lineno, raw in enumerate(f, 1):
             where = f"{path}:{lineno}"
@@ -99,8 +97,17 @@ def read_jsonl(
                 rec = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{where}: not valid JSON ({e.msg})") from None
-            samples.append(_record_to_sample(rec, where, vocab_size, max_length))
-            lines.append(lineno)
+            yield lineno, where, rec
+
+
+def read_jsonl(
+    path: str | os.PathLike, *, vocab_size: int | None = None, max_length: int | None = None
+) -> TokenDataset:
+    """Samples from a JSONL file; errors name the file and line."""
+    samples, lines = [], []
+    for lineno, where, rec in jsonl_records(path):
+        samples.append(_record_to_sample(rec, where, vocab_size, max_length))
+        lines.append(lineno)
     return TokenDataset(tuple(samples), str(path), tuple(lines))
 
 

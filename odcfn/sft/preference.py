@@ -7,7 +7,6 @@ once the reference pass (``odcfn.sft.ref_logprobs``) has filled them in."""
 from __future__ import annotations
 
 import hashlib
-import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -100,31 +99,24 @@ def prepare_pairs(cfg: SFTConfig, vocab_size: int) -> PreparedPairs:
     """Read and check every pair of ``data.path`` (file:line named for each problem)."""
     from odcfn.data.chat import load_tokenizer
     from odcfn.data.preference import tokenize_pair
+    from odcfn.data.records import jsonl_records
 
     d = cfg.data
     tok = load_tokenizer(d.tokenizer)
-    pairs, lines, dropped, long = [], [], [], []
-    with open(d.path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{d.path}:{lineno}"
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: not valid JSON ({e.msg})") from None
-            pair = tokenize_pair(tok, rec, where)
-            for member, s in zip(("chosen", "rejected"), pair):
-                top = int(s.tokens.max())
-                if top >= vocab_size:
-                    raise ValueError(f"{where} {member}: token id {top} is >= the model's vocab_size "
-                                     f"{vocab_size} (data.tokenizer does not fit the model)")
-            why = _too_long(cfg, pair)
-            if why is not None:
-                long.append((where, why))
-                continue
-            pairs.append(pair)
-            lines.append(lineno)
+    pairs, lines, long = [], [], []
+    for lineno, where, rec in jsonl_records(d.path):
+        pair = tokenize_pair(tok, rec, where)
+        for member, s in zip(("chosen", "rejected"), pair):
+            top = int(s.tokens.max())
+            if top >= vocab_size:
+                raise ValueError(f"{where} {member}: token id {top} is >= the model's vocab_size "
+                                 f"{vocab_size} (data.tokenizer does not fit the model)")
+        why = _too_long(cfg, pair)
+        if why is not None:
+            long.append((where, why))
+            continue
+        pairs.append(pair)
+        lines.append(lineno)
     if long and d.long_samples == "error":
         raise ValueError(f"{long[0][0]}: {long[0][1]} ({len(long)} such pair(s): "
                          f"{_names([w for w, _ in long])}); raise the limit, or set "
