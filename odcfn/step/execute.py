@@ -117,7 +117,7 @@ class Executor:
         self.ordered: OrderedPusher | None = None
 
     # --- parameters -------------------------------------------------------------------------
-    def _buffer(self, unit: str) -> torch.Tensor:
+    def buffer(self, unit: str) -> torch.Tensor:
         """The tensor a gather writes into: an alias of the unit's buffer with its own version
         counter, so refilling it does not trip autograd's check on views saved from ``bufs``."""
         n = self.layout[unit].padded_numel
@@ -130,13 +130,13 @@ class Executor:
             buf.untyped_storage().resize_(n * buf.element_size())
         return self.wbufs[unit]
 
-    def _wait(self, unit: str) -> None:
+    def wait_gather(self, unit: str) -> None:
         handle = self.pending.pop(unit, None)
         if handle is not None:
             handle.wait()
 
-    def _params(self, unit: str) -> tuple[torch.Tensor, Any]:
-        self._wait(unit)
+    def params(self, unit: str) -> tuple[torch.Tensor, Any]:
+        self.wait_gather(unit)
         flat = self.bufs[unit].detach().requires_grad_(unit not in self.frozen)
         lay = self.layout[unit]
         if not flat.requires_grad:
@@ -152,8 +152,8 @@ class Executor:
             return None, {}, (), ()
         if s.uses != unit.uses:
             raise ValueError(f"plan step {s} does not gather what unit {s.unit!r} uses: {unit.uses}")
-        flat, params = self._params(s.unit)
-        used = {v: self._params(v) for v in unit.uses}
+        flat, params = self.params(s.unit)
+        used = {v: self.params(v) for v in unit.uses}
         fwd_in = unit_inputs(unit, params, {v: t for v, (_, t) in used.items()})
         experts: list = []
         if unit.experts:
@@ -254,7 +254,7 @@ class Executor:
                 y = self.units[s.unit].fwd(params, sv.x_in, data)
         else:
             for u in (s.unit, *s.uses):  # a re-gather refills the storage the graph saved views of
-                self._wait(u)
+                self.wait_gather(u)
         gy = self.grad_out.pop(mb, None)
         if gy is None:
             gy = torch.zeros_like(y)  # [loss, metrics...]: only the loss is differentiated
@@ -312,11 +312,11 @@ class Executor:
 
     def _gather(self, s: Gather, offset: int) -> None:
         with torch.no_grad():
-            self.pending[s.unit] = self.t.gather(s.unit, self._buffer(s.unit))
+            self.pending[s.unit] = self.t.gather(s.unit, self.buffer(s.unit))
 
     def _all_gather(self, s: AllGather, offset: int) -> None:
         with torch.no_grad():
-            self.t.all_gather(s.unit, self._buffer(s.unit))
+            self.t.all_gather(s.unit, self.buffer(s.unit))
 
     def _forward(self, s: Forward, offset: int) -> None:
         self.forward(s, s.mb + offset)
@@ -352,7 +352,7 @@ class Executor:
             self.t.reduce_scatter(s.unit, g)
 
     def _release(self, s: Release, offset: int) -> None:
-        self._wait(s.unit)
+        self.wait_gather(s.unit)
         self.bufs[s.unit].untyped_storage().resize_(0)
 
     def _sync(self, s: Sync, offset: int) -> Any:

@@ -21,7 +21,7 @@ import torch
 from odcfn.moe.experts import LocalExperts, OnDemandExperts
 from odcfn.trace import Event
 
-__all__ = ["TransportFetcher", "expert_source"]
+__all__ = ["TransportFetcher", "expert_load_metrics", "expert_source"]
 
 
 class TransportFetcher:
@@ -38,10 +38,10 @@ class TransportFetcher:
         names = [self.names[e] for e in experts]
         with torch.no_grad():
             for n in names:  # issue every gather of the group, then wait: they overlap
-                ex.pending[n] = ex.t.gather(n, ex._buffer(n))
+                ex.pending[n] = ex.t.gather(n, ex.buffer(n))
         out = []
         for n in names:
-            ex._wait(n)
+            ex.wait_gather(n)
             flat = ex.bufs[n].detach().requires_grad_(grad and n not in ex.frozen)
             out.append((flat, ex.layout[n].unflatten(flat)))
         label = f"{self.unit}.experts[{','.join(map(str, experts))}]"
@@ -64,6 +64,17 @@ def expert_source(ex: Any, unit: str, experts: Sequence[str], routed: int, mb: i
     unit's backward must return (collective mode; ODC pushes them itself)."""
     if routed:
         return OnDemandExperts(TransportFetcher(ex, unit, experts, routed, mb), log), []
-    got = [(e, *ex._params(e)) for e in experts]
+    got = [(e, *ex.params(e)) for e in experts]
     trained = [(e, flat) for e, flat, _ in got if e not in ex.frozen]
     return LocalExperts([tree for _, _, tree in got], log), trained
+
+
+def expert_load_metrics(model: Any, loads: torch.Tensor) -> dict[str, Any]:
+    """Each sparse layer's tokens per expert over the minibatch (``moe/load/<unit>``, E values)
+    and their max over mean (``moe/load_max_over_mean/<unit>``; 1.0 is perfect balance)."""
+    out: dict[str, Any] = {}
+    for (unit, _), load in zip(model.routed, loads):
+        out[f"moe/load/{unit}"] = load.clone()
+        mean = float(load.mean())
+        out[f"moe/load_max_over_mean/{unit}"] = float(load.max()) / mean if mean else 0.0
+    return out

@@ -1,6 +1,6 @@
 """What every pass over a minibatch does before any communication (``train_step``, ``grad_step``,
 ``log_probs`` and the bounded-staleness step alike): the input checks, the schedule options the
-model implies, the minibatch fingerprint; and the step's expert-load metrics."""
+model implies, the minibatch fingerprint."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from odcfn.sharding.layout import check_shards
 from odcfn.step import fingerprint
 from odcfn.step.state import TrainState, check_fields
 
-__all__ = ["check_inputs", "expert_load_metrics", "minibatch_fingerprint", "recording", "schedule_options"]
+__all__ = ["check_inputs", "minibatch_fingerprint", "recording", "schedule_options"]
 
 
 def check_inputs(state: TrainState, batch: Batch) -> Layout:
@@ -105,14 +105,3 @@ def minibatch_fingerprint(
     detail = [f"lengths {lengths}, {batch.num_loss_tokens} loss tokens", f"token hash {words[1]:05x}",
               fingerprint.stable_repr(config)[:300], key[:300]]
     return words, detail
-
-
-def expert_load_metrics(model: Model, loads: torch.Tensor) -> dict[str, Any]:
-    """Each sparse layer's tokens per expert over the minibatch (``moe/load/<unit>``, E values)
-    and their max over mean (``moe/load_max_over_mean/<unit>``; 1.0 is perfect balance)."""
-    out: dict[str, Any] = {}
-    for (unit, _), load in zip(model.routed, loads):
-        out[f"moe/load/{unit}"] = load.clone()
-        mean = float(load.mean())
-        out[f"moe/load_max_over_mean/{unit}"] = float(load.max()) / mean if mean else 0.0
-    return out

@@ -25,10 +25,10 @@ from odcfn.optim import clip_scale
 from odcfn.schedule.policy import prepare_program, resolve_policy
 from odcfn.sharding import Layout
 from odcfn.step import fingerprint, stale
+from odcfn.step.experts import expert_load_metrics
 from odcfn.step.ordered_push import check_counters, check_head
 from odcfn.step.prepare import (
     check_inputs,
-    expert_load_metrics,
     minibatch_fingerprint,
     recording,
     schedule_options,
