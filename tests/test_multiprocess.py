@@ -141,7 +141,7 @@ def stuck_worker(timeout, stall):
 
 def setup_killed_worker():
     """Rank 1 dies right after creating its segment, before anyone could map or unlink it."""
-    import odcfn.kernels.shm as shm
+    import odcfn.kernels.shm_sync as shm
 
     torch.set_num_threads(1)
     model, full, batch = _setup([5, 6], 0)

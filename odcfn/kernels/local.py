@@ -28,7 +28,7 @@ from odcfn.kernels.base import (
     check_counter,
 )
 from odcfn.kernels.heartbeat import Patience
-from odcfn.kernels.versions import StaleLocal
+from odcfn.kernels.versions import StaleLocal, reuse_view
 from odcfn.sharding import Layout, Mesh
 
 __all__ = ["LocalCollectives", "LocalTransport", "LocalWorld", "run_local"]
@@ -178,13 +178,7 @@ class LocalTransport(StepCollectives):
     def versions(self, ring: int, start: int) -> StaleLocal:
         """This rank's bounded-staleness side (τ >= 1, ``odcfn.kernels.versions``), made on first
         use and kept for the transport's life: it holds the owner's version ring."""
-        if self._stale is None:
-            self._stale = StaleLocal(self, ring, start)
-        elif self._stale.ring != ring:
-            raise ValueError(
-                f"StepConfig.staleness changed on this transport: it keeps {self._stale.ring} versions, "
-                f"the config asks for {ring}"
-            )
+        self._stale = reuse_view(self._stale, ring, lambda: StaleLocal(self, ring, start))
         return self._stale
 
     # --- per step ---------------------------------------------------------------------------

@@ -57,7 +57,9 @@ from odcfn.kernels.base import (
 )
 from odcfn.kernels.collective import TorchCollectives
 from odcfn.kernels.shm_collective import ShmCollectives
-from odcfn.kernels.shm_sync import RangeLock, Segment, check_store_order, shm_dir, wait_until
+from odcfn.kernels.shm_sync import RangeLock, Segment, check_store_order, map_segments, shm_dir, wait_until
+from odcfn.kernels.versions import reuse_view
+from odcfn.kernels.versions_shm import StaleShm
 from odcfn.sharding import Layout, Mesh
 
 __all__ = ["ShmTransport"]
@@ -150,6 +152,13 @@ class ShmTransport(StepCollectives):
         self._acc: list[dict[str, torch.Tensor]] = []
         self._closed = False
         self._arrivals = 0
+        self._stale: StaleShm | None = None
+
+    def versions(self, ring: int, start: int) -> StaleShm:
+        """This rank's bounded-staleness side (τ >= 1, ``odcfn.kernels.versions_shm``), made on
+        first use and kept for the transport's life: it holds the owner's version ring."""
+        self._stale = reuse_view(self._stale, ring, lambda: StaleShm(self, ring, start))
+        return self._stale
 
     # --- setup ---------------------------------------------------------------------------------
     def _path(self, rank: int) -> str:
@@ -187,30 +196,11 @@ class ShmTransport(StepCollectives):
         self._release()
         self._agree(seg, dtype)
         self._gen += 1
-        r, w = self.mesh.rank, self.mesh.world_size
-        own = Segment(self._path(r), seg.nbytes, create=True)
-        mapped = {r: own}
-        try:
-            own.view(0, DONE + w, torch.int64)[PID] = os.getpid()
-            self.collectives.barrier()  # every file exists
-            for p in range(w):
-                if p != r:
-                    mapped[p] = Segment(self._path(p), seg.nbytes, create=False)
-            self.collectives.barrier()  # every rank mapped every file
-        except BaseException:
-            for s in mapped.values():
-                s.close()
-            raise
-        finally:
-            # every rank removes every rank's file (the names are known to all): a peer killed
-            # anywhere between creating its file and unlinking it leaves nothing behind
-            own.unlink()
-            for p in range(w):
-                try:
-                    os.unlink(self._path(p))
-                except FileNotFoundError:
-                    pass
-        segs = [mapped[p] for p in range(w)]
+        w = self.mesh.world_size
+        segs = map_segments(
+            self._path, seg.nbytes, self.mesh.rank, w, self.collectives.barrier,
+            lambda own: own.view(0, DONE + w, torch.int64).__setitem__(PID, os.getpid()),
+        )
         self._seg, self._segs = seg, segs
         self._arrivals = 0  # syncs counted in these (fresh, zeroed) ctrl words
         self._ctrl = [s.view(0, DONE + w, torch.int64).numpy() for s in segs]
@@ -353,12 +343,16 @@ class ShmTransport(StepCollectives):
         """Tell peers waiting on this rank to give up now rather than at their timeout."""
         if self._ctrl:
             self._ctrl[self.mesh.rank][ABORT] = 1
+        if self._stale is not None:
+            self._stale.abort()
         getattr(self.collectives, "abort", lambda: None)()
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
+        if self._stale is not None:
+            self._stale.close()
         self._release()
         self.collectives.close()
 

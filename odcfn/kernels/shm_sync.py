@@ -31,7 +31,7 @@ import torch
 from odcfn.kernels.base import TransportError
 from odcfn.kernels.heartbeat import Patience
 
-__all__ = ["RangeLock", "Segment", "check_store_order", "pid_alive", "shm_dir", "wait_until"]
+__all__ = ["RangeLock", "Segment", "check_store_order", "map_segments", "pid_alive", "shm_dir", "wait_until"]
 
 # struct flock on Linux x86-64/aarch64: short l_type, short l_whence, off_t l_start,
 # off_t l_len, pid_t l_pid (+ padding); l_pid must be 0 for OFD locks.
@@ -181,3 +181,34 @@ def wait_until(
                                  f"no progress from it for {timeout}s)")
         time.sleep(pause)
         pause = min(pause * 2, 5e-4)
+
+
+def map_segments(
+    path: Callable[[int], str], nbytes: int, rank: int, world: int, barrier: Callable[[], None],
+    init: Callable[[Segment], None],
+) -> list[Segment]:
+    """Every rank's segment, mapped on this rank: create ours (``init`` writes its first words,
+    e.g. our pid), barrier, map the peers', barrier, then unlink every file. Every rank removes
+    every rank's file (the names ``path(p)`` are known to all), so a peer killed anywhere between
+    creating its file and unlinking it leaves nothing behind in /dev/shm."""
+    own = Segment(path(rank), nbytes, create=True)
+    mapped = {rank: own}
+    try:
+        init(own)
+        barrier()  # every file exists
+        for p in range(world):
+            if p != rank:
+                mapped[p] = Segment(path(p), nbytes, create=False)
+        barrier()  # every rank mapped every file
+    except BaseException:
+        for s in mapped.values():
+            s.close()
+        raise
+    finally:
+        own.unlink()
+        for p in range(world):
+            try:
+                os.unlink(path(p))
+            except FileNotFoundError:
+                pass
+    return [mapped[p] for p in range(world)]

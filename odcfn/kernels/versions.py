@@ -38,7 +38,7 @@ from odcfn.sharding import Layout
 # local.py makes the views: its LocalWorld and LocalTransport are typed Any here, never
 # imported (local.py imports this module: that would be an import circle)
 
-__all__ = ["StaleLocal", "VersionBoard"]
+__all__ = ["StaleLocal", "VersionBoard", "reuse_view"]
 
 Apply = Callable[[int, dict[str, torch.Tensor], torch.Tensor], Mapping[str, torch.Tensor]]
 _POLL_S = 0.05  # a waiter re-checks at least this often (its own completions may need applying)
@@ -61,6 +61,19 @@ class VersionBoard:
         self.shared: dict[tuple[int, int], int] = {}  # (step, counter) -> value, for fetch_add
         self.appliers: list[Apply | None] = [None] * w  # each owner's update (the step layer's)
         self.apply_locks = [threading.Lock() for _ in range(w)]
+
+
+def reuse_view(view: Any, ring: int, make: Callable[[], Any]) -> Any:
+    """A transport's versions side: made on first use, then kept for the transport's life (it
+    holds the owner's version ring), refusing a later config with another ring."""
+    if view is None:
+        return make()
+    if view.ring != ring:
+        raise ValueError(
+            f"StepConfig.staleness changed on this transport: it keeps {view.ring} versions, "
+            f"the config asks for {ring}"
+        )
+    return view
 
 
 def _board(world: Any, ring: int, start: int) -> VersionBoard:
@@ -175,6 +188,11 @@ class StaleLocal:
                     w.cond.wait(min(left, _POLL_S))
         finally:
             self.wait_s += time.perf_counter() - t0
+
+    def wait_applied(self, n: int) -> None:
+        """Until every owner has applied every step below ``n``."""
+        b = self.board
+        self.wait(lambda: min(b.latest) >= n, f"every owner to apply the steps below {n}")
 
     def service(self) -> int:
         """Apply every completed step of the owners this rank pushes into (its own included), in

@@ -57,7 +57,8 @@ def check(state: TrainState) -> dict[str, int]:
     if not callable(getattr(tr, "versions", None)):
         raise TypeError(
             f"StepConfig.staleness={cfg.staleness!r} needs a transport with parameter versions "
-            f"(LocalWorld's in-process ranks); {type(tr).__name__} has none: use staleness=0"
+            f"(LocalWorld's in-process ranks, ShmTransport's processes); {type(tr).__name__} has none: "
+            "use staleness=0"
         )
     if len(state.mesh.replica_group) > 1:
         raise ValueError(
@@ -260,7 +261,7 @@ def drain(state: TrainState) -> tuple[TrainState, dict[int, dict[str, float]]]:
     if state.step != owner.next_step or state.params is not owner.handed:
         raise ValueError(f"drain: pass the TrainState the last train_step returned (step {owner.next_step})")
     n = state.step
-    view.wait(lambda: min(view.board.latest) >= n, f"every owner to apply the steps below {n}")
+    view.wait_applied(n)
     reports = _reports(view, owner, state.config.loss, n)
     params, opt_state = owner.current
     owner.handed = params
