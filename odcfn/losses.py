@@ -195,6 +195,12 @@ class PolicyGradient(TokenLoss):
     kl_loss_coef: float = 0.0
     kl_loss_type: str = "low_var_kl"
     entropy_coeff: float = 0.0
+    # the decoupled objective for off-policy rollouts (asynchronous RL; docs/rl.md): the clipped
+    # ratio is taken against ``prox_logprobs`` (the proximal policy), and each token's loss is
+    # weighted by the constant behaviour importance weight exp(prox - old_logprobs), set to 0
+    # where it exceeds ``behav_imp_weight_cap``
+    decoupled: bool = False
+    behav_imp_weight_cap: float | None = None
 
     metric_names = ("pg_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "kl_loss", "entropy")
     mean_metrics = frozenset({"pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"})
@@ -214,13 +220,25 @@ class PolicyGradient(TokenLoss):
                 raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)!r}")
         if not self.clip_ratio_c > 1:
             raise ValueError(f"clip_ratio_c (dual clip) must be > 1, got {self.clip_ratio_c!r}")
+        if not isinstance(self.decoupled, bool):
+            raise TypeError(f"policy_gradient: decoupled must be a bool, got {self.decoupled!r}")
+        cap = self.behav_imp_weight_cap
+        if cap is not None:
+            check_number(cap, "policy_gradient: behav_imp_weight_cap")
+            if not self.decoupled or not cap > 0:
+                raise ValueError(
+                    f"policy_gradient: behav_imp_weight_cap={cap!r} needs decoupled=True and a value > 0 "
+                    "(it caps the weight exp(prox_logprobs - old_logprobs))"
+                )
 
     def required_extras(self) -> tuple[str, ...]:
-        return ("advantages", "old_logprobs") + (("ref_logprobs",) if self.kl_loss_coef else ())
+        return (("advantages", "old_logprobs") + (("prox_logprobs",) if self.decoupled else ())
+                + (("ref_logprobs",) if self.kl_loss_coef else ()))
 
     def per_token(self, logp_T, entropy_T, extras):
         adv, old = extras["advantages"], extras["old_logprobs"]
-        log_ratio = (logp_T - old).clamp(-20.0, 20.0)
+        anchor = extras["prox_logprobs"] if self.decoupled else old
+        log_ratio = (logp_T - anchor).clamp(-20.0, 20.0)
         ratio = log_ratio.exp()
         surr1 = -adv * ratio
         surr2 = -adv * ratio.clamp(1.0 - self.clip_ratio_low, 1.0 + self.clip_ratio_high)
@@ -228,6 +246,11 @@ class PolicyGradient(TokenLoss):
         # dual clip: a negative advantage's loss is bounded by clip_ratio_c * |A|
         bound = -adv * self.clip_ratio_c
         pg_T = torch.where(adv < 0, torch.minimum(bound, clipped), clipped)
+        if self.decoupled:  # a constant per token: no gradient flows through the weight
+            w_T = (anchor - old).clamp(-20.0, 20.0).exp()
+            if self.behav_imp_weight_cap is not None:
+                w_T = torch.where(w_T <= self.behav_imp_weight_cap, w_T, torch.zeros_like(w_T))
+            pg_T = pg_T * w_T
         loss_T = pg_T
         if self.entropy_coeff:
             loss_T = loss_T - self.entropy_coeff * entropy_T
@@ -257,6 +280,8 @@ def policy_gradient(
     loss_agg_mode: str = "token-mean",
     loss_scale_factor: float | None = None,
     temperature: float = 1.0,
+    decoupled: bool = False,
+    behav_imp_weight_cap: float | None = None,
     **head: object,
 ) -> PolicyGradient:
     """PPO/GRPO clipped surrogate on ``ratio = exp(logp - old_logprobs)``, dual-clipped for
@@ -264,8 +289,11 @@ def policy_gradient(
     ``entropy_coeff`` x entropy; ``clip_ratio_high > clip_ratio_low`` is DAPO's clip-higher.
     Extras: ``advantages``, ``old_logprobs`` (and ``ref_logprobs`` when ``kl_loss_coef != 0``).
     ``temperature`` divides the logits, as it did when the rollouts were sampled; ``head``:
-    ``head``/``token_chunk``/``vocab_chunk`` as in ``TokenLoss``."""
+    ``head``/``token_chunk``/``vocab_chunk`` as in ``TokenLoss``. ``decoupled``: the decoupled
+    objective for stale rollouts: the ratio against the ``prox_logprobs`` extra, each token's
+    surrogate weighted by ``exp(prox_logprobs - old_logprobs)`` (0 above ``behav_imp_weight_cap``)."""
     return PolicyGradient(
+        decoupled=decoupled, behav_imp_weight_cap=behav_imp_weight_cap,
         loss_agg_mode=loss_agg_mode, loss_scale_factor=loss_scale_factor, temperature=temperature,
         clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high, clip_ratio_c=clip_ratio_c,
         kl_loss_coef=kl_loss_coef, kl_loss_type=kl_loss_type, entropy_coeff=entropy_coeff, **head,

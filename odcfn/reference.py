@@ -53,14 +53,21 @@ def reference_rl_loss(
     loss_agg_mode: str = "token-mean",
     loss_scale_factor: float | None = None,
     temperature: float = 1.0,
+    decoupled: bool = False,
+    behav_imp_weight_cap: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The minibatch loss (differentiable through ``logits_fn``) and its metrics.
+
+    ``decoupled``: the proximal-anchored objective, per token
+    ``w * max(-A r, -A clip(r))`` (dual-clipped) with ``r = pi / pi_prox`` and the constant
+    ``w = pi_prox / pi_behav`` (zeroed where it exceeds ``behav_imp_weight_cap``).
 
     ``logits_fn(tokens_L) -> logits_LxV`` runs the model on one unpacked sample. ``kind`` is
     ``"policy_gradient"`` or ``"cross_entropy"`` (the latter ignores the policy parameters).
     """
     logp_rows, ent_rows, mask_rows = [], [], []
-    ex_rows: dict[str, list[torch.Tensor]] = {k: [] for k in ("advantages", "old_logprobs", "ref_logprobs")}
+    ex_rows: dict[str, list[torch.Tensor]] = {
+        k: [] for k in ("advantages", "old_logprobs", "ref_logprobs", "prox_logprobs")}
     for s in batch.samples:
         logits = logits_fn(s.tokens.long()).float()[:-1] / temperature  # position t predicts t+1
         logprobs = torch.log_softmax(logits, dim=-1)
@@ -93,13 +100,19 @@ def reference_rl_loss(
     if kind == "cross_entropy":
         return agg(-logp), {}
     adv, old, ref = ex["advantages"], ex["old_logprobs"], ex["ref_logprobs"]
-    neg_kl = torch.clamp(logp - old, -20.0, 20.0)
+    prox = ex["prox_logprobs"] if decoupled else old
+    neg_kl = torch.clamp(logp - prox, -20.0, 20.0)
     ratio = torch.exp(neg_kl)
     pg1 = -adv * ratio
     pg2 = -adv * torch.clamp(ratio, 1 - clip_ratio_low, 1 + clip_ratio_high)
     pg_max = torch.max(pg1, pg2)
     pg3 = -adv * clip_ratio_c
     pg = torch.where(adv < 0, torch.min(pg3, pg_max), pg_max)
+    if decoupled:
+        behav = torch.exp(torch.clamp(prox - old, -20.0, 20.0))
+        if behav_imp_weight_cap is not None:
+            behav = behav * (behav <= behav_imp_weight_cap)
+        pg = pg * behav
     if kl_loss_type in ("kl", "k1"):
         kl = logp - ref
     elif kl_loss_type == "abs":

@@ -41,10 +41,13 @@ def hf_hidden_fn(cfg, params, dtype=torch.float32):
     return lambda tokens: torch.func.functional_call(model, sd, (tokens[None],), kw).hidden_states[-1][0]
 
 
-def rollout_batch(lengths, prompt_lens, vocab, *, seed=0, kl=True, spread=0.3):
+def rollout_batch(lengths, prompt_lens, vocab, *, seed=0, kl=True, spread=0.3, prox=False):
     """Samples with a prompt (no loss) and a response, per-token advantages and old/ref
-    log-probs near a plausible value (so ratios cross the clip range both ways)."""
+    log-probs near a plausible value (so ratios cross the clip range both ways); ``prox``: also
+    proximal log-probs near the old ones (the decoupled objective; its own generator, so the
+    other extras do not change)."""
     g = torch.Generator().manual_seed(seed)
+    g_prox = torch.Generator().manual_seed(seed + 7919)
     out = []
     for n, p in zip(lengths, prompt_lens):
         p = min(p, n - 1)
@@ -55,6 +58,8 @@ def rollout_batch(lengths, prompt_lens, vocab, *, seed=0, kl=True, spread=0.3):
         extras = {"advantages": adv, "old_logprobs": base + spread * torch.randn(n, generator=g)}
         if kl:
             extras["ref_logprobs"] = base + spread * torch.randn(n, generator=g)
+        if prox:  # exp(prox - old) spans ~0.3-3: some tokens above a cap of 1.5, most below 5
+            extras["prox_logprobs"] = extras["old_logprobs"] + 0.6 * torch.randn(n, generator=g_prox)
         out.append(odcfn.Sample(tokens, loss_mask=mask, extras=extras))
     return odcfn.Batch(tuple(out))
 

@@ -41,6 +41,7 @@ def loss_configs(draw):
         loss_agg_mode=mode,
         loss_scale_factor=float(draw(st.integers(1, 40))) if mode == "seq-mean-token-sum-norm" else None,
         temperature=draw(st.sampled_from([1.0, 0.7])),
+        **draw(st.sampled_from([{}, {"decoupled": True}, {"decoupled": True, "behav_imp_weight_cap": 1.5}])),
     )
 
 
@@ -70,7 +71,7 @@ def _odcfn_value_and_grad(params, batch, loss, split):
 def test_policy_gradient_equals_independent_reference(cfg, lengths, data):
     prompts = data.draw(st.lists(st.integers(0, 4), min_size=len(lengths), max_size=len(lengths)))
     seed = data.draw(st.integers(0, 2**16))
-    batch = rollout_batch(lengths, prompts, CFG.vocab_size, seed=seed)
+    batch = rollout_batch(lengths, prompts, CFG.vocab_size, seed=seed, prox=cfg.get("decoupled", False))
     loss = losses.policy_gradient(**cfg)
     params = odcfn.tree_map(lambda t: t.requires_grad_(), _params(seed))
     leaves = odcfn.tree.tree_leaves(params)
