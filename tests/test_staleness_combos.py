@@ -74,3 +74,43 @@ def test_bf16_compute_equals_the_replay_to_bf16_rounding():
     assert err < 0.05 and err < off / 2, (err, off)  # nearer its own schedule than the synchronous one
     for leaf in tree_leaves(got):
         assert leaf.dtype == torch.float32  # fp32 masters; bf16 only on the wire and in compute
+
+
+def test_save_log_probs_and_gather_params_read_one_version_on_every_owner(tmp_path):
+    """Called on the state a lagged train_step returned (not drained), they wait for the version
+    every owner applied all steps to: the params ``drain`` then gives; training goes on."""
+    model, full = qwen_model(CFG), init_params(CFG, seed=0)
+    probe = odcfn.random_batch([6, 4], CFG.vocab_size, seed=99)
+    gate = threading.Event()
+
+    def fn(rank, tr):
+        st = _fresh(model, full, tr)
+        for j, b in enumerate(_batches()[:3]):
+            if rank == 1 and j == 2:
+                assert gate.wait(20)  # rank 0 returns from step 2 before step 1 is applied anywhere
+            st, m = odcfn.train_step(st, b)
+        applied = m.extra["version_applied"]
+        if rank == 0:
+            gate.set()
+        lp = odcfn.log_probs(st, probe)
+        gathered = odcfn.gather_params(st)
+        odcfn.save(tmp_path / "ckpt", st)
+        drained, _ = stale.drain(st)
+        lp_drained = odcfn.log_probs(drained, probe)
+        st, _ = odcfn.train_step(drained, _batches()[3])
+        stale.drain(st)
+        return applied, lp, lp_drained, gathered, drained.params
+
+    out = odcfn.run_local(fn, 2)
+    assert out[0][0] < 3  # rank 0's own state after step 2 was behind: the calls had to wait
+    want = odcfn.unshard([o[4] for o in out], model, odcfn.Mesh(2, 0))
+    for _, lp, lp_drained, gathered, _ in out:
+        assert _err(gathered, want) == 0.0
+        assert all(torch.equal(a, b) for a, b in zip(lp, lp_drained))
+    loaded = odcfn.run_local(lambda r, tr: odcfn.load(tmp_path / "ckpt", _fresh(model, full, tr)).params, 2)
+    assert _err(odcfn.unshard(loaded, model, odcfn.Mesh(2, 0)), want) == 0.0
+
+
+def _fresh(model, full, tr):
+    return odcfn.TrainState.create(params=full, model=model, optimizer=odcfn.sgd(0.5), transport=tr,
+                                   config=odcfn.StepConfig(staleness=1))

@@ -11,6 +11,7 @@ import torch
 
 from odcfn.checkpoint import frozen, sharded
 from odcfn.checkpoint.async_save import AsyncSaver, default_saver
+from odcfn.step import stale
 from odcfn.step.state import TrainState, check_live, check_opt_state
 from odcfn.trainable import split
 
@@ -52,6 +53,7 @@ def save(
     if not isinstance(state, TrainState):
         raise TypeError(f"odcfn.save(path, state): state must be a TrainState, got {type(state).__name__}")
     check_live(state, "odcfn.save")
+    state = stale.consistent(state, "odcfn.save")  # under staleness: the version every owner applied
     if not isinstance(blocking, bool):
         raise TypeError(f"odcfn.save: blocking must be a bool, got {type(blocking).__name__}")
     params, model, extra = savable(state, extra, base)

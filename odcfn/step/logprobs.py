@@ -28,7 +28,7 @@ from odcfn.schedule.plan import Forward, compile_forward_plan
 from odcfn.schedule.policy import policy_info, resolve_policy
 from odcfn.sharding import make_layout
 from odcfn.sharding.layout import check_shards
-from odcfn.step import fingerprint
+from odcfn.step import fingerprint, stale
 from odcfn.step.execute import Executor
 from odcfn.step.prepare import check_inputs, minibatch_fingerprint, schedule_options
 from odcfn.step.state import TrainState, check_fields
@@ -75,6 +75,7 @@ def log_probs(
     forward-only cost is the training cost scaled, so the same partition); exactly one sync.
     """
     layout = check_inputs(state, batch)
+    state = stale.consistent(state, "log_probs")  # under staleness: one version on every owner
     head = LogProbs(temperature=temperature, entropy=entropy, head=head)  # checks temperature
     cfg, model, transport, mesh = state.config, state.model, state.transport, state.mesh
     cap = cfg.max_tokens_per_microbatch or max(batch.lengths)
@@ -137,6 +138,7 @@ def gather_params(
     if not isinstance(state, TrainState):
         raise TypeError(f"state must be an odcfn.TrainState, got {type(state).__name__}")
     check_fields(state)
+    state = stale.consistent(state, "gather_params")  # under staleness: one version on every owner
     mesh, transport, model = state.mesh, state.transport, state.model
     W = mesh.world_size
     rank = f"a rank in [0, {W}) or None"

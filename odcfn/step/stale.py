@@ -41,7 +41,7 @@ from odcfn.step.prepare import check_inputs, minibatch_fingerprint, recording, s
 from odcfn.step.stale_config import max_staleness, unit_staleness
 from odcfn.step.state import StepMetrics, TrainState
 
-__all__ = ["active", "check", "drain", "record", "train_step"]
+__all__ = ["active", "check", "consistent", "drain", "record", "train_step"]
 
 
 def active(config: Any) -> bool:
@@ -109,6 +109,7 @@ class _Owner:
     next_step: int  # the minibatch this rank runs next
     world_size: int
     handed: Any = None  # the params dict the last returned state holds (the caller must pass it back)
+    at_step: Any = None  # the params dict ``consistent`` gave at ``next_step`` (may be passed back too)
     words: dict[int, tuple[list[int], list[str]]] = field(default_factory=dict)  # step -> fingerprint
     reported: int = 0  # the next step whose loss this rank has not reported
     last: tuple[int, float, float] | None = None  # (step, loss, grad norm) newest reported
@@ -157,13 +158,17 @@ def _owner_of(state: TrainState, layout: Layout, dtype: torch.dtype, ring: int) 
                        state.step, state.mesh.world_size, reported=state.step)
         view.owner = owner
         view.start(layout, state.params, dtype, owner.apply)
-    elif state.step != owner.next_step or state.params is not owner.handed:
+    elif state.step != owner.next_step or not _ours(owner, state):
         raise ValueError(
             f"bounded staleness: pass the TrainState the last train_step (or drain) returned, at step "
             f"{owner.next_step}; got one at step {state.step}"
             + ("" if state.step != owner.next_step else " holding other params")
         )
     return view, owner
+
+
+def _ours(owner: _Owner, state: TrainState) -> bool:
+    return state.params is owner.handed or (owner.at_step is not None and state.params is owner.at_step)
 
 
 def _reports(view: Any, owner: _Owner, loss: Any, upto: int) -> dict[int, dict[str, float]]:
@@ -258,7 +263,7 @@ def drain(state: TrainState) -> tuple[TrainState, dict[int, dict[str, float]]]:
     if view is None or view.owner is None:
         return state, {}
     owner = view.owner
-    if state.step != owner.next_step or state.params is not owner.handed:
+    if state.step != owner.next_step or not _ours(owner, state):
         raise ValueError(f"drain: pass the TrainState the last train_step returned (step {owner.next_step})")
     n = state.step
     view.wait_applied(n)
@@ -266,6 +271,27 @@ def drain(state: TrainState) -> tuple[TrainState, dict[int, dict[str, float]]]:
     params, opt_state = owner.current
     owner.handed = params
     return state.replace(params=params, opt_state=opt_state), reports
+
+
+def consistent(state: TrainState, who: str = "this call") -> TrainState:
+    """``state`` at the version every owner has applied all its steps to (params of exactly
+    ``state.step`` updates), without taking the reports ``drain`` hands out: what ``odcfn.save``,
+    ``log_probs`` and ``gather_params`` read, so a snapshot or a rollout never mixes versions
+    across owners. Every rank calls it (it waits for the slowest owner). A state that never ran
+    stale is returned as is; the result may be passed back to ``train_step``."""
+    view = getattr(state.transport, "_stale", None)
+    if view is None or view.owner is None:
+        return state
+    owner = view.owner
+    if state.step != owner.next_step or not _ours(owner, state):
+        raise ValueError(
+            f"{who} under bounded staleness: pass the TrainState the last train_step (or drain) "
+            f"returned, at step {owner.next_step}; got one at step {state.step}"
+        )
+    view.wait_applied(state.step)
+    params, opt_state = owner.current  # nobody applies step state.step before this rank ran it
+    owner.at_step = params
+    return state.replace(params=params, opt_state=opt_state)
 
 
 def record(metrics: list[list[StepMetrics]]) -> list[list[tuple[tuple[int, ...], dict[str, int]]]]:
