@@ -9,7 +9,7 @@ import threading
 import torch
 
 import odcfn
-from odcfn.models import QwenConfig, init_params, qwen_model
+from odcfn.models import QwenConfig, QwenMoeConfig, init_params, qwen_model
 from odcfn.reference import replay
 from odcfn.step import stale
 from odcfn.tree import tree_leaves
@@ -114,3 +114,28 @@ def test_save_log_probs_and_gather_params_read_one_version_on_every_owner(tmp_pa
 def _fresh(model, full, tr):
     return odcfn.TrainState.create(params=full, model=model, optimizer=odcfn.sgd(0.5), transport=tr,
                                    config=odcfn.StepConfig(staleness=1))
+
+
+def test_a_mixture_reports_each_steps_expert_loads_late():
+    cfg = QwenMoeConfig(vocab_size=37, d_model=16, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=24,
+                        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8)
+    model, full = qwen_model(cfg), init_params(cfg, seed=0)
+    batches = [odcfn.random_batch([5, 9, 3, 7], cfg.vocab_size, seed=s) for s in range(4)]
+
+    def fn(rank, tr):
+        st = odcfn.TrainState.create(params=full, model=model, optimizer=odcfn.sgd(0.3), transport=tr,
+                                     config=odcfn.StepConfig(staleness=1))
+        reports = {}
+        for b in batches:
+            st, m = odcfn.train_step(st, b)
+            reports.update(m.extra["reports"])
+        st, late = stale.drain(st)
+        return {**reports, **late}
+
+    for reports in odcfn.run_local(fn, 2):
+        assert sorted(reports) == [0, 1, 2, 3]
+        for k, fig in reports.items():
+            loads = [v for key, v in fig.items() if key.startswith("moe/load/")]
+            assert len(loads) == len(model.routed)
+            for load in loads:  # every token of the minibatch chose top-k experts, on some rank
+                assert float(load.sum()) == sum(batches[k].lengths) * cfg.num_experts_per_tok

@@ -37,6 +37,7 @@ from odcfn.schedule.program import Piece, assemble_plan
 from odcfn.sharding import Layout
 from odcfn.step import fingerprint
 from odcfn.step.execute import Executor
+from odcfn.step.experts import expert_load_metrics
 from odcfn.step.prepare import check_inputs, minibatch_fingerprint, recording, schedule_options
 from odcfn.step.stale_config import max_staleness, unit_staleness
 from odcfn.step.state import StepMetrics, TrainState
@@ -113,7 +114,8 @@ class _Owner:
     words: dict[int, tuple[list[int], list[str]]] = field(default_factory=dict)  # step -> fingerprint
     reported: int = 0  # the next step whose loss this rank has not reported
     last: tuple[int, float, float] | None = None  # (step, loss, grad norm) newest reported
-    layout_info: dict[int, tuple[int, int]] = field(default_factory=dict)  # step -> (metrics, tokens)
+    # step -> (metric count, loss tokens, a mixture's expert-load shape): how to read its stats
+    layout_info: dict[int, tuple[int, int, tuple[int, ...] | None]] = field(default_factory=dict)
 
     def apply(self, k: int, grads: dict[str, torch.Tensor], stats: torch.Tensor) -> dict[str, torch.Tensor]:
         """Step ``k``'s update of this owner's shards; raises like the synchronous step would."""
@@ -180,9 +182,12 @@ def _reports(view: Any, owner: _Owner, loss: Any, upto: int) -> dict[int, dict[s
             break
         stats, norm2 = got
         k = owner.reported
-        m, tokens = owner.layout_info.pop(k)
-        fig = {"loss": float(stats[0]), "grad_norm": math.sqrt(max(norm2, 0.0))}
+        m, tokens, loads = owner.layout_info.pop(k)
+        fig: dict[str, Any] = {"loss": float(stats[0]), "grad_norm": math.sqrt(max(norm2, 0.0))}
         fig.update(loss_metrics(loss, tuple(float(x) for x in stats[2:2 + m]), tokens))
+        if loads is not None:  # the minibatch's tokens per expert, summed over ranks as the sync would
+            n = math.prod(loads)
+            fig.update(expert_load_metrics(owner.model, stats[2 + m:2 + m + n].reshape(loads).float().cpu()))
         out[k] = fig
         owner.last = (k, fig["loss"], fig["grad_norm"])
         owner.reported += 1
@@ -216,7 +221,6 @@ def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, StepMetrics
     )
     words, detail = minibatch_fingerprint(state, batch, layout, seen[-1] if seen else None)
     owner.words[j] = (words, detail)
-    owner.layout_info[j] = (len(cfg.loss.metric_names), batch.num_loss_tokens)
     before = view.counters.copy()
     ex = _StaleExecutor(model, layout, batch, view, dtype, device, cfg.loss)
     ex.riders, ex.t0 = fingerprint.encode(words, device), t0
@@ -229,6 +233,8 @@ def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, StepMetrics
         synced = ex.run_steps(piece.steps, offset, t0, ex.events) is not None or synced
     if not synced:
         raise ValueError("the program has no Sync step")
+    owner.layout_info[j] = (len(cfg.loss.metric_names), batch.num_loss_tokens,
+                            None if ex.loads is None else tuple(ex.loads.shape))
     owner.next_step = j + 1
     view.service()
     lags = [j - v for _, v in view.reads]
