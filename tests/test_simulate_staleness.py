@@ -140,6 +140,20 @@ def test_a_moving_slowdown_is_hidden_down_to_the_per_device_limit():
     assert [r.lag_max for r in rows] == [0, 1, 1] and rows[2].time_to_limit == pytest.approx(1.0)
 
 
+def test_lb_minis_fixed_rank_order_pins_the_imbalance_unless_permuted():
+    """LB-Mini gives its heaviest loads to the lowest ranks in every minibatch, so without noise
+    device 0 is the critical path every time and staleness gains nothing; permuting which device
+    runs which load (a seeded permutation per minibatch) changes no synchronous step but lets
+    τ = 1 hide the per-minibatch imbalance."""
+    from odcfn.schedule.stalesweep import stale_cell
+
+    fixed = stale_cell("longalign", 16, 4, [1], minibatches=8)
+    moved = stale_cell("longalign", 16, 4, [1], minibatches=8, permute=True)
+    assert moved[0].samples_per_s == fixed[0].samples_per_s  # synchronous: order is irrelevant
+    assert fixed[1].speedup < 1.0001
+    assert moved[1].speedup > 1.03 and moved[1].time_to_limit == pytest.approx(1.0)
+
+
 def test_staleness_at_1024_devices():
     from odcfn.schedule.stalesweep import stale_cell
 
@@ -184,6 +198,8 @@ def test_cli_bad_noise_flags_name_the_flag(capsys):
     assert "--slow-fraction" in capsys.readouterr().err
     assert _cli(["--staleness", "1", "--slow-rank", "8", "--devices", "8"]) == 2
     assert "--slow-rank" in capsys.readouterr().err
+    assert _cli(["--permute-ranks", "--devices", "8"]) == 2
+    assert "--permute-ranks needs --staleness" in capsys.readouterr().err
 
 
 def test_cli_prints_one_row_per_tau(capsys):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import sys
 import time
 from collections.abc import Sequence
@@ -59,15 +60,25 @@ def stale_cell(
     cost: QuadraticCost | None = None,
     max_tokens: int | None = None,
     seed: int = 0,
+    permute: bool = False,
 ) -> list[StaleRow]:
-    """One row per τ (0 first, then ``staleness`` in order, each once) on one cell's draws."""
+    """One row per τ (0 first, then ``staleness`` in order, each once) on one cell's draws.
+
+    ``permute``: device ``r`` runs LB-Mini's load ``perm[r]``, a seeded permutation per minibatch
+    (every rank can compute it). LB-Mini hands its heaviest loads to the lowest ranks every time,
+    so without it the same devices are the critical path in every minibatch and staleness cannot
+    hide the per-minibatch imbalance, only noise that moves."""
     taus = list(dict.fromkeys([0, *(check_staleness(t) for t in staleness)]))
     ds, cost, cap, mesh, work = cell_setup(dataset, devices, units, cost, max_tokens)
     plans, lengths, slow = [], [], []
     for k in range(minibatches):
         ls = ds.sample(devices * samples_per_device, seed=seed * 1000 + k)  # run_cell's draws
         lengths.append(ls)
-        plans.append(compile_plans(work.units, lb_mini(ls, devices, cap, cost=cost), "odc"))
+        assignment = lb_mini(ls, devices, cap, cost=cost)
+        if permute:
+            perm = random.Random(f"permute/{seed}/{k}").sample(range(devices), devices)
+            assignment = tuple(assignment[perm[r]] for r in range(devices))
+        plans.append(compile_plans(work.units, assignment, "odc"))
         slow.append(slowdowns(devices, k, seed, straggler, slow_fraction, slow_rank))
     runs = simulate_staleness(plans, lengths, taus, workload=work, cost=cost, comm=comm, mesh=mesh,
                               slowdowns=slow)
@@ -129,7 +140,8 @@ def describe(args: argparse.Namespace, cells: int, took: float) -> str:
     if args.straggler > 1.0:
         where = "a random device" if args.slow_rank is None else f"device {args.slow_rank}"
         noise = f"{where} x{args.straggler:g} on {args.slow_fraction:.0%} of minibatches"
-    return (f"({cells} cells in {took:.1f} s; {POLICY}, τ in {sorted({0, *args.staleness})}; {noise}; "
+    policy = POLICY + (" (loads permuted over devices each minibatch)" if args.permute_ranks else "")
+    return (f"({cells} cells in {took:.1f} s; {policy}, τ in {sorted({0, *args.staleness})}; {noise}; "
             f"network={args.network}, {args.units} units, {args.minibatches} minibatches per cell)")
 
 
@@ -140,7 +152,7 @@ def main(args: argparse.Namespace, comm: CommModel, t0: float) -> int:
             args.datasets, args.devices, args.samples_per_device, args.staleness,
             straggler=args.straggler, slow_fraction=args.slow_fraction, slow_rank=args.slow_rank,
             minibatches=args.minibatches, units=args.units, comm=comm, max_tokens=args.max_tokens,
-            seed=args.seed,
+            seed=args.seed, permute=args.permute_ranks,
         )
     except ValueError as e:  # e.g. a --max-tokens below the longest sample
         print(f"odcfn simulate: {e}", file=sys.stderr)

@@ -291,6 +291,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--staleness", type=_staleness, default=None, metavar="TAU[,TAU...]",
                    help="bounded staleness: ODC + LB-Mini at these τ (and τ=0) on the same minibatches, "
                    "one row per τ (docs/staleness.md)")
+    p.add_argument("--permute-ranks", action="store_true",
+                   help="with --staleness: a seeded permutation per minibatch of which device runs which "
+                   "LB-Mini load (LB-Mini gives the heaviest to the lowest ranks every time)")
     p.add_argument("--minibatches", type=int, default=4, help="sampled minibatches per cell")
     p.add_argument("--units", type=int, default=8, help="FSDP units the 7B model is cut into")
     p.add_argument("--network", choices=sorted(COMMS), default="a100",
@@ -329,6 +332,10 @@ def main(args: argparse.Namespace) -> int:
             took = time.perf_counter() - t0
             print(f"({len(cells)} cells in {took:.1f} s, {args.minibatches} minibatches per cell)")
         return 0
+    if args.permute_ranks and args.staleness is None:
+        print("odcfn simulate: --permute-ranks needs --staleness (synchronous steps do not care which "
+              "device runs which load)", file=sys.stderr)
+        return 2
     if args.staleness is not None:
         from odcfn.schedule.stalesweep import main as stale_main  # only with --staleness
 
