@@ -200,6 +200,11 @@ def test_cli_bad_noise_flags_name_the_flag(capsys):
     assert "--slow-rank" in capsys.readouterr().err
     assert _cli(["--permute-ranks", "--devices", "8"]) == 2
     assert "--permute-ranks needs --staleness" in capsys.readouterr().err
+    assert _cli(["--quality", "--staleness", "1"]) == 2
+    assert "pick one" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # "-1" as its own word is the flag's value, not an option
+        _cli(["--staleness", "-1"])
+    assert "argument --staleness: expected τ" in capsys.readouterr().err
 
 
 def test_cli_prints_one_row_per_tau(capsys):

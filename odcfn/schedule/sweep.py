@@ -5,7 +5,8 @@ three schedules -- Collective + LB-Micro (the FSDP baseline), ODC + LB-Mini, ODC
 -- simulates them and reports bubble rates, the bubble lower bound ``max(max cost, total / D)``
 and samples/s. Compute costs are the FLOPs of a 7B-class model at a fixed MFU on A100s; comm is
 an A100 cluster (NVLink inside a node of 8, 200 Gb/s InfiniBand across nodes) unless ``--network
-zero``.
+zero``. ``--staleness`` prints ODC + LB-Mini at several τ instead (``stalesweep``), ``--quality``
+the balancers alone.
 """
 
 from __future__ import annotations
@@ -322,6 +323,13 @@ def main(args: argparse.Namespace) -> int:
     if bad:
         print(f"odcfn simulate: --slow-rank {args.slow_rank} is not a device of {bad[0]}", file=sys.stderr)
         return 2
+    if args.quality and args.staleness is not None:
+        print("odcfn simulate: --quality and --staleness print different tables: pick one", file=sys.stderr)
+        return 2
+    if args.permute_ranks and args.staleness is None:
+        print("odcfn simulate: --permute-ranks needs --staleness (synchronous steps do not care which "
+              "device runs which load)", file=sys.stderr)
+        return 2
     t0 = time.perf_counter()
     if args.quality:
         cells = balancer_quality(
@@ -332,10 +340,6 @@ def main(args: argparse.Namespace) -> int:
             took = time.perf_counter() - t0
             print(f"({len(cells)} cells in {took:.1f} s, {args.minibatches} minibatches per cell)")
         return 0
-    if args.permute_ranks and args.staleness is None:
-        print("odcfn simulate: --permute-ranks needs --staleness (synchronous steps do not care which "
-              "device runs which load)", file=sys.stderr)
-        return 2
     if args.staleness is not None:
         from odcfn.schedule.stalesweep import main as stale_main  # only with --staleness
 
