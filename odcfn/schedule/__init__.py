@@ -26,6 +26,7 @@ from odcfn.schedule.plan import (
 from odcfn.schedule.policy import POLICIES, PolicyInfo, prepare_program
 from odcfn.schedule.program import Action, Piece
 from odcfn.schedule.simmodel import A100_COMM, ZERO_COMM, CommModel, SimResult, Workload, lower_bound_makespan
+from odcfn.schedule.simstale import StaleResult, simulate_staleness, stale_timeline
 from odcfn.schedule.simulate import compile_plans, simulate, simulate_work_stealing
 from odcfn.schedule.steal import StealPlan, WorkStealing, steal_plan
 
@@ -52,6 +53,7 @@ __all__ = [
     "ScatterAccumulate",
     "ScheduleOptions",
     "SimResult",
+    "StaleResult",
     "StealPlan",
     "Sync",
     "TokenCost",
@@ -70,7 +72,9 @@ __all__ = [
     "lower_bound_makespan",
     "round_robin",
     "simulate",
+    "simulate_staleness",
     "simulate_work_stealing",
     "swe_smith",
     "steal_plan",
+    "stale_timeline",
 ]

@@ -56,7 +56,7 @@ _KIND = ("gather", "forward", "backward", "scatter", "release", "collective", "c
 class RankClock:
     """One rank's clocks while it runs a stream of steps."""
 
-    __slots__ = ("busy", "events", "pull", "push", "ready", "remat", "slow", "t")
+    __slots__ = ("arrival", "busy", "events", "pull", "push", "ready", "remat", "slow", "t")
 
     def __init__(self, n_units: int, slow: float, record: bool) -> None:
         self.t = 0.0  # compute clock: when the next step can be issued
@@ -65,6 +65,8 @@ class RankClock:
         self.ready = [0.0] * n_units  # when each unit's latest gather lands
         self.remat = [False] * n_units
         self.busy = 0.0
+        self.arrival = 0.0  # when it reached the sync with its pushes landed (bounded staleness
+        # chains minibatches from these: odcfn.schedule.simstale)
         self.slow = slow
         self.events: list[Event] | None = [] if record else None
 
@@ -185,6 +187,7 @@ class Engine:
     def finish(self, r: int, st: RankClock, code: int, u: int, start: float, arrival: float) -> None:
         """Complete a collective (or the sync) that started at ``start`` for rank ``r``."""
         if code == SYNC:
+            st.arrival = arrival
             end = start + self.sync_time
             st.t = st.pull = st.push = end
             if st.events is not None:
@@ -215,6 +218,7 @@ def sim_result(plans: Sequence[Plan], ranks: Sequence[RankClock], lengths: Seque
         events=tuple(tuple(st.events or ()) for st in ranks),
         makespan=max(st.t for st in ranks),
         busy=tuple(st.busy for st in ranks),
+        arrivals=tuple(st.arrival for st in ranks),
         num_samples=len(ids),
         num_tokens=sum(lengths[i] for i in ids),
     )

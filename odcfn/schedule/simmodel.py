@@ -134,6 +134,8 @@ class SimResult:
     busy: tuple[float, ...]  # per rank: forward + backward time
     num_samples: int
     num_tokens: int
+    # per rank: when it reached the sync with every push landed (its own part of the step done)
+    arrivals: tuple[float, ...] = ()
 
     @property
     def world_size(self) -> int:

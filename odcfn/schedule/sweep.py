@@ -5,7 +5,8 @@ three schedules -- Collective + LB-Micro (the FSDP baseline), ODC + LB-Mini, ODC
 -- simulates them and reports bubble rates, the bubble lower bound ``max(max cost, total / D)``
 and samples/s. Compute costs are the FLOPs of a 7B-class model at a fixed MFU on A100s; comm is
 an A100 cluster (NVLink inside a node of 8, 200 Gb/s InfiniBand across nodes) unless ``--network
-zero``.
+zero``. ``--staleness`` prints ODC + LB-Mini at several τ instead (``stalesweep``), ``--quality``
+the balancers alone.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from dataclasses import asdict, dataclass
 
 from odcfn.schedule.balance import collective_time, lb_micro, lb_mini
 from odcfn.schedule.cost import QWEN25_7B, QuadraticCost, flops_cost
-from odcfn.schedule.lengths import DATASETS, get_dataset
+from odcfn.schedule.lengths import DATASETS, Dataset, get_dataset
 from odcfn.schedule.plan import Assignment
 from odcfn.schedule.policy import HEADLINE
 from odcfn.schedule.simulate import (
@@ -64,12 +65,25 @@ def default_cost() -> QuadraticCost:
     return flops_cost(QWEN25_7B).scaled(1.0 / (A100_BF16_FLOPS * MFU))
 
 
+def cell_setup(
+    dataset: str, devices: int, units: int, cost: QuadraticCost | None, max_tokens: int | None
+) -> tuple[Dataset, QuadraticCost, int, Mesh, Workload]:
+    """A cell's dataset, cost model, microbatch cap, mesh (nodes of 8) and the 7B workload."""
+    ds = get_dataset(dataset)
+    mesh = Mesh(devices, 0, RANKS_PER_NODE if devices % RANKS_PER_NODE == 0 else None)
+    # bf16 parameters gathered, bf16 gradients pushed (owners accumulate in fp32), both modes
+    work = Workload.uniform(units, model_bytes=2 * MODEL_PARAMS)
+    return ds, cost or default_cost(), max_tokens or ds.max_tokens, mesh, work
+
+
 def run_cell(
     dataset: str,
     devices: int,
     samples_per_device: int,
     *,
     straggler: float = 1.0,
+    slow_fraction: float = 1.0,
+    slow_rank: int | None = None,
     minibatches: int = 4,
     units: int = 8,
     comm: CommModel = A100_COMM,
@@ -78,21 +92,14 @@ def run_cell(
     seed: int = 0,
 ) -> list[Row]:
     """One cell: the three policies on the same ``minibatches`` sampled minibatches. Bubble
-    rates are time-weighted over the minibatches; samples/s = all samples / all step time."""
-    ds = get_dataset(dataset)
-    cost = cost or default_cost()
-    cap = max_tokens or ds.max_tokens
-    mesh = Mesh(devices, 0, RANKS_PER_NODE if devices % RANKS_PER_NODE == 0 else None)
-    # bf16 parameters gathered, bf16 gradients pushed (owners accumulate in fp32), both modes
-    work = Workload.uniform(units, model_bytes=2 * MODEL_PARAMS)
+    rates are time-weighted over the minibatches; samples/s = all samples / all step time.
+    The straggler (``slowdowns``) is slow on a ``slow_fraction`` of the minibatches."""
+    ds, cost, cap, mesh, work = cell_setup(dataset, devices, units, cost, max_tokens)
     acc = {p: [0.0, 0.0, 0] for p in HEADLINE}  # busy, rank-time, samples
     lb_busy = lb_time = 0.0
     for k in range(minibatches):
         lengths = ds.sample(devices * samples_per_device, seed=seed * 1000 + k)
-        # the slow device sits at a random rank each minibatch: balancers sort ranks by load,
-        # so a fixed index would always meet the same (heaviest or lightest) share
-        slow = [1.0] * devices
-        slow[random.Random(f"straggler/{seed}/{k}").randrange(devices)] = straggler
+        slow = slowdowns(devices, k, seed, straggler, slow_fraction, slow_rank)
         kw = dict(workload=work, cost=cost, comm=comm, mesh=mesh, slowdown=slow, record=False)
         results = {
             "collective+lb-micro": simulate(
@@ -134,6 +141,26 @@ def run_cell(
             )
         )
     return rows
+
+
+def slowdowns(
+    devices: int, k: int, seed: int, straggler: float, slow_fraction: float = 1.0,
+    slow_rank: int | None = None,
+) -> list[float]:
+    """Minibatch ``k``'s per-device slowdowns: one device at ``straggler`` on a random
+    ``slow_fraction`` of the minibatches (the real benchmarks' noise), the others at 1. The device
+    is ``slow_rank`` if given, else a random one each minibatch: balancers sort ranks by load, so
+    a fixed index would always meet the same (heaviest or lightest) share."""
+    if slow_rank is not None and not (isinstance(slow_rank, int) and 0 <= slow_rank < devices):
+        raise ValueError(f"slow_rank must be a device index in [0, {devices}), got {slow_rank!r}")
+    if not 0.0 <= slow_fraction <= 1.0:
+        raise ValueError(f"slow_fraction must be in [0, 1], got {slow_fraction!r}")
+    slow = [1.0] * devices
+    # separate streams: the device drawn for minibatch k does not depend on the fraction
+    rank = random.Random(f"straggler/{seed}/{k}").randrange(devices) if slow_rank is None else slow_rank
+    if random.Random(f"slow-fraction/{seed}/{k}").random() < slow_fraction:
+        slow[rank] = straggler
+    return slow
 
 
 def sweep(
@@ -246,11 +273,28 @@ def _names(s: str) -> list[str]:
     return out
 
 
+def _staleness(s: str) -> list[int]:
+    from odcfn.schedule.stalesweep import parse_staleness  # only with --staleness
+
+    return parse_staleness(s)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--devices", type=_ints, default=[8, 16, 32, 64, 1024], help="comma-separated")
     p.add_argument("--samples-per-device", type=_ints, default=[1, 2, 4, 8], help="comma-separated")
     p.add_argument("--datasets", type=_names, default=list(DATASETS), help=f"of {sorted(DATASETS)}")
-    p.add_argument("--straggler", type=float, default=1.0, help="slow one device by this factor")
+    p.add_argument("--straggler", "--slow-factor", type=float, default=1.0,
+                   help="slow one device by this factor (a random one each minibatch)")
+    p.add_argument("--slow-fraction", type=float, default=1.0,
+                   help="the straggler is slow on this random fraction of the minibatches (default 1)")
+    p.add_argument("--slow-rank", type=int, default=None,
+                   help="always slow this device instead of a random one (a fixed straggler)")
+    p.add_argument("--staleness", type=_staleness, default=None, metavar="TAU[,TAU...]",
+                   help="bounded staleness: ODC + LB-Mini at these τ (and τ=0) on the same minibatches, "
+                   "one row per τ (docs/staleness.md)")
+    p.add_argument("--permute-ranks", action="store_true",
+                   help="with --staleness: a seeded permutation per minibatch of which device runs which "
+                   "LB-Mini load (LB-Mini gives the heaviest to the lowest ranks every time)")
     p.add_argument("--minibatches", type=int, default=4, help="sampled minibatches per cell")
     p.add_argument("--units", type=int, default=8, help="FSDP units the 7B model is cut into")
     p.add_argument("--network", choices=sorted(COMMS), default="a100",
@@ -272,6 +316,20 @@ def main(args: argparse.Namespace) -> int:
     if args.minibatches < 1 or args.units < 1:
         print("odcfn simulate: --minibatches and --units must be >= 1", file=sys.stderr)
         return 2
+    if not 0.0 <= args.slow_fraction <= 1.0:
+        print(f"odcfn simulate: --slow-fraction must be in [0, 1], got {args.slow_fraction}", file=sys.stderr)
+        return 2
+    bad = [d for d in args.devices if args.slow_rank is not None and not 0 <= args.slow_rank < d]
+    if bad:
+        print(f"odcfn simulate: --slow-rank {args.slow_rank} is not a device of {bad[0]}", file=sys.stderr)
+        return 2
+    if args.quality and args.staleness is not None:
+        print("odcfn simulate: --quality and --staleness print different tables: pick one", file=sys.stderr)
+        return 2
+    if args.permute_ranks and args.staleness is None:
+        print("odcfn simulate: --permute-ranks needs --staleness (synchronous steps do not care which "
+              "device runs which load)", file=sys.stderr)
+        return 2
     t0 = time.perf_counter()
     if args.quality:
         cells = balancer_quality(
@@ -282,12 +340,18 @@ def main(args: argparse.Namespace) -> int:
             took = time.perf_counter() - t0
             print(f"({len(cells)} cells in {took:.1f} s, {args.minibatches} minibatches per cell)")
         return 0
+    if args.staleness is not None:
+        from odcfn.schedule.stalesweep import main as stale_main  # only with --staleness
+
+        return stale_main(args, COMMS[args.network], t0)
     try:
         rows = sweep(
             args.datasets,
             args.devices,
             args.samples_per_device,
             straggler=args.straggler,
+            slow_fraction=args.slow_fraction,
+            slow_rank=args.slow_rank,
             minibatches=args.minibatches,
             units=args.units,
             comm=COMMS[args.network],
@@ -303,7 +367,13 @@ def main(args: argparse.Namespace) -> int:
         print(format_table(rows))
         print(
             f"({len(rows) // len(HEADLINE)} cells in {time.perf_counter() - t0:.1f} s; "
-            f"straggler x{args.straggler:g}, network={args.network}, {args.units} units, "
+            f"straggler x{args.straggler:g}{_fraction(args)}, network={args.network}, {args.units} units, "
             f"{args.minibatches} minibatches per cell)"
         )
     return 0
+
+
+def _fraction(args: argparse.Namespace) -> str:
+    where = "" if args.slow_rank is None else f" at device {args.slow_rank}"
+    return where + ("" if args.slow_fraction == 1.0 else f" on {args.slow_fraction:.0%} of minibatches")
+
