@@ -200,3 +200,18 @@ def test_the_docs_example_runs(capsys):
     exec(compile(code, "docs/staleness.md", "exec"), {})
     out = capsys.readouterr().out.strip().splitlines()
     assert out[-1] == "ok"
+
+
+def test_the_bench_table_command_runs_small():
+    import random
+
+    from odcfn.bench.sensitivity import bench_sensitivity, counting_batch
+
+    b = counting_batch(3, 64, random.Random(0))
+    for s in b.samples:  # a counting sequence: one stride per sample, modulo the vocabulary
+        steps = (s.tokens[1:] - s.tokens[:-1]) % 64
+        assert len(set(steps.tolist())) == 1 and 1 <= int(steps[0]) <= 4
+    res = bench_sensitivity(world=2, steps=1, probes=2, samples=2)
+    assert list(res["before"]) == list(res["after"]) == list(res["numel"])
+    assert len(res["kept"]) == 2  # ceil(0.25 * 6 units)
+    assert res["before"] != res["after"]  # measured again at the trained parameters
