@@ -141,6 +141,26 @@ def test_the_hybrid_dict_runs_stale_and_its_kept_units_read_the_newest_version()
     assert max(float((a - b).abs().max()) for a, b in zip(tree_leaves(got), tree_leaves(want))) < 2e-6
 
 
+def test_measure_after_a_drained_stale_run_scores_the_drained_params():
+    """The state's τ >= 1 is ignored (the measurement is synchronous), and on the transport a
+    stale run used the scores are those of the params drain returned."""
+    cfg, model, full = tiny()
+    batches = _batches(cfg, 5, seed=30)
+
+    def fn(rank, tr):
+        state = make_state(full, model, tr, optimizer=odcfn.sgd(0.5), staleness=1)
+        for b in batches[:3]:
+            state, _ = odcfn.train_step(state, b)
+        state, _ = stale.drain(state)
+        return sensitivity.measure(state, batches[3:]), state.params
+
+    out = odcfn.run_local(fn, 2, timeout=60)
+    params = odcfn.unshard([p for _, p in out], model, odcfn.Mesh(2, 0))
+    want = _by_hand(model, params, batches[3:])
+    for scores, _ in out:
+        for u in want:
+            assert scores[u] == pytest.approx(want[u], rel=1e-5), u
+
 def test_ranks_that_disagree_raise_on_every_rank():
     cfg, model, full = tiny()
     batches = _batches(cfg, 3)
