@@ -139,3 +139,30 @@ def test_a_mixture_reports_each_steps_expert_loads_late():
             assert len(loads) == len(model.routed)
             for load in loads:  # every token of the minibatch chose top-k experts, on some rank
                 assert float(load.sum()) == sum(batches[k].lengths) * cfg.num_experts_per_tok
+
+
+def test_the_balancers_lists_are_dealt_afresh_each_step():
+    """Under staleness rank r runs list ``dealt(r, j, W)`` of the balancer's assignment: a
+    permutation per step, the same on every rank, so the heaviest list moves between ranks."""
+    for w in (2, 3, 4):
+        for j in range(20):
+            assert sorted(stale.dealt(r, j, w) for r in range(w)) == list(range(w))
+        assert len({tuple(stale.dealt(r, j, w) for r in range(w)) for j in range(20)}) > 1
+    lengths = [40, 3, 30, 2, 20, 1]
+    model, full = qwen_model(CFG), init_params(CFG, seed=0)
+    batches = [odcfn.random_batch(lengths, CFG.vocab_size, seed=s) for s in range(6)]
+
+    def fn(rank, tr):
+        st = odcfn.TrainState.create(params=full, model=model, optimizer=odcfn.sgd(0.1), transport=tr,
+                                     config=odcfn.StepConfig(staleness=1, balance="lb_mini"))
+        ran = []
+        for b in batches:
+            st, m = odcfn.train_step(st, b)
+            ran.append(sorted(i for mb in m.plan.microbatches for i in mb))
+        stale.drain(st)
+        return ran
+
+    out = odcfn.run_local(fn, 2)
+    for j in range(len(batches)):
+        assert sorted(out[0][j] + out[1][j]) == list(range(len(lengths)))  # every sample once
+    assert len({tuple(out[0][j]) for j in range(len(batches))}) == 2  # rank 0 ran both lists

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import math
+import random
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -169,6 +170,18 @@ def _owner_of(state: TrainState, layout: Layout, dtype: torch.dtype, ring: int) 
     return view, owner
 
 
+def dealt(rank: int, step: int, world_size: int) -> int:
+    """Which of the balancer's per-rank work lists ``rank`` runs in minibatch ``step``: a
+    permutation drawn from the step, the same on every rank. Balancers hand their heaviest list to
+    the same rank every minibatch (LB-Mini's first), which makes that rank the critical path at
+    any τ; dealt afresh each step, a rank that drew a heavy list catches up on lighter ones while
+    its peers run ahead, which is what staleness can hide (``odcfn simulate --staleness``
+    measures both). Without staleness every rank meets at each step, so the deal is not made."""
+    order = list(range(world_size))
+    random.Random(step).shuffle(order)  # Python's Mersenne Twister: identical in every process
+    return order[rank]
+
+
 def _ours(owner: _Owner, state: TrainState) -> bool:
     return state.params is owner.handed or (owner.at_step is not None and state.params is owner.at_step)
 
@@ -216,8 +229,9 @@ def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, StepMetrics
     cap = cfg.max_tokens_per_microbatch or max(batch.lengths)
     program = prepare_program(
         recording(cfg.balance, seen), batch.lengths, units=model.unit_names, world_size=mesh.world_size,
-        rank=mesh.rank, max_tokens=cap, comm="odc", options=schedule_options(cfg.options, model, cfg.remat),
-        cost=cfg.cost, fetch_add=view.fetch_add, max_counters=view.max_counters,
+        rank=dealt(mesh.rank, j, mesh.world_size), max_tokens=cap, comm="odc",
+        options=schedule_options(cfg.options, model, cfg.remat), cost=cfg.cost, fetch_add=view.fetch_add,
+        max_counters=view.max_counters,
     )
     words, detail = minibatch_fingerprint(state, batch, layout, seen[-1] if seen else None)
     owner.words[j] = (words, detail)
