@@ -101,6 +101,8 @@ def run_lines(cfg: SFTConfig, qcfg: Any, model: Any, data: Any) -> list[str]:
     t = cfg.train
     cap = t.max_tokens_per_microbatch or "one sample"
     remat = ", remat" if t.remat else ""
+    if t.staleness:  # said up front: the losses then arrive late and saves drain first
+        remat += f", staleness {t.staleness}"
     lines.append(f"ranks: {t.world_size} ({t.backend}), {t.comm} + {t.balance}, microbatch cap {cap} tokens, "
                  f"{t.compute_dtype}{remat}; {t.steps} steps, {t.optimizer} lr {t.lr:g} "
                  f"({t.schedule}, warmup {t.warmup_steps})")

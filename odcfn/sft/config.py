@@ -13,6 +13,7 @@ from typing import Any
 from odcfn._check import ArgTypeError
 from odcfn.sft.config_dpo import DpoSection, check_task
 from odcfn.sft.keys import KEYS, check_key
+from odcfn.sft.stale_train import check_config, check_model, check_train
 
 __all__ = [
     "CheckpointSection", "DataSection", "DpoSection", "LogSection", "LoraSection", "ModelSection",
@@ -90,6 +91,8 @@ class TrainSection:
     backend: str = "threads"
     timeout: float = 120.0
     deterministic: bool = False  # StepConfig.deterministic: bit-identical reruns and restarts
+    staleness: int | dict = 0  # StepConfig.staleness: τ, or {unit pattern: τ} (odcfn.sft.stale_train)
+    expert_bias_rate: float = 0.0  # StepConfig.expert_bias_rate: a mixture's aux-loss-free balancing
     max_restarts: int = 0  # backend "processes": restart the ranks this often after a failure
 
     def __post_init__(self) -> None:
@@ -99,6 +102,7 @@ class TrainSection:
         if self.world_size is None:
             object.__setattr__(self, "world_size", default_world_size())
         _check_types(self, 'train')
+        check_train(self)  # the table's entries, and the keys staleness cannot be combined with
 
 
 def default_world_size() -> int:
@@ -174,6 +178,7 @@ class SFTConfig:
                 f"(threads of one process cannot be restarted alone), got backend {t.backend!r}"
             )
         check_task(self)
+        check_config(self)
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -324,16 +329,18 @@ def check_inputs(cfg: SFTConfig) -> None:
     except (ValueError, TypeError) as e:
         where = "model.hf_path's config.json" if m.hf_path else "[model]"
         raise ValueError(f"config: {where} does not describe a model odcfn builds: {e}") from None
-    if cfg.lora.rank:
-        from odcfn.models import qwen_model
+    from odcfn.models import qwen_model
 
+    model = qwen_model(qcfg)  # no weights: the unit names the keys below are checked against
+    if cfg.lora.rank:
         try:
             from odcfn import lora
 
-            lora.apply(qwen_model(qcfg), {}, rank=cfg.lora.rank, alpha=cfg.lora.alpha,
-                       targets=tuple(cfg.lora.targets))
+            model = lora.apply(model, {}, rank=cfg.lora.rank, alpha=cfg.lora.alpha,
+                               targets=tuple(cfg.lora.targets))[0]
         except ValueError as e:
             raise ValueError(f"config: lora.targets {cfg.lora.targets}: {e}") from None
+    check_model(cfg, model)
 
 
 def model_config(cfg: SFTConfig) -> Any:

@@ -118,6 +118,13 @@ KEYS: dict[tuple[str, str], Rule] = {
                                choices=("threads", "processes")),
     ("train", "timeout"): Rule("seconds a rank waits on a peer before calling it dead", lo=0, strict=True),
     ("train", "deterministic"): Rule("bit-identical reruns and restarts (StepConfig.deterministic)"),
+    ("train", "staleness"): Rule("bounded staleness tau (docs/staleness.md): a rank may run up to tau steps "
+                                 "ahead, reading parameters up to tau versions old (0: synchronous); a table "
+                                 "[train.staleness] maps unit patterns to tau (e.g. head = 0, \"*\" = 1)",
+                                 **_NONNEG),
+    ("train", "expert_bias_rate"): Rule("mixture of experts only: aux-loss-free balancing, the rate at which "
+                                        "each router's per-expert bias moves toward under-loaded experts "
+                                        "(0: off)", **_NONNEG),
     ("train", "max_restarts"): Rule("backend = \"processes\" only: restart all ranks this often after a "
                                     "failure", **_NONNEG),
     # [checkpoint]
@@ -163,9 +170,11 @@ _TYPES = {
     "str": lambda v: isinstance(v, str),
     "bool": lambda v: v is True or v is False,
     "list": lambda v: isinstance(v, list),
+    "dict": lambda v: isinstance(v, dict),
 }
 _NAMES = {"int": "an integer", "float": "a number", "str": "a string", "bool": "true or false",
-          "list": "a list of strings", "None": "unset"}
+          "list": "a list of strings", "None": "unset",
+          "dict": "a table of unit patterns to integers"}
 
 
 def _kinds(annotation: Any) -> list[str]:

@@ -44,6 +44,8 @@ from odcfn.sft.prepare import PreparedData, prepare_data
 from odcfn.sft.record import Logger, already_done, data_summary, step_record
 from odcfn.sft.restart import Snapshots, clear_for_fresh_start, open_memory_tier, resume_point
 from odcfn.sft.resume_check import check_resume
+from odcfn.sft.stale_train import StepLog, active, check_model
+from odcfn.step.stale_config import max_staleness
 
 __all__ = [
     "SFTConfig", "add_arguments", "config_from_dict", "load_config", "main", "process_worker", "run",
@@ -122,6 +124,7 @@ def _setup(cfg: SFTConfig, rank: int, transport, data: PreparedData | None = Non
     import odcfn
     from odcfn.checkpoint.frozen import load_parts
     from odcfn.checkpoint.sharded import read_manifest
+    from odcfn.checkpoint.state_io import ROUTER_BIAS
     from odcfn.checkpoint.verify import sha256
 
     t = cfg.train
@@ -133,6 +136,7 @@ def _setup(cfg: SFTConfig, rank: int, transport, data: PreparedData | None = Non
     # LoRA: the frozen base comes from [model] whether or not a checkpoint holds the adapters
     qcfg, model, initial = _build_model(cfg, None if ck is not None and not cfg.lora.rank else mesh)
     model, initial = _with_lora(cfg, model, initial, mesh)
+    check_model(cfg, model)  # staleness patterns, expert_bias_rate: before any step communicates
     if data is None:  # a rank of torchrun or of the processes backend: its own (cached) read
         data = prepare_data(cfg, qcfg.vocab_size)
     lr = _lr_fn(t)
@@ -142,10 +146,13 @@ def _setup(cfg: SFTConfig, rank: int, transport, data: PreparedData | None = Non
     step_config = odcfn.StepConfig(
         comm=t.comm, balance=t.balance, max_tokens_per_microbatch=t.max_tokens_per_microbatch,
         compute_dtype=dtype, max_grad_norm=t.max_grad_norm, deterministic=t.deterministic, remat=t.remat,
-        donate=True,  # the loop never reuses a state: update in place (no second copy of it)
+        staleness=t.staleness, expert_bias_rate=t.expert_bias_rate,
+        # the loop never reuses a state: update in place (no second copy of it); stale owners
+        # keep older versions readable by peers, so never in place there
+        donate=not active(t),
         loss=dpo_loss(cfg),  # None: cross-entropy (SFT)
     )
-    start, resumed = 0, None
+    start, resumed, bias = 0, None, None
     data_sha = sha256(Path(cfg.data.path))
     if ck is not None:
         extra = read_manifest(ck).get("extra", {})
@@ -155,6 +162,8 @@ def _setup(cfg: SFTConfig, rank: int, transport, data: PreparedData | None = Non
         t_load = time.perf_counter()
         params, opt_state, start = load_parts(ck, model, mesh, initial, cfg.model.hf_path)
         resumed = str(ck)
+        if t.expert_bias_rate and extra.get(ROUTER_BIAS) is not None:  # balancing continues where it was
+            bias = torch.tensor(extra[ROUTER_BIAS], dtype=torch.float32)
         if rank == 0:  # a restart's trace in the job's log (recovery time, lost work)
             print(f"odcfn train: resuming at step {start} from {ck} (read in "
                   f"{time.perf_counter() - t_load:.2f}s)", file=sys.stderr, flush=True)
@@ -163,7 +172,7 @@ def _setup(cfg: SFTConfig, rank: int, transport, data: PreparedData | None = Non
         params, opt_state = initial, None
     state = odcfn.TrainState.create(
         params=params, model=model, optimizer=optimizer, transport=transport, config=step_config,
-        opt_state=opt_state, step=start,
+        opt_state=opt_state, step=start, router_bias=bias,
     )
     # Everything past the step we start from is stale: a fresh run's predecessors, or the
     # uncommitted remains of an interrupted save (whose rank files would otherwise pass for
@@ -198,7 +207,9 @@ def _say_schedule_change(stored: dict[str, Any], cfg: SFTConfig, start: int) -> 
 
 def _lr_now(run: _Run, step: int) -> float:
     """The rate of the update just made: the optimizer counts updates, skipped steps are none."""
+    # a stale owner's optimizer state may trail the step (and no step is skipped there)
     count = run.state.opt_state.get("count") if isinstance(run.state.opt_state, dict) else None
+    count = None if max_staleness(run.state.config.staleness) else count
     return run.lr(count if isinstance(count, int) else step + 1)
 
 
@@ -214,7 +225,7 @@ def train_rank(cfg: SFTConfig, rank: int, transport, data: PreparedData | None =
     # last step's checkpoint, so that one is saved whatever the schedule
     snaps = Snapshots(cfg, run.data_sha, run.state.mesh, run.tier, base=cfg.model.hf_path,
                       save_last=bool(cfg.checkpoint.export_hf) and _under_torchrun())
-    last = None
+    log = StepLog(cfg, logger, snaps)  # under staleness: late losses, a drain before each save
     try:
         for step in range(run.start, cfg.train.steps):
             if step in run.data.skip_steps:  # no loss tokens: a step without an update
@@ -224,10 +235,8 @@ def train_rank(cfg: SFTConfig, rank: int, transport, data: PreparedData | None =
             batch = run.data.batch(step, cfg.data)  # a pure function of the step (pairs too)
             kill_point("step", step + 1, rank)  # tests only (ODCFN_TEST_KILL_AT)
             run.state, m = odcfn.train_step(run.state, batch)
-            last = m.loss
-            if logger is not None:
-                logger.log(step_record(m, step + 1, step // run.data.per_epoch, _lr_now(run, step)))
-            snaps.after_step(run.state, step + 1)
+            rec = step_record(m, step + 1, step // run.data.per_epoch, _lr_now(run, step))
+            run.state = log.after_step(run.state, m, rec)
         snaps.finish(run.state)
     finally:
         if logger is not None:
@@ -237,7 +246,7 @@ def train_rank(cfg: SFTConfig, rank: int, transport, data: PreparedData | None =
         "rank": rank,
         "start_step": run.start,
         "steps": cfg.train.steps,
-        "final_loss": last,
+        "final_loss": log.final_loss,
         "resumed_from": run.resumed,
         "snapshot_fetch": run.tier.fetched,  # files read back from other nodes
         "data": run.data.report(),
@@ -294,6 +303,7 @@ def _run_locked(cfg: SFTConfig) -> list[dict[str, Any]]:
         return results
     qcfg, model, _ = _build_model(cfg)
     model = _with_lora(cfg, model, None, None)[0]
+    check_model(cfg, model)  # a config built without load_config: named before any rank starts
     data = prepare_data(cfg, qcfg.vocab_size)  # every problem named before a rank starts
     from odcfn.sft.announce import run_lines
 

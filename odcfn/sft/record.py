@@ -20,6 +20,8 @@ __all__ = ["Logger", "already_done", "data_summary", "prune", "step_record"]
 
 _LOSS_FIGURES = frozenset(("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
                            "logps/chosen", "logps/rejected", "nll_loss"))
+# bounded staleness (train.staleness): how far behind this rank read, and how long it waited
+_STALE_FIGURES = ("staleness_max", "staleness_mean", "version_wait_s")
 
 
 def step_record(m: StepMetrics, step: int, epoch: int, lr: float) -> dict[str, Any]:
@@ -46,6 +48,7 @@ def step_record(m: StepMetrics, step: int, epoch: int, lr: float) -> dict[str, A
         "time": time.time(),
         # a preference loss's figures as TRL names them (rewards/..., logps/..., nll_loss)
         **{k: float(v) for k, v in m.extra.items() if k in _LOSS_FIGURES},
+        **{k: m.extra[k] for k in _STALE_FIGURES if k in m.extra},
     }
 
 

@@ -83,13 +83,26 @@ class Snapshots:
         return {"config": self.config, "data_sha256": self.data_sha, "data_step": done,
                 "path_digests": self.digests}
 
+    def _disk_due(self, done: int) -> bool:
+        # the last step is always saved (every = 0: only it), so a finished run can be exported
+        every = self.cfg.checkpoint.every
+        return bool(every and done % every == 0) or done == self.cfg.train.steps
+
+    def _memory_due(self, done: int) -> bool:
+        return self.tier is not None and done % self.cfg.checkpoint.memory_every == 0 \
+            and done != self.cfg.train.steps
+
+    def due(self, done: int) -> bool:
+        """Whether ``after_step(state, done)`` saves (to disk or to the memory tier): under
+        bounded staleness the loop drains first, so that what is saved is one consistent version."""
+        return self._disk_due(done) or self._memory_due(done)
+
     def after_step(self, state: Any, done: int) -> None:
         c, last = self.cfg.checkpoint, done == self.cfg.train.steps
         t = self.cfg.train.timeout
         if last:
             self.memory.wait()  # its errors surface before the final save
-        # the last step is always saved (every = 0: only it), so a finished run can be exported
-        if (c.every and done % c.every == 0) or last:
+        if self._disk_due(done):
             path = Path(self.cfg.checkpoint_dir) / f"step-{done:08d}"
             root = Path(self.cfg.checkpoint_dir)
 
@@ -102,7 +115,7 @@ class Snapshots:
                            mesh=state.mesh, extra=extra, timeout=t, after=pruned)
             if not c.async_save or last:
                 self.disk.wait()
-        if self.tier is not None and done % c.memory_every == 0 and not last:
+        if self._memory_due(done):
             publish = self.tier.publish if self.tier.leader else None
             params, model, extra = savable(state, self._extra(done), self.base)
             self.memory.save(self.tier.path(done), params, state.opt_state, state.step,
