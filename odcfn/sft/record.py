@@ -16,9 +16,9 @@ from odcfn.sft.config import SFTConfig
 from odcfn.step.state import StepMetrics
 from odcfn.trace import COMPUTE_KINDS
 
-__all__ = ["Logger", "already_done", "data_summary", "prune", "step_record"]
+__all__ = ["LOSS_FIGURES", "Logger", "already_done", "data_summary", "prune", "step_record"]
 
-_LOSS_FIGURES = frozenset(("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
+LOSS_FIGURES = frozenset(("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
                            "logps/chosen", "logps/rejected", "nll_loss"))
 # bounded staleness (train.staleness): how far behind this rank read, and how long it waited
 _STALE_FIGURES = ("staleness_max", "staleness_mean", "version_wait_s")
@@ -47,7 +47,7 @@ def step_record(m: StepMetrics, step: int, epoch: int, lr: float) -> dict[str, A
         "busy_fraction": busy / m.step_time if m.step_time > 0 else 0.0,
         "time": time.time(),
         # a preference loss's figures as TRL names them (rewards/..., logps/..., nll_loss)
-        **{k: float(v) for k, v in m.extra.items() if k in _LOSS_FIGURES},
+        **{k: float(v) for k, v in m.extra.items() if k in LOSS_FIGURES},
         **{k: m.extra[k] for k in _STALE_FIGURES if k in m.extra},
     }
 

@@ -109,7 +109,10 @@ class StepLog:
     its step's figures (``reports``), and every rank drains before a step that saves."""
 
     def __init__(self, cfg: Any, logger: Any, snaps: Any) -> None:
+        from odcfn.sft.record import LOSS_FIGURES  # here: record imports config, which imports us
+
         self.stale, self.logger, self.snaps = active(cfg.train), logger, snaps
+        self.figures = LOSS_FIGURES  # the loss's own figures a line has (not a mixture's expert loads)
         self.pending: dict[int, dict[str, Any]] = {}  # done step -> its line, waiting for its loss
         self.final_loss: float | None = None
 
@@ -142,7 +145,7 @@ class StepLog:
         for k, fig in reports.items():
             rec = self.pending[k + 1]
             rec["loss"], rec["grad_norm"] = fig["loss"], fig["grad_norm"]
-            rec.update({n: float(v) for n, v in fig.items() if n not in ("loss", "grad_norm")})
+            rec.update({n: float(v) for n, v in fig.items() if n in self.figures})
             rec["complete"] = True
         while self.pending:
             first = min(self.pending)
