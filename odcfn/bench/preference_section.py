@@ -73,9 +73,9 @@ def simulate_preference(devices: Sequence[int] = (8, 64, 1024), pairs_per_device
     the simulated compute of a pair is its two members' cost."""
     from odcfn.bench.preference import preference_max_tokens, ultrafeedback_like
     from odcfn.schedule.balance import lb_micro, lb_mini
+    from odcfn.schedule.simcells import MODEL_PARAMS, RANKS_PER_NODE, default_cost
+    from odcfn.schedule.simulate import A100_COMM, compile_plans, simulate
     from odcfn.schedule.simulate import Workload as SimWorkload
-    from odcfn.schedule.simulate import compile_plans, simulate
-    from odcfn.schedule.sweep import A100_COMM, MODEL_PARAMS, RANKS_PER_NODE, default_cost
     from odcfn.sharding import Mesh
 
     cost, cap = default_cost(), preference_max_tokens(1)

@@ -121,9 +121,9 @@ def simulate_rl(devices=(8, 64, 1024), samples_per_device: int = 4, minibatches:
     lengths): samples/s relative to collective+lb-micro, with and without equal counts."""
     from odcfn.schedule.balance import lb_micro, lb_mini
     from odcfn.schedule.lengths import get_dataset
+    from odcfn.schedule.simcells import MODEL_PARAMS, RANKS_PER_NODE, default_cost
+    from odcfn.schedule.simulate import A100_COMM, compile_plans, simulate
     from odcfn.schedule.simulate import Workload as SimWorkload
-    from odcfn.schedule.simulate import compile_plans, simulate
-    from odcfn.schedule.sweep import A100_COMM, MODEL_PARAMS, RANKS_PER_NODE, default_cost
     from odcfn.sharding import Mesh
 
     ds, cost = get_dataset("aime-rl"), default_cost()

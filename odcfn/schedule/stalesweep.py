@@ -19,9 +19,9 @@ from dataclasses import asdict, dataclass
 
 from odcfn.schedule.balance import lb_mini
 from odcfn.schedule.cost import QuadraticCost
+from odcfn.schedule.simcells import cell_setup, slowdowns
 from odcfn.schedule.simstale import check_staleness, simulate_staleness
 from odcfn.schedule.simulate import A100_COMM, CommModel, compile_plans
-from odcfn.schedule.sweep import cell_setup, slowdowns
 
 __all__ = ["StaleRow", "format_stale_table", "main", "parse_staleness", "stale_cell", "stale_sweep"]
 

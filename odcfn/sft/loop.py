@@ -44,7 +44,8 @@ from odcfn.sft.prepare import PreparedData, prepare_data
 from odcfn.sft.record import Logger, already_done, data_summary, step_record
 from odcfn.sft.restart import Snapshots, clear_for_fresh_start, open_memory_tier, resume_point
 from odcfn.sft.resume_check import check_resume
-from odcfn.sft.stale_train import StepLog, active, check_model
+from odcfn.sft.stale_train import active, check_model
+from odcfn.sft.steplog import StepLog
 from odcfn.step.stale_config import max_staleness
 
 __all__ = [

@@ -1,7 +1,7 @@
 """``odcfn train`` under bounded staleness (``[train] staleness``, docs/staleness.md).
 
-Three things differ from the synchronous loop, and all of them live here so that the loop reads
-the same either way:
+Three things differ from the synchronous loop; the config lives here, the metrics lines and
+consistent points in ``odcfn.sft.steplog``, so that the loop reads the same either way:
 
 - **The config.** ``train.staleness`` is an int τ >= 0 or a table ``{unit pattern = τ}``
   (``StepConfig.staleness``). What ``odcfn.step.stale.check`` refuses at the first step is
@@ -21,11 +21,10 @@ the same either way:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["StepLog", "active", "check_config", "check_model", "check_train"]
+__all__ = ["active", "check_config", "check_model", "check_train"]
 
 # [train] keys that odcfn.step.stale.check refuses next to τ >= 1, with why (the same reasons)
 _REFUSED = (
@@ -100,58 +99,3 @@ def check_model(cfg: Any, model: Any) -> None:
         raise ValueError(f"config: train.expert_bias_rate = {t.expert_bias_rate!r} needs a mixture of "
                          "experts (a model.hf_path of a Qwen3-MoE / Qwen2-MoE checkpoint); this model is "
                          "dense: use expert_bias_rate = 0")
-
-
-class StepLog:
-    """Rank 0's metrics lines and every rank's saving schedule, step by step.
-
-    Synchronous: each line is written at once and the snapshots follow. Stale: a line waits for
-    its step's figures (``reports``), and every rank drains before a step that saves."""
-
-    def __init__(self, cfg: Any, logger: Any, snaps: Any) -> None:
-        from odcfn.sft.record import LOSS_FIGURES  # here: record imports config, which imports us
-
-        self.stale, self.logger, self.snaps = active(cfg.train), logger, snaps
-        self.figures = LOSS_FIGURES  # the loss's own figures a line has (not a mixture's expert loads)
-        self.pending: dict[int, dict[str, Any]] = {}  # done step -> its line, waiting for its loss
-        self.final_loss: float | None = None
-
-    def after_step(self, state: Any, m: Any, rec: dict[str, Any]) -> Any:
-        """Log step ``rec["step"]`` (1-based: the updates done) and save if it is due; returns the
-        state to go on with (under staleness the drained one after a save)."""
-        done = rec["step"]
-        if not self.stale:
-            self.final_loss = m.loss
-            if self.logger is not None:
-                self.logger.log(rec)
-            self.snaps.after_step(state, done)
-            return state
-        from odcfn.step import stale
-
-        self.pending[done] = rec
-        self._fill(m.extra["reports"])
-        if self.snaps.due(done):
-            state, late = stale.drain(state)  # every rank: the params of exactly `done` updates
-            self._fill(late)
-            if self.pending:  # drain reports every step below `done`: a protocol bug otherwise
-                missing = sorted(self.pending)
-                raise RuntimeError(f"odcfn train: steps {missing} have no figures after the drain")
-        self.snaps.after_step(state, done)
-        return state
-
-    def _fill(self, reports: Mapping[int, Mapping[str, float]]) -> None:
-        """Complete the waiting lines with their figures (report ``k`` is of 0-based step ``k``:
-        the line of step ``k + 1``) and write every line whose predecessors are written."""
-        for k, fig in reports.items():
-            rec = self.pending[k + 1]
-            rec["loss"], rec["grad_norm"] = fig["loss"], fig["grad_norm"]
-            rec.update({n: float(v) for n, v in fig.items() if n in self.figures})
-            rec["complete"] = True
-        while self.pending:
-            first = min(self.pending)
-            if not self.pending[first].pop("complete", False):
-                break
-            rec = self.pending.pop(first)
-            self.final_loss = rec["loss"] if math.isfinite(rec["loss"]) else self.final_loss
-            if self.logger is not None:
-                self.logger.log(rec)
