@@ -183,3 +183,18 @@ def test_ranks_that_disagree_on_deterministic_raise_and_unordered_transports_ref
                                         deterministic=True), batch)
 
     odcfn.run_local(unordered, 2)
+
+
+def test_exact_replay_follows_the_runs_config_bf16_and_remat():
+    """bf16 compute with rematerialisation and AdamW at τ = 2: bit-identical given the run's
+    config; the same record replayed in fp32 is not (the config is part of what is replayed)."""
+    cfg, model, full = tiny()
+    batches = [odcfn.random_batch([5, 9, 3, 7, 4, 6], cfg.vocab_size, seed=20 + s) for s in range(STEPS)]
+    conf = dict(staleness=2, compute_dtype=torch.bfloat16, remat=True, balance="lb_mini")
+    opt = odcfn.adamw(0.05)
+    out = _run(3, batches, [{}, {(1, "before"): 0.05}, {}], optimizer=opt, **conf)
+    rec = stale.record([m for _, m in out], plans=True)
+    got = odcfn.unshard([p for p, _ in out], model, odcfn.Mesh(3, 0))
+    config = odcfn.StepConfig(deterministic=True, **conf)
+    assert _equal(got, replay(model, full, opt, batches, rec, exact=True, config=config))
+    assert not _equal(got, replay(model, full, opt, batches, rec, exact=True))
