@@ -18,11 +18,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import odcfn
+from odcfn.kernels.local import LocalTransport
 from odcfn.reference import replay
 from odcfn.schedule import BALANCERS
 from odcfn.step import stale
 from odcfn.tree import tree_leaves
-from tests.test_staleness import _NoVersions
 from tests.util import make_state, tiny
 
 # every balancer; work stealing both keeping LB-Mini's microbatches and sample by sample
@@ -173,8 +173,7 @@ def test_ranks_that_disagree_on_deterministic_raise_and_unordered_transports_ref
     with pytest.raises(ValueError, match="StepConfig.deterministic differs between ranks"):
         odcfn.run_local(disagree, 2, timeout=10)
 
-    class _Unordered(_NoVersions):  # versions, but no rank-order sums
-        versions = odcfn.LocalWorld.transport  # any callable: check() looks for the capability first
+    class _Unordered(LocalTransport):  # versions, but no per-rank sums
         ordered_versions = False
 
     def unordered(rank, tr):
