@@ -117,7 +117,8 @@ def test_deterministic_stale_run_equals_its_exact_replay(world, policy, data):
     cfg, model, full = tiny()
     tau = data.draw(st.sampled_from([1, 2]), label="tau")
     staleness = data.draw(st.sampled_from([tau, {"head": 0, "*": tau}]), label="staleness")
-    opt = data.draw(st.sampled_from([odcfn.sgd(0.5), odcfn.adamw(0.05)]), label="optimizer")
+    adam = data.draw(st.booleans(), label="adamw")
+    opt = odcfn.adamw(0.05) if adam else odcfn.sgd(0.5)
     naps = data.draw(_naps(world, model.unit_names), label="naps")
     seed = data.draw(st.integers(0, 99), label="seed")
     batches = [odcfn.random_batch([5, 9, 3, 7, 4, 6], cfg.vocab_size, seed=seed + s) for s in range(STEPS)]
@@ -136,9 +137,11 @@ def test_deterministic_stale_run_equals_its_exact_replay(world, policy, data):
     # the same plans at the synchronous versions: not the run (the record is what it equals)
     sync = [[(plan, dict.fromkeys(v, k)) for plan, v in ranks] for k, ranks in enumerate(rec)]
     assert not _equal(got, replay(model, full, opt, batches, sync, exact=True))
-    # the independent replay agrees to fp32 summation order (docs/staleness.md)
-    indep = replay(model, full, opt, batches, rec)
-    assert max(float((a - b).abs().max()) for a, b in zip(tree_leaves(got), tree_leaves(indep))) < 5e-5
+    if not adam:  # the independent replay agrees to fp32 summation order (docs/staleness.md); with
+        # AdamW its rounding is magnified on near-zero gradient elements (measured up to 1.5e-5 at
+        # W = 4), which tests/test_staleness.py bounds on its own
+        indep = replay(model, full, opt, batches, rec)
+        assert max(float((a - b).abs().max()) for a, b in zip(tree_leaves(got), tree_leaves(indep))) < 2e-6
 
 
 def test_exact_replay_needs_the_plans_and_a_consistent_record():
