@@ -5,13 +5,16 @@
 ``odcfn.losses``: per sample, unpacked, on a padded ``[samples, max_len - 1]`` response matrix
 the way verl-style trainers compute them, from logits any function gives per sample.
 ``replay``: a bounded-staleness run (``StepConfig.staleness``) recomputed from its record, each
-step's gradients taken at the parameter versions every rank read, applied in order.
+step's gradients taken at the parameter versions every rank read, applied in order; with
+``exact=True`` through the runtime's own executor and summation order (bit-identical to a
+``deterministic=True`` run), otherwise independently of it (to fp32 summation order).
 """
 
 from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -20,11 +23,13 @@ from odcfn.batch import Batch, pack
 from odcfn.model import Model, reference_loss
 from odcfn.optim import Optimizer
 from odcfn.sharding import Mesh, make_layout, shard, unshard
+from odcfn.step.stale_replay import replay_exact
 from odcfn.tree import PyTree
 
 __all__ = ["reference_rl_loss", "reference_value_and_grad", "replay"]
 
-Record = Sequence[Sequence[tuple[Sequence[int], Mapping[str, int]]]]
+# [step][rank] = (sample ids, or the Plan that ran, {unit: version read}): odcfn.step.stale.record
+Record = Sequence[Sequence[tuple[Any, Mapping[str, int]]]]
 
 
 def reference_value_and_grad(model: Model, params: PyTree, batch: Batch) -> tuple[torch.Tensor, PyTree]:
@@ -139,7 +144,7 @@ def reference_rl_loss(
 
 def replay(
     model: Model, params: PyTree, optimizer: Optimizer, batches: Sequence[Batch], record: Record,
-    *, start: int = 0,
+    *, start: int = 0, exact: bool = False, config: Any = None,
 ) -> PyTree:
     """The params a bounded-staleness run ends with, recomputed on one process from its record.
 
@@ -152,7 +157,17 @@ def replay(
     shard-wise operation of the run is elementwise, so the result equals the run's params up to
     fp32 summation order (the run sums microbatches and ranks in arrival order): see
     docs/staleness.md. Dense models with the default cross-entropy loss.
+
+    ``exact=True`` (``odcfn.step.stale_replay``): each rank's share is the runtime's executor
+    running the plan that rank ran (``stale.record(metrics, plans=True)``) at the recorded
+    versions, its pushes summed per rank and then in rank order, each owner updated on its own:
+    bit-identical to a run with ``StepConfig(deterministic=True)``; ``config``: the run's
+    ``StepConfig`` (its loss and compute dtype; default ``StepConfig()``).
     """
+    if exact:
+        return replay_exact(model, params, optimizer, batches, record, start=start, config=config)
+    if config is not None:
+        raise ValueError("replay: config is read by the exact replay only (exact=True)")
     if model.router is not None:
         raise ValueError("replay covers dense models (a mixture's aux loss is not split by rank here)")
     mesh = Mesh(1, 0)
@@ -166,6 +181,8 @@ def replay(
         object.__setattr__(batch, "step", k)  # as train_step keys training-time randomness
         grads = {u: torch.zeros_like(history[k][u]) for u in names}
         for samples, versions in ranks:
+            if hasattr(samples, "microbatches"):  # a record with plans (stale.record(plans=True))
+                samples = [i for mb in samples.microbatches for i in mb]
             if not samples:  # nothing run on that rank: no gradient
                 continue
             point = {u: history[versions[u]][u].detach().requires_grad_(u in names) for u in model.unit_names}

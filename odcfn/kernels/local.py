@@ -29,6 +29,7 @@ from odcfn.kernels.base import (
 )
 from odcfn.kernels.heartbeat import Patience
 from odcfn.kernels.versions import StaleLocal, reuse_view
+from odcfn.kernels.versions_det import OrderedStaleLocal
 from odcfn.sharding import Layout, Mesh
 
 __all__ = ["LocalCollectives", "LocalTransport", "LocalWorld", "run_local"]
@@ -175,10 +176,19 @@ class LocalTransport(StepCollectives):
         self.layout: Layout | None = None
         self._stale: StaleLocal | None = None
 
-    def versions(self, ring: int, start: int) -> StaleLocal:
+    ordered_versions = True  # versions(..., ordered=True): deterministic accumulation (versions_det)
+
+    def versions(self, ring: int, start: int, ordered: bool = False) -> StaleLocal:
         """This rank's bounded-staleness side (τ >= 1, ``odcfn.kernels.versions``), made on first
-        use and kept for the transport's life: it holds the owner's version ring."""
-        self._stale = reuse_view(self._stale, ring, lambda: StaleLocal(self, ring, start))
+        use and kept for the transport's life: it holds the owner's version ring. ``ordered``:
+        each owner sums a step's pushes in rank order (``odcfn.kernels.versions_det``)."""
+        if self._stale is not None and self._stale.ORDERED != ordered:
+            raise ValueError(
+                f"StepConfig.deterministic changed on this transport under staleness: its versions "
+                f"were made with deterministic={self._stale.ORDERED}"
+            )
+        kind = OrderedStaleLocal if ordered else StaleLocal
+        self._stale = reuse_view(self._stale, ring, lambda: kind(self, ring, start))
         return self._stale
 
     # --- per step ---------------------------------------------------------------------------

@@ -48,13 +48,17 @@ class VersionBoard:
     """What the ranks of one ``LocalWorld`` share under τ >= 1 (guarded by the world's condition,
     so an abort wakes every waiter)."""
 
-    def __init__(self, world: Any, ring: int, start: int) -> None:
+    def __init__(self, world: Any, ring: int, start: int, ordered: bool = False) -> None:
         w = world.world_size
-        self.ring, self.start = ring, start
+        self.ring, self.start, self.ordered = ring, start, ordered
         self.latest = [start - 1] * w  # newest version each owner published (start - 1: none yet)
         self.pub: list[list[dict[str, torch.Tensor]]] = [[{} for _ in range(ring)] for _ in range(w)]
         self.acc: list[list[dict[str, torch.Tensor]]] = [[{} for _ in range(ring)] for _ in range(w)]
         self.acc_locks = [threading.Lock() for _ in range(w)]  # concurrent adds never lose updates
+        # ordered (deterministic) mode: [owner][slot][rank] -> {unit: that rank's own sum}, each
+        # written by its rank alone and summed in rank order at apply (odcfn.kernels.versions_det)
+        self.parts: list[list[list[dict[str, torch.Tensor]]]] = (
+            [[[{} for _ in range(w)] for _ in range(ring)] for _ in range(w)] if ordered else [])
         self.done: dict[tuple[int, int], int] = defaultdict(int)  # (owner, step) -> pushers done
         self.stats: dict[int, dict[int, torch.Tensor]] = defaultdict(dict)  # step -> rank -> stats
         self.norm2: dict[int, dict[int, float]] = defaultdict(dict)  # step -> owner -> |g_o|^2
@@ -76,11 +80,16 @@ def reuse_view(view: Any, ring: int, make: Callable[[], Any]) -> Any:
     return view
 
 
-def _board(world: Any, ring: int, start: int) -> VersionBoard:
+def _board(world: Any, ring: int, start: int, ordered: bool = False) -> VersionBoard:
     with world._groups_lock:
         if world.versions is None:
-            world.versions = VersionBoard(world, ring, start)
+            world.versions = VersionBoard(world, ring, start, ordered)
         b = world.versions
+    if b.ordered != ordered:
+        raise ValueError(
+            "StepConfig.deterministic differs between ranks under StepConfig.staleness: every rank "
+            "must use the same value (the owners sum pushes in one order or the other)"
+        )
     if b.ring != ring:
         raise ValueError(
             f"StepConfig.staleness differs between ranks: this rank keeps {ring} versions, a peer "
@@ -100,12 +109,14 @@ class StaleLocal:
     ``complete``. The owner's ``apply(step, grads, stats)`` (given to ``start`` by the step layer)
     returns its new shards for version ``step + 1``."""
 
+    ORDERED = False  # deterministic accumulation: the subclass in odcfn.kernels.versions_det
+
     def __init__(self, transport: Any, ring: int, start: int) -> None:
         self.world = transport.world
         self.mesh, self.counters = transport.mesh, transport.counters
         self.collectives = transport.collectives
         self.max_counters, self.timeout = transport.max_counters, self.world.timeout
-        self.board = _board(self.world, ring, start)
+        self.board = _board(self.world, ring, start, self.ORDERED)
         self.ring, self.rank = ring, self.mesh.rank
         self.owners = self.mesh.shard_group
         self.owner: Any = None  # the step layer's owner state (params, optimizer state) lives here
@@ -145,12 +156,31 @@ class StaleLocal:
         """Publish the starting version, allocate the accumulator ring and register the owner's
         ``apply`` (first stale step)."""
         self.layout, self.dtype = layout, dtype
+        self._allocate(layout)
+        self.board.appliers[self.rank] = apply
+        self.publish(self.rank, self.board.start, shards)
+
+    # --- accumulation (the hooks the ordered subclass replaces) ----------------------------
+    def _allocate(self, layout: Layout) -> None:
+        """This owner's accumulator ring (arrival order: one fp32 shard per slot and unit)."""
         for slot in self.board.acc[self.rank]:
             for u in layout.units:
                 if not u.frozen:  # never pushed into: no accumulator
                     slot[u.name] = torch.zeros(u.shard_size, dtype=torch.float32)
-        self.board.appliers[self.rank] = apply
-        self.publish(self.rank, self.board.start, shards)
+
+    def _add(self, owner: int, unit: str, piece: torch.Tensor) -> None:
+        """Add this rank's ``piece`` of minibatch ``j`` into ``owner``'s slot, as it arrives."""
+        with self.board.acc_locks[owner]:
+            self.board.acc[owner][self.j % self.ring][unit].add_(piece)
+
+    def _step_grads(self, owner: int, k: int) -> dict[str, torch.Tensor]:
+        """``owner``'s gradient shards of step ``k`` (every rank's pushes landed)."""
+        return self.board.acc[owner][k % self.ring]
+
+    def _clear(self, owner: int, k: int) -> None:
+        """Step ``k`` applied: ready ``owner``'s slot for step ``k + ring``."""
+        for g in self.board.acc[owner][k % self.ring].values():
+            g.zero_()
 
     def open(self, j: int, taus: Mapping[str, int]) -> None:
         """Begin minibatch ``j`` with each unit's bound ``taus``."""
@@ -217,13 +247,12 @@ class StaleLocal:
                     for q in range(1, self.mesh.world_size):  # rank order: the same sum everywhere
                         stats += parts[q]
                     apply = b.appliers[o]
-                grads = b.acc[o][k % self.ring]
+                grads = self._step_grads(o, k)
                 norm2 = sum(float(g.double().square().sum()) for g in grads.values())
                 with self.world.cond:
                     b.norm2[k][o] = norm2
                 shards = apply(k, grads, stats)
-                for g in grads.values():
-                    g.zero_()
+                self._clear(o, k)
                 with self.world.cond:
                     b.done.pop((o, k), None)
                 self.publish(o, k + 1, shards)
@@ -272,8 +301,7 @@ class StaleLocal:
                 self.wait(lambda o=owner: b.latest[o] >= j - self.ring + 1,
                           f"rank {owner} to apply step {j - self.ring} (push of {unit!r}, minibatch {j})")
             piece = grad[i * size:(i + 1) * size]
-            with b.acc_locks[owner]:
-                b.acc[owner][j % self.ring][unit].add_(piece)
+            self._add(owner, unit, piece)
             if owner != self.rank:
                 self.counters.scatter_bytes += piece.numel() * piece.element_size()
         self.counters.scatters += 1

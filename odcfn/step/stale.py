@@ -39,6 +39,7 @@ from odcfn.sharding import Layout
 from odcfn.step import fingerprint
 from odcfn.step.execute import Executor
 from odcfn.step.experts import expert_load_metrics
+from odcfn.step.ordered_push import check_head
 from odcfn.step.prepare import check_inputs, minibatch_fingerprint, recording, schedule_options
 from odcfn.step.stale_config import max_staleness, unit_staleness
 from odcfn.step.state import StepMetrics, TrainState
@@ -91,10 +92,15 @@ def check(state: TrainState) -> dict[str, int]:
             "bias update needs the minibatch's summed expert loads, which no rank waits for under staleness"
         )
     if cfg.deterministic:
-        raise ValueError(
-            "StepConfig.deterministic=True cannot be combined with StepConfig.staleness >= 1 yet: the "
-            "fixed push order spans one step's microbatches of every rank, which staleness lets drift apart"
-        )
+        # each owner sums a step's pushes in rank order (odcfn.kernels.versions_det): the transport
+        # must keep one buffer per rank, and the head's own gradient must be reproducible
+        if not getattr(tr, "ordered_versions", False):
+            raise TypeError(
+                f"StepConfig(deterministic=True) with StepConfig.staleness >= 1 needs a transport whose "
+                f"versions sum in rank order (LocalWorld's in-process ranks); {type(tr).__name__} has "
+                "none: use deterministic=False or staleness=0"
+            )
+        check_head(cfg.loss, next(iter(state.params.values())).device)
     return taus
 
 
@@ -154,7 +160,8 @@ class _StaleExecutor(Executor):
 
 
 def _owner_of(state: TrainState, layout: Layout, dtype: torch.dtype, ring: int) -> tuple[Any, _Owner]:
-    view = state.transport.versions(ring, state.step)
+    ordered = {"ordered": True} if state.config.deterministic else {}  # rank-order sums (versions_det)
+    view = state.transport.versions(ring, state.step, **ordered)
     owner = view.owner
     if owner is None:
         owner = _Owner(state.model, state.optimizer.for_layout(layout), (dict(state.params), state.opt_state),
@@ -314,14 +321,19 @@ def consistent(state: TrainState, who: str = "this call") -> TrainState:
     return state.replace(params=params, opt_state=opt_state)
 
 
-def record(metrics: list[list[StepMetrics]]) -> list[list[tuple[tuple[int, ...], dict[str, int]]]]:
+def record(
+    metrics: list[list[StepMetrics]], *, plans: bool = False
+) -> list[list[tuple[Any, dict[str, int]]]]:
     """The schedule of a stale run for ``odcfn.reference.replay``: ``metrics[rank][i]`` (the
-    ranks' metrics of consecutive steps) -> ``[step][rank] = (sample ids, {unit: version read})``."""
+    ranks' metrics of consecutive steps) -> ``[step][rank] = (sample ids, {unit: version read})``.
+    ``plans=True``: the plan that ran (its microbatches and steps, ``metrics.plan``) in place of
+    the sample ids, as the exact replay (``replay(..., exact=True)``) needs."""
     steps = len(metrics[0])
     if any(len(m) != steps for m in metrics):
         raise ValueError("record: every rank needs the metrics of the same steps")
     return [
-        [(tuple(i for mb in m[s].plan.microbatches for i in mb), dict(m[s].extra["versions_read"]))
+        [(m[s].plan if plans else tuple(i for mb in m[s].plan.microbatches for i in mb),
+          dict(m[s].extra["versions_read"]))
          for m in metrics]
         for s in range(steps)
     ]

@@ -61,6 +61,9 @@ class StepConfig:
     The default adds each microbatch's push as it arrives (faster; runs then differ in the last
     bits when a rank has several microbatches). Collective mode
     is always in a fixed order. Work stealing decides the split at run time: not deterministic.
+    Under ``staleness`` >= 1 each owner instead sums every rank's own pushes (in its plan's
+    order) and then the ranks in rank order, so a run equals the exact replay of its record bit
+    for bit, with any balancer, work stealing included (docs/staleness.md).
     ``donate``: ``train_step`` updates the params and optimizer moments in place (JAX's buffer
     donation) and returns a state holding the same tensors; the state passed in is used up, and
     handing it to ``train_step``, ``grad_step``, ``log_probs``, ``gather_params`` or ``odcfn.save``
@@ -121,15 +124,18 @@ class StepConfig:
         if not isinstance(self.deterministic, bool):
             got = type(self.deterministic).__name__
             raise TypeError(f"StepConfig.deterministic must be a bool, got {got}")
-        if self.deterministic and isinstance(resolve_policy(self.balance, self.comm), WorkStealing):
-            raise ValueError(
-                "StepConfig(deterministic=True) cannot use work stealing: which rank runs which "
-                "microbatch is decided at run time, so the summation order is not fixed"
-            )
         r = self.expert_bias_rate
         if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 <= r < math.inf:
             raise ValueError(f"StepConfig.expert_bias_rate must be a finite number >= 0, got {r!r}")
         check_staleness(self.staleness)
+        # under staleness the order is each rank's own plan order, then rank order, whoever ran
+        # which microbatch (the record says which): work stealing keeps it a function of the record
+        if (self.deterministic and not max_staleness(self.staleness)
+                and isinstance(resolve_policy(self.balance, self.comm), WorkStealing)):
+            raise ValueError(
+                "StepConfig(deterministic=True) cannot use work stealing: which rank runs which "
+                "microbatch is decided at run time, so the summation order is not fixed"
+            )
         if isinstance(self.staleness, Mapping):  # a private copy: the caller's dict may change later
             object.__setattr__(self, "staleness", dict(self.staleness))
         if max_staleness(self.staleness) and self.comm != "odc":
