@@ -47,9 +47,11 @@ def stale_worker(n, seed, delays, config, timeout=30):
             ms.append(m)
         st, late = stale.drain(st)
         record = [step[0] for step in stale.record([ms])]  # this rank's (samples, versions) per step
+        planned = [step[0] for step in stale.record([ms], plans=True)]  # (plan, versions): exact replay
         reported = sorted({k for m in ms for k in m.extra["reports"]} | set(late))
         return {
             "params": {k: v.clone() for k, v in st.params.items()}, "record": record, "reported": reported,
+            "planned": planned,
             "lags": [m.extra["staleness_max"] for m in ms], "syncs": sum(m.counters.syncs for m in ms),
             "wait": [m.extra["version_wait_s"] for m in ms], "step": st.step,
         }
@@ -122,6 +124,22 @@ def test_processes_equal_the_replay_of_their_record(mp_pool, world, tau, balance
     assert _max_err(got, want) < 2e-6
     synchronous = [[(s, {u: k for u in v}) for s, v in r] for k, r in enumerate(record)]
     assert _max_err(got, replay(model, full, odcfn.sgd(LR), _batches(n, seed), synchronous)) > 1e-3
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_deterministic_processes_equal_the_exact_replay_bit_for_bit(mp_pool, world):  # noqa: F811
+    n, seed = 5, 4
+    delays = [[0.0] * n] + [[0.0, 0.2, 0.0, 0.2, 0.0]] * (world - 1)
+    config = {"staleness": 1, "deterministic": True, "balance": "lb_mini"}
+    outs = mp_pool.run(stale_worker, world, args=(n, seed, delays, config))
+    assert any(max(o["lags"]) >= 1 for o in outs)
+    _, model, full = tiny()
+    record = [[o["planned"][k] for o in outs] for k in range(n)]
+    got = _unshard(outs)
+    want = replay(model, full, odcfn.sgd(LR), _batches(n, seed), record, exact=True)
+    assert all(torch.equal(a, b) for a, b in zip(tree_leaves(got), tree_leaves(want)))
+    sync = [[(plan, dict.fromkeys(v, k)) for plan, v in ranks] for k, ranks in enumerate(record)]
+    assert _max_err(got, replay(model, full, odcfn.sgd(LR), _batches(n, seed), sync, exact=True)) > 1e-3
 
 
 def test_hybrid_units_at_zero_read_the_newest_version(mp_pool):  # noqa: F811

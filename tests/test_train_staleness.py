@@ -73,7 +73,6 @@ BAD = [
     ("[train.staleness]\nhed = 0\n\"*\" = 1\n", "", "train.staleness['hed'] matches no unit of the model"),
     ('staleness = 1\ncomm = "collective"\n', "", 'cannot be combined with train.comm = \'collective\''),
     ("staleness = 1\nmax_grad_norm = 1.0\n", "", "cannot be combined with train.max_grad_norm = 1.0"),
-    ("staleness = 1\ndeterministic = true\n", "", "cannot be combined with train.deterministic = True"),
     ("staleness = 1\nexpert_bias_rate = 0.01\n", "", "cannot be combined with train.expert_bias_rate"),
     ("expert_bias_rate = 0.01\n", "", "train.expert_bias_rate = 0.01 needs a mixture of experts"),
     ("expert_bias_rate = -0.5\n", "", "train.expert_bias_rate must be a number >= 0, got -0.5"),

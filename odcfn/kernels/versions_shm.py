@@ -10,7 +10,10 @@ semantics and why a ring of ``R = τ_max + 1`` versions is enough), over /dev/sh
                                   stats[S][CAP] (this rank's deposited stats of step j, at j % S)
     counts  int64[R+1][2^16][2]   (minibatch, value) of each fetch_add counter (rank 0's only)
     pub     [R][unit]             this owner's published versions, compute dtype (v at v % R)
-    acc     [R][trained unit]     fp32 accumulators of steps (k at k % R)
+    acc     [R][P][trained unit]  fp32 accumulators of steps (k at k % R): P = 1 part, added into
+                                  under locks in arrival order; or, deterministic, P = W parts,
+                                  part q written by rank q alone and summed in rank order at apply
+                                  (``odcfn.kernels.versions_det``: the same arithmetic)
 
 Every word has one writer: ``latest``, ``norm``, ``stats`` and the ring slots are written by the
 owning rank; ``done[c]`` by client ``c`` (the number of minibatches it completed, monotone). Each
@@ -45,6 +48,7 @@ import torch
 
 from odcfn.kernels.base import MAX_COUNTERS, Done, Handle, TransportError, check_counter
 from odcfn.kernels.shm_sync import RangeLock, Segment, map_segments, shm_dir, wait_until
+from odcfn.kernels.versions_det import rank_order_sum
 from odcfn.sharding import Layout
 
 __all__ = ["StaleShm"]
@@ -63,7 +67,7 @@ def _align(n: int) -> int:
 class _Offsets:
     """Byte offsets inside every rank's segment (identical on all ranks)."""
 
-    def __init__(self, layout: Layout, dtype: torch.dtype, world: int, ring: int) -> None:
+    def __init__(self, layout: Layout, dtype: torch.dtype, world: int, ring: int, parts: int) -> None:
         self.S, self.C = 2 * ring + 2, ring + 1
         self.nctrl = DONE + world + 2 * self.S
         self.floats = _align(self.nctrl * 8)
@@ -71,13 +75,14 @@ class _Offsets:
         off = _align(self.counts + self.C * MAX_COUNTERS * 2 * 8)
         esize = torch.empty((), dtype=dtype).element_size()
         self.pub: list[dict[str, int]] = [{} for _ in range(ring)]
-        self.acc: list[dict[str, int]] = [{} for _ in range(ring)]
+        self.acc: list[list[dict[str, int]]] = [[{} for _ in range(parts)] for _ in range(ring)]
         for slot in range(ring):
             for u in layout.units:
                 self.pub[slot][u.name], off = off, _align(off + u.shard_size * esize)
-            for u in layout.units:
-                if not u.frozen:  # never pushed into: no accumulator
-                    self.acc[slot][u.name], off = off, _align(off + u.shard_size * 4)
+            for part in self.acc[slot]:
+                for u in layout.units:
+                    if not u.frozen:  # never pushed into: no accumulator
+                        part[u.name], off = off, _align(off + u.shard_size * 4)
         self.nbytes = off
 
 
@@ -85,8 +90,8 @@ class StaleShm:
     """Rank ``r``'s side of the versions over /dev/shm; the executor's transport for one
     minibatch between ``open`` and ``complete`` (the same interface as ``versions.StaleLocal``)."""
 
-    def __init__(self, transport: Any, ring: int, start: int) -> None:
-        self.tr = transport
+    def __init__(self, transport: Any, ring: int, start: int, ordered: bool = False) -> None:
+        self.tr, self.ORDERED = transport, ordered
         self.mesh, self.counters = transport.mesh, transport.counters
         self.collectives = transport.collectives
         self.max_counters, self.timeout = MAX_COUNTERS, transport.timeout
@@ -115,7 +120,7 @@ class StaleShm:
         starting version and start the applier."""
         w, r = self.mesh.world_size, self.rank
         self._agree(layout, dtype)
-        off = self.off = _Offsets(layout, dtype, w, self.ring)
+        off = self.off = _Offsets(layout, dtype, w, self.ring, w if self.ORDERED else 1)
         stem = f"{self.tr._stem}-stale{self.start_version}"
 
         def init(own: Segment) -> None:
@@ -133,8 +138,10 @@ class StaleShm:
         self._counts = self._counts.reshape(off.C, MAX_COUNTERS, 2)
         self._pub = [[{n: s.view(o, layout[n].shard_size, dtype) for n, o in slot.items()}
                       for slot in off.pub] for s in self._segs]
-        self._acc = [[{n: s.view(o, layout[n].shard_size, torch.float32) for n, o in slot.items()}
-                      for slot in off.acc] for s in self._segs]
+        self._acc = [[[{n: s.view(o, layout[n].shard_size, torch.float32) for n, o in part.items()}
+                       for part in slot] for slot in off.acc] for s in self._segs]  # [owner][slot][part]
+        self.trained = [u.name for u in layout.units if not u.frozen]
+        self.sizes = {u.name: u.shard_size for u in layout.units}
         self.layout, self.dtype, self._apply = layout, dtype, apply
         self._publish(self.start_version, shards)
         self._thread = threading.Thread(target=self._applier, name=f"odcfn-applier-{r}", daemon=True)
@@ -146,7 +153,7 @@ class StaleShm:
         w, r = self.mesh.world_size, self.rank
         esize = torch.empty((), dtype=dtype).element_size()
         mine = [float(self.ring), float(self.start_version), float(len(layout.units)),
-                float(sum(u.shard_size for u in layout.units)), float(esize)]
+                float(sum(u.shard_size for u in layout.units)), float(esize), float(self.ORDERED)]
         vec = torch.zeros(len(mine) * w, dtype=torch.float64)
         vec[len(mine) * r:len(mine) * (r + 1)] = torch.tensor(mine, dtype=torch.float64)
         rows = self.collectives.all_reduce(tuple(range(w)), vec).view(w, len(mine)).tolist()
@@ -155,7 +162,9 @@ class StaleShm:
                             "its TrainState at the same step)"),
                         (2, "ranks disagree on the parameter layout (units)"),
                         (3, "ranks disagree on the parameter layout (elements per shard)"),
-                        (4, "ranks disagree on the compute dtype (bytes per element)")):
+                        (4, "ranks disagree on the compute dtype (bytes per element)"),
+                        (5, "StepConfig.deterministic differs between ranks under StepConfig.staleness "
+                            "(1: rank-order sums)")):
             if len({row[i] for row in rows}) > 1:
                 ranks = ", ".join(f"rank {p}: {int(row[i])}" for p, row in enumerate(rows))
                 raise ValueError(f"{what}: {ranks}")
@@ -213,11 +222,13 @@ class StaleShm:
             n = int(self._stats[q][k % off.S][0])
             part = self._stats[q][k % off.S][1:1 + n]
             stats = part.clone() if stats is None else stats.add_(part)
-        grads = self._acc[self.rank][k % self.ring]
+        parts = self._acc[self.rank][k % self.ring]
+        grads = rank_order_sum(parts, self.trained, self.sizes) if self.ORDERED else parts[0]
         norm2 = sum(float(g.double().square().sum()) for g in grads.values())
         shards = self._apply(k, grads, stats)
-        for g in grads.values():
-            g.zero_()  # before the publish below frees the slot for step k + R's pushes
+        for part in parts:
+            for g in part.values():
+                g.zero_()  # before the publish below frees the slot for step k + R's pushes
         self._norm[self.rank][k % off.S] = norm2
         self._ctrl[self.rank][DONE + w + off.S + k % off.S] = k + 1
         self._publish(k + 1, shards)
@@ -303,12 +314,16 @@ class StaleShm:
             if self.latest(owner) < j - self.ring + 1:  # the slot still holds step j - R, unapplied
                 self.wait(lambda o=owner: self.latest(o) >= j - self.ring + 1,
                           f"rank {owner} to apply step {j - self.ring} (push of {unit!r})")
-            piece, acc = grad[i * size:(i + 1) * size], self._acc[owner][j % self.ring][unit]
-            base, fd = self.off.acc[j % self.ring][unit], self._segs[owner].fd
-            for lo in range(0, size, chunk):
-                hi = min(lo + chunk, size)
-                with RangeLock(fd, base + lo * 4, self.timeout, f"rank {owner}'s {unit!r}[{lo}:{hi}]"):
-                    acc[lo:hi].add_(piece[lo:hi])
+            piece = grad[i * size:(i + 1) * size]
+            if self.ORDERED:  # this rank's own part: no other writer, so no lock
+                self._acc[owner][j % self.ring][self.rank][unit].add_(piece)
+            else:
+                acc = self._acc[owner][j % self.ring][0][unit]
+                base, fd = self.off.acc[j % self.ring][0][unit], self._segs[owner].fd
+                for lo in range(0, size, chunk):
+                    hi = min(lo + chunk, size)
+                    with RangeLock(fd, base + lo * 4, self.timeout, f"rank {owner}'s {unit!r}[{lo}:{hi}]"):
+                        acc[lo:hi].add_(piece[lo:hi])
             if owner != self.rank:
                 self.counters.scatter_bytes += piece.numel() * piece.element_size()
         self.counters.scatters += 1

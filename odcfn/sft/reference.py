@@ -91,7 +91,7 @@ def config_markdown() -> str:
         '`train.backend = "processes"`. `train.task = "dpo"` trains on preference pairs with the',
         "`[dpo]` loss (docs/preference.md) and needs `data.tokenizer`; with `train.task = \"sft\"`",
         "the `[dpo]` keys must keep their defaults. `train.staleness` >= 1 cannot be combined with",
-        '`train.comm = "collective"`, `train.max_grad_norm`, `train.deterministic`,',
+        '`train.comm = "collective"`, `train.max_grad_norm`,',
         '`train.expert_bias_rate`, `train.task = "dpo"` or `data.skip_empty_minibatches`, and each',
         "pattern of a `[train.staleness]` table must match a unit of the model (docs/staleness.md).",
     ]

@@ -33,9 +33,6 @@ _REFUSED = (
      "its update (a global barrier per step); unset it or use staleness = 0"),
     ("comm", lambda t: t.comm == "collective",
      "a collective step makes every rank meet at every unit, so no rank can run ahead; use comm = \"odc\""),
-    ("deterministic", lambda t: t.deterministic,
-     "the fixed push order spans one step's microbatches of every rank, which staleness lets drift "
-     "apart; use deterministic = false"),
     ("expert_bias_rate", lambda t: bool(t.expert_bias_rate),
      "the bias update needs the minibatch's summed expert loads, which no rank waits for under "
      "staleness; use expert_bias_rate = 0"),

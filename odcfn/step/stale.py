@@ -97,8 +97,8 @@ def check(state: TrainState) -> dict[str, int]:
         if not getattr(tr, "ordered_versions", False):
             raise TypeError(
                 f"StepConfig(deterministic=True) with StepConfig.staleness >= 1 needs a transport whose "
-                f"versions sum in rank order (LocalWorld's in-process ranks); {type(tr).__name__} has "
-                "none: use deterministic=False or staleness=0"
+                f"versions sum in rank order (LocalWorld's in-process ranks, ShmTransport); "
+                f"{type(tr).__name__} has none: use deterministic=False or staleness=0"
             )
         check_head(cfg.loss, next(iter(state.params.values())).device)
     return taus
