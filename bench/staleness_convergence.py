@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cosine", action="store_true", help="decay each lr to 0 over --steps (else constant)")
     p.add_argument("--eval-every", type=int, default=10, help="steps between drained evaluations")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=Path("docs/img/staleness_convergence.png"))
+    p.add_argument("--out", type=Path, default=Path("docs/staleness_convergence.png"))
     a = p.parse_args(argv)
     panels = {}
     for lr in a.lrs:

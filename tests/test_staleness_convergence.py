@@ -28,8 +28,8 @@ STEPS, SAMPLES, VOCAB, LR = 30, 16, 16, 5e-3
 def test_stale_runs_track_the_synchronous_loss_and_read_stale_versions(conv):
     """A small version of the docs' run that fits a test. The docs' 2% is measured after 1200
     samples (150 steps, two minutes and more on 2 cores); at 480 samples the loss is still falling,
-    where a run that applied some updates late is measurably behind (3-8% measured at 640 samples
-    for other seeds and timings), so the bound here is 10%: a stale run that diverged or stalled
+    where a run that applied some updates late is measurably behind (0.6-7.9% measured at 640
+    samples over two seeds), so the bound here is 10%: a stale run that diverged or stalled
     fails it, one that follows the synchronous curve passes."""
     res = conv.compare(steps=STEPS, samples=SAMPLES, vocab=VOCAB, lr=LR, eval_every=STEPS)
     base = res[0]["eval"]
