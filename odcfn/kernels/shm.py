@@ -203,10 +203,11 @@ class ShmTransport(StepCollectives):
         self._agree(seg, dtype)
         self._gen += 1
         w = self.mesh.world_size
-        segs = map_segments(
-            self._path, seg.nbytes, self.mesh.rank, w, self.collectives.barrier,
+        mapped = map_segments(
+            self._path, seg.nbytes, self.mesh.rank, range(w), self.collectives.barrier,
             lambda own: own.view(0, DONE + w, torch.int64).__setitem__(PID, os.getpid()),
         )
+        segs = [mapped[p] for p in range(w)]
         self._seg, self._segs = seg, segs
         self._arrivals = 0  # syncs counted in these (fresh, zeroed) ctrl words
         self._ctrl = [s.view(0, DONE + w, torch.int64).numpy() for s in segs]

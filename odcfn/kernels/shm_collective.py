@@ -35,7 +35,7 @@ import torch
 
 from odcfn.kernels.base import TransportError, mesh_groups, world_group
 from odcfn.kernels.collective import TorchCollectives
-from odcfn.kernels.shm_sync import Segment, check_store_order, shm_dir, wait_until
+from odcfn.kernels.shm_sync import Segment, check_store_order, map_segments, shm_dir, wait_until
 from odcfn.sharding import Mesh
 
 __all__ = ["ShmCollectives"]
@@ -108,26 +108,7 @@ class ShmCollectives:
     def _map_all(self, what: str, nbytes: int, group: tuple[int, ...], barrier) -> dict[int, Segment]:
         """Create this rank's file, map every member's between two ``barrier()``s, remove all
         members' files (a member killed in between leaves nothing behind)."""
-        me = self.mesh.rank
-        mapped = {me: Segment(self._path(what, me), nbytes, create=True)}
-        try:
-            barrier()  # every file exists
-            for p in group:
-                if p != me:
-                    mapped[p] = Segment(self._path(what, p), nbytes, create=False)
-            barrier()  # every member mapped every file
-        except BaseException:
-            for s in mapped.values():
-                s.close()
-            raise
-        finally:
-            for p in group:
-                try:
-                    os.unlink(self._path(what, p))
-                except FileNotFoundError:
-                    pass
-        mapped[me].linked = False
-        return mapped
+        return map_segments(lambda p: self._path(what, p), nbytes, self.mesh.rank, group, barrier)
 
     def _stage(self, gid: int, nbytes: int) -> _Staging:
         st = self._staging.get(gid)

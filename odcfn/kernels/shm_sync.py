@@ -184,31 +184,32 @@ def wait_until(
 
 
 def map_segments(
-    path: Callable[[int], str], nbytes: int, rank: int, world: int, barrier: Callable[[], None],
-    init: Callable[[Segment], None],
-) -> list[Segment]:
-    """Every rank's segment, mapped on this rank: create ours (``init`` writes its first words,
-    e.g. our pid), barrier, map the peers', barrier, then unlink every file. Every rank removes
-    every rank's file (the names ``path(p)`` are known to all), so a peer killed anywhere between
-    creating its file and unlinking it leaves nothing behind in /dev/shm."""
+    path: Callable[[int], str], nbytes: int, rank: int, members: Sequence[int], barrier: Callable[[], None],
+    init: Callable[[Segment], None] = lambda own: None,
+) -> dict[int, Segment]:
+    """Every member's segment, mapped on this rank (``members`` includes it): create ours
+    (``init`` writes its first words, e.g. our pid), barrier, map the others', barrier, then
+    unlink every file. Every member removes every member's file (the names ``path(p)`` are known
+    to all), so a peer killed anywhere between creating its file and unlinking it leaves nothing
+    behind in /dev/shm."""
     own = Segment(path(rank), nbytes, create=True)
     mapped = {rank: own}
     try:
         init(own)
         barrier()  # every file exists
-        for p in range(world):
+        for p in members:
             if p != rank:
                 mapped[p] = Segment(path(p), nbytes, create=False)
-        barrier()  # every rank mapped every file
+        barrier()  # every member mapped every file
     except BaseException:
         for s in mapped.values():
             s.close()
         raise
     finally:
         own.unlink()
-        for p in range(world):
+        for p in members:
             try:
                 os.unlink(path(p))
             except FileNotFoundError:
                 pass
-    return [mapped[p] for p in range(world)]
+    return mapped

@@ -128,8 +128,9 @@ class StaleShm:
             ctrl[LATEST], ctrl[PID] = self.start_version - 1, os.getpid()  # nothing published yet
             ctrl[RING], ctrl[START] = self.ring, self.start_version
 
-        self._segs = map_segments(lambda p: os.path.join(shm_dir(), f"{stem}-r{p}"), off.nbytes, r, w,
-                                  self.collectives.barrier, init)
+        path = lambda p: os.path.join(shm_dir(), f"{stem}-r{p}")  # noqa: E731
+        mapped = map_segments(path, off.nbytes, r, range(w), self.collectives.barrier, init)
+        self._segs = [mapped[p] for p in range(w)]
         self._ctrl = [s.view(0, off.nctrl, torch.int64).numpy() for s in self._segs]
         self._norm = [s.view(off.floats, off.S, torch.float64) for s in self._segs]
         self._stats = [s.view(off.floats + off.S * 8, off.S * CAP, torch.float64).view(off.S, CAP)
