@@ -50,7 +50,7 @@ def test_stale_spec_refuses_a_run_without_the_baseline():
 def _fake_run(variant, tau, repeat, walls, syncs=(0.0, 0.0), wait=0.0, elapsed=None):
     steps = [{"wall": w, "sync_s": s, "version_wait_s": wait, "lag": tau, "syncs": int(tau == 0),
               "slow": False} for w, s in zip(walls, syncs)]
-    return {"variant": variant, "tau": tau, "repeat": repeat, "steps": steps, "drain_s": 0.0,
+    return {"variant": variant, "tau": tau, "repeat": repeat, "steps": steps, "drain_s": 0.0, "cpu_s": 1.0,
             "elapsed": elapsed if elapsed is not None else sum(walls), "eval_loss": 5.0 - tau,
             "train_losses": [6.0, 5.5, 5.0]}
 
@@ -73,6 +73,7 @@ def test_summary_by_hand():
     assert (f0["syncs_per_minibatch"], f1["syncs_per_minibatch"], f1["max_lag"]) == (1, 0, 1)
     # all imbalance hidden: the sum of the slowest step times (5) over the busiest rank's busy time (4)
     assert res["bound_over_tau0"]["noisy"]["median"] == pytest.approx(5.0 / 4.0)
+    assert f0["cpu_share"] == pytest.approx(1 / 5) and f1["cpu_share"] == pytest.approx((1 / 4 + 1 / 3.5) / 2)
     assert f1["eval_loss"]["median"] == 4.0 and f0["train_loss_last2"]["median"] == 5.25
 
 
@@ -113,7 +114,7 @@ def test_bench_staleness_section_over_two_processes(capsys):
     assert set(sec["by_variant"]) == set(VARIANTS) == set(sec["bound_over_tau0"])
     noisy = sec["noisy_rank_per_minibatch"]
     assert len(noisy) == 3 and noisy[0] == -1 and sum(x >= 0 for x in noisy) == 1
-    columns = {"samples_per_s", "over_tau0", "version_wait_s", "sync_s", "drain_s", "max_lag",
+    columns = {"samples_per_s", "over_tau0", "version_wait_s", "sync_s", "drain_s", "max_lag", "cpu_share",
                "syncs_per_minibatch", "eval_loss", "train_loss_last2", "eval_loss_ranks_agree"}
     for v, by_tau in sec["by_variant"].items():
         assert set(by_tau) == {"0", "1", "2"}

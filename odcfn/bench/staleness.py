@@ -136,11 +136,11 @@ def _run(spec: StaleSpec, mesh: Any, model: Any, slow: Any, full: Any, batches: 
         st = TrainState.create(params=shard(full, model, mesh), model=model, optimizer=adamw(w.lr),
                                transport=tr, config=config)
         steps, losses = [], {}
-        t0 = 0.0
+        t0 = c0 = 0.0
         for j, b in enumerate(batches):
             if j == 1:  # minibatch 0 mapped the segments and started the applier: time from here
                 tr.collectives.barrier()
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
             ts = time.perf_counter()
             st, m = train_step(st.replace(model=slow if noisy[j] == mesh.rank else model), b)
             sync = sum(e.end - e.start for e in m.events if e.kind == "sync")
@@ -154,9 +154,11 @@ def _run(spec: StaleSpec, mesh: Any, model: Any, slow: Any, full: Any, batches: 
                 losses[k] = fig["loss"]
         td = time.perf_counter()
         st, late = stale.drain(st.replace(model=model))
-        end = time.perf_counter()
+        end, cpu = time.perf_counter(), time.process_time() - c0
         losses.update({k: fig["loss"] for k, fig in late.items()})
-        return {"elapsed": end - t0 if len(batches) > 1 else 0.0, "drain_s": end - td, "steps": steps[1:],
+        # cpu: this process's CPU seconds (all its threads, the applier's included) while timed
+        return {"elapsed": end - t0 if len(batches) > 1 else 0.0, "cpu_s": cpu, "drain_s": end - td,
+                "steps": steps[1:],
                 "warm_step": steps[0] if steps else None, "eval_loss": _eval_loss(st, held_out),
                 "train_losses": [losses.get(k) for k in range(len(batches))]}
 

@@ -63,6 +63,9 @@ def summarize(per_rank: list[dict], spec: StaleSpec) -> dict:
                 "sync_s": statistics.median(_mean([sum(s["sync_s"] for s in r["steps"]) for r in x])
                                             for x in rs),
                 "drain_s": statistics.median(_mean([r["drain_s"] for r in x]) for x in rs),
+                # CPU seconds per wall second of a rank (1 = a core to itself): below 1 other jobs
+                # took the cores, and a τ that runs while another waits gets more of them
+                "cpu_share": statistics.median(_mean([r["cpu_s"] / r["elapsed"] for r in x]) for x in rs),
                 "max_lag": max(s["lag"] for x in rs for r in x for s in r["steps"]),
                 "syncs_per_minibatch": max(s["syncs"] for x in rs for r in x for s in r["steps"]),
                 "eval_loss": _spread(evals),
@@ -71,6 +74,8 @@ def summarize(per_rank: list[dict], spec: StaleSpec) -> dict:
                     r["eval_loss"]) for x in rs for r in x),
                 "train_loss_last2": _spread(last),
                 "elapsed_s": [max(r["elapsed"] for r in x) for x in rs],
+                # per repeat, per rank: each timed minibatch's step time (s)
+                "step_time_s": [[[round(s["wall"], 4) for s in r["steps"]] for r in x] for x in rs],
                 "slow_steps_per_rank": [sum(s["slow"] for s in r["steps"]) for r in rs[0]],
             }
     bound = {v: _spread([_bound(runs[(v, 0, i)]) for i in range(spec.repeats)]) for v in spec.variants}
@@ -127,12 +132,14 @@ def render(sec: dict | None) -> str:
             rows.append([t, f"{s['median']:.2f} ({s['min']:.2f}-{s['max']:.2f})",
                          f"{o['median']:.3f}x ({o['min']:.3f}-{o['max']:.3f})",
                          f["version_wait_s"] if t != "0" else f["sync_s"], f["drain_s"], f["max_lag"],
+                         f["cpu_share"],
                          f"{e['median']:.4f} ({e['min']:.4f}-{e['max']:.4f})"])
         b = sec["bound_over_tau0"][v]
         lines += [f"   {LABELS[v]}; all imbalance hidden (bound from τ=0's busy times): {b['median']:.3f}x "
                   f"({b['min']:.3f}-{b['max']:.3f})",
                   table(rows, ["τ", "samples/s (median, range)", "vs τ=0 (median, range)",
-                               "wait/rank s (τ=0: sync)", "drain s", "max lag", "held-out loss"])]
+                               "wait/rank s (τ=0: sync)", "drain s", "max lag", "cpu share",
+                               "held-out loss"])]
     return "\n".join(lines)
 
 
