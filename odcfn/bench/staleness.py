@@ -68,11 +68,17 @@ class StaleSpec:
 
 def noisy_draw(n: int, world: int, fraction: float, seed: int) -> list[int]:
     """Per minibatch, the rank that is slow on it, or -1: ``round(fraction * (n - 1))`` of the
-    timed minibatches 1..n-1 drawn at random (exactly that many, so short runs are not left with
-    none or most), each with a uniformly drawn rank; seeded, so every τ sees the same draw."""
+    timed minibatches 1..n-1 drawn at random (exactly that many, so a short run is not left with
+    none or most), their ranks a shuffled balanced sequence (each rank slow equally often, +-1, in
+    random order). Independent ranks would put every slow minibatch of a short run on one rank
+    half the time (2 of 6 at W = 2): a fixed straggler, which no τ can hide, instead of the
+    moving neighbour a long run sees. Seeded: every τ sees the same draw."""
     rng = random.Random(seed * 7919 + 17)
-    slow = set(rng.sample(range(1, n), round(fraction * (n - 1))))
-    return [rng.randrange(world) if j in slow else -1 for j in range(n)]
+    slow = sorted(rng.sample(range(1, n), round(fraction * (n - 1))))
+    ranks = [i % world for i in range(len(slow))]
+    rng.shuffle(ranks)
+    who = dict(zip(slow, ranks))
+    return [who.get(j, -1) for j in range(n)]
 
 
 def run_order(spec: StaleSpec) -> list[tuple[int, str, int]]:

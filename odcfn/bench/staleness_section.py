@@ -46,6 +46,9 @@ def summarize(per_rank: list[dict], spec: StaleSpec) -> dict:
         for r in rank["runs"]:
             runs.setdefault((r["variant"], r["tau"], r["repeat"]), []).append(r)
     rate = {k: samples / max(r["elapsed"] for r in rs) for k, rs in runs.items()}  # slowest rank's clock
+    # samples per CPU-second of a rank: the work's own cost, whatever share of the cores the
+    # scheduler gave each run (waiting costs no CPU, so this cannot show what hiding waits buys)
+    per_cpu = {k: samples / _mean([r["cpu_s"] for r in rs]) for k, rs in runs.items()}
     out: dict = {}
     for v in spec.variants:
         out[v] = {}
@@ -57,6 +60,7 @@ def summarize(per_rank: list[dict], spec: StaleSpec) -> dict:
             out[v][str(t)] = {
                 "samples_per_s": _spread([rate[k] for k in keys]),
                 "over_tau0": _spread([rate[k] / rate[(v, 0, k[2])] for k in keys]),
+                "per_cpu_s_over_tau0": _spread([per_cpu[k] / per_cpu[(v, 0, k[2])] for k in keys]),
                 # per rank: the sum over the timed minibatches, averaged over ranks; median over repeats
                 "version_wait_s": statistics.median(_mean([sum(s["version_wait_s"] for s in r["steps"])
                                                            for r in x]) for x in rs),
@@ -132,13 +136,14 @@ def render(sec: dict | None) -> str:
             rows.append([t, f"{s['median']:.2f} ({s['min']:.2f}-{s['max']:.2f})",
                          f"{o['median']:.3f}x ({o['min']:.3f}-{o['max']:.3f})",
                          f["version_wait_s"] if t != "0" else f["sync_s"], f["drain_s"], f["max_lag"],
-                         f["cpu_share"],
+                         f["cpu_share"], f"{f['per_cpu_s_over_tau0']['median']:.3f}x",
                          f"{e['median']:.4f} ({e['min']:.4f}-{e['max']:.4f})"])
         b = sec["bound_over_tau0"][v]
         lines += [f"   {LABELS[v]}; all imbalance hidden (bound from τ=0's busy times): {b['median']:.3f}x "
                   f"({b['min']:.3f}-{b['max']:.3f})",
                   table(rows, ["τ", "samples/s (median, range)", "vs τ=0 (median, range)",
                                "wait/rank s (τ=0: sync)", "drain s", "max lag", "cpu share",
+                               "per CPU-s vs τ=0",
                                "held-out loss"])]
     return "\n".join(lines)
 
