@@ -13,7 +13,7 @@ import pytest
 
 import odcfn
 from odcfn import bench
-from odcfn.bench.staleness import VARIANTS, StaleSpec, _eval_loss, noisy_draw, run_order, zipf_batch
+from odcfn.bench.staleness_runs import VARIANTS, StaleSpec, _eval_loss, noisy_draw, run_order, zipf_batch
 from odcfn.bench.staleness_section import render, summarize
 from odcfn.bench.workload import Workload
 from tests.util import make_state, tiny

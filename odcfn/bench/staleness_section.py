@@ -1,6 +1,6 @@
 """``odcfn bench --only staleness``: synchronous ODC + LB-Mini against bounded staleness τ = 1, 2
 over W processes, on long-tail data (a), with a noisy neighbour (b), on equal lengths (c): the
-runs (``odcfn.bench.staleness``), their summary and their table.
+runs (``odcfn.bench.staleness_runs``), their summary and their table.
 
 Per variant and τ: samples/s (median and range over the repeats), its ratio to τ = 0 per repeat
 (runs of one repeat and variant are adjacent, so the ratio pairs runs under similar load), the
@@ -12,9 +12,9 @@ from __future__ import annotations
 import statistics
 from collections.abc import Sequence
 
-from odcfn.bench.staleness import StaleSpec
+from odcfn.bench.staleness_runs import StaleSpec
 
-__all__ = ["LABELS", "main", "render", "section", "summarize"]
+__all__ = ["LABELS", "render", "section", "summarize"]
 
 LABELS = {"long_tail": "(a) long-tail lengths", "noisy": "(b) long-tail + a noisy neighbour",
           "equal": "(c) equal lengths"}
@@ -92,7 +92,7 @@ def section(ctx, quick: bool = False) -> dict:
     """Launch the W ranks once; every run of every variant and τ happens inside that job."""
     if ctx.backend != "process":
         return {"skipped": "bounded staleness over ShmTransport needs real processes (odcfn.launch)"}
-    from odcfn.bench.staleness import run_order, stale_worker
+    from odcfn.bench.staleness_runs import run_order, stale_worker
     from odcfn.launch import launch
 
     spec = StaleSpec(ctx.workload, steps=ctx.steps, repeats=2 if quick else 3, cost=ctx.cost)
@@ -146,15 +146,4 @@ def render(sec: dict | None) -> str:
                                "per CPU-s vs τ=0",
                                "held-out loss"])]
     return "\n".join(lines)
-
-
-def main(argv: Sequence[str] = ()) -> int:
-    """``odcfn bench --only staleness`` with ``argv``'s further options."""
-    import argparse
-
-    from odcfn import bench
-
-    p = argparse.ArgumentParser(prog="python -m odcfn.bench.staleness")
-    bench.add_arguments(p)
-    return bench.main(p.parse_args(["--only", "staleness", *argv]))
 
