@@ -18,7 +18,7 @@ from pathlib import Path
 SCHEMA = "odcfn.bench/1"
 SECTIONS = (
     "end_to_end", "balanced", "fsdp2", "primitives", "simulator", "straggler", "rl", "lora", "recovery",
-    "moe", "preference",
+    "moe", "preference", "staleness",
 )
 STRAGGLER_SLOWDOWN = 1.5
 
@@ -96,6 +96,7 @@ def main(args: argparse.Namespace) -> int:
     from odcfn.bench import recovery, summary
     from odcfn.bench import rl_section as RL
     from odcfn.bench import sections as S
+    from odcfn.bench import staleness_section as SS
     from odcfn.bench.runner import pick_backend
     from odcfn.bench.workload import Workload, model_config
 
@@ -111,7 +112,7 @@ def main(args: argparse.Namespace) -> int:
     ctx = S.Context(workload=w, backend=backend, steps=steps, warmup=args.warmup,
                     progress=not args.json or sys.stderr.isatty(), log=_log)
     if args.cost == "calibrated" and ({"end_to_end", "balanced", "fsdp2", "straggler",
-                                       "simulator", "rl", "preference"} & set(sections)):
+                                       "simulator", "rl", "preference", "staleness"} & set(sections)):
         from odcfn.bench.sim import calibrate_cost
 
         _log("== calibrating the cost model (forward+backward time of each unit vs length)")
@@ -153,6 +154,7 @@ def main(args: argparse.Namespace) -> int:
         "recovery": lambda: recovery.section(ctx),
         "moe": lambda: MS.section(ctx, args.quick, args.moe_shape),
         "preference": lambda: PS.section(ctx, 2 if args.quick else 3, (8,) if args.quick else (8, 64, 1024)),
+        "staleness": lambda: SS.section(ctx, args.quick),
     }
     # the simulator replays end_to_end's plans, so it runs after it
     for name in sorted(sections, key=lambda s: s == "simulator"):
@@ -172,7 +174,7 @@ def main(args: argparse.Namespace) -> int:
         print(text)
     else:
         print(summary.render(report) + LS.render(report.get("lora")) + MS.render(report.get("moe"))
-              + PS.render(report.get("preference")))
+              + PS.render(report.get("preference")) + SS.render(report.get("staleness")))
     # a section that crashed (not one skipped for want of processes) fails the command
     return 1 if any(isinstance(report.get(n), dict) and "error" in report[n] for n in sections) else 0
 
