@@ -27,7 +27,7 @@ them on every transport):
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -264,3 +264,17 @@ def mesh_groups(mesh: Mesh) -> Sequence[tuple[int, ...]]:
             if len(g) > 1:
                 seen.setdefault(g, None)
     return list(seen)
+
+
+_NORM_SPAN = 1 << 22  # elements per float64 piece of a sum of squares (32 MiB)
+
+
+def sum_squares(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
+    """The float64 sum of squares of ``tensors`` (a gradient's norm²), in spans: a float64 copy
+    of a whole vocabulary-sized shard would be big."""
+    total = None
+    for g in tensors:
+        for piece in g.reshape(-1).split(_NORM_SPAN):
+            part = piece.double().square().sum()
+            total = part if total is None else total + part
+    return torch.zeros((), dtype=torch.float64) if total is None else total

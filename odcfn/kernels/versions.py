@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from odcfn.kernels.base import Done, Handle, TransportError, check_counter
+from odcfn.kernels.base import Done, Handle, TransportError, check_counter, sum_squares
 from odcfn.sharding import Layout
 
 # local.py makes the views: its LocalWorld and LocalTransport are typed Any here, never
@@ -248,7 +248,7 @@ class StaleLocal:
                         stats += parts[q]
                     apply = b.appliers[o]
                 grads = self._step_grads(o, k)
-                norm2 = sum(float(g.double().square().sum()) for g in grads.values())
+                norm2 = float(sum_squares(grads.values()))
                 with self.world.cond:
                     b.norm2[k][o] = norm2
                 shards = apply(k, grads, stats)

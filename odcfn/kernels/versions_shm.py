@@ -46,7 +46,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from odcfn.kernels.base import MAX_COUNTERS, Done, Handle, TransportError, check_counter
+from odcfn.kernels.base import MAX_COUNTERS, Done, Handle, TransportError, check_counter, sum_squares
 from odcfn.kernels.shm_sync import RangeLock, Segment, map_segments, shm_dir, wait_until
 from odcfn.kernels.versions_det import rank_order_sum
 from odcfn.sharding import Layout
@@ -203,7 +203,9 @@ class StaleShm:
             k = self._ready()
             if k is None:
                 self._stop.wait(pause)
-                pause = min(pause * 2, 2e-3)
+                # a few ms of latency against steps of 100s of ms; a shorter cap costs a
+                # measurable share of a core in wake-ups (bench: 3.5% at 2 ms under load)
+                pause = min(pause * 2, 5e-3)
                 continue
             pause = 1e-4
             try:
@@ -225,7 +227,7 @@ class StaleShm:
             stats = part.clone() if stats is None else stats.add_(part)
         parts = self._acc[self.rank][k % self.ring]
         grads = rank_order_sum(parts, self.trained, self.sizes) if self.ORDERED else parts[0]
-        norm2 = sum(float(g.double().square().sum()) for g in grads.values())
+        norm2 = float(sum_squares(grads.values()))
         shards = self._apply(k, grads, stats)
         for part in parts:
             for g in part.values():

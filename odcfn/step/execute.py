@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from odcfn.batch import Batch, Microbatch, pack
-from odcfn.kernels.base import Handle, Transport
+from odcfn.kernels.base import Handle, Transport, sum_squares
 from odcfn.kernels.grad_sink import flat_views
 from odcfn.model import Model, unit_inputs
 from odcfn.schedule.plan import (
@@ -41,7 +41,6 @@ from odcfn.tree import tree_unflatten
 
 __all__ = ["Executor"]
 
-_NORM_SPAN = 1 << 22  # elements per float64 piece of the gradient norm (32 MiB)
 
 
 @dataclass
@@ -366,10 +365,7 @@ class Executor:
         self.t.flush()
         grads = {k: g for k, g in self.t.grad_shards().items() if k not in self.frozen}
         self.t.replica_all_reduce(grads)
-        norm2 = torch.zeros((), dtype=torch.float64, device=self.device)
-        for g in grads.values():  # in spans: a float64 copy of a vocabulary-sized shard is big
-            for piece in g.reshape(-1).split(_NORM_SPAN):
-                norm2 += piece.double().square().sum()
+        norm2 = sum_squares(grads.values()).to(self.device)
         # after the replica all-reduce every replica holds the same shard: count it once
         norm2 = norm2 / len(self.t.mesh.replica_group)
         s = self.loss_sum.reshape(-1)  # [loss sum, grad-norm^2, the loss's metric sums, expert loads, riders]
