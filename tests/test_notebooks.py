@@ -15,7 +15,7 @@ NOTEBOOKS = sorted(EXAMPLES.glob("*.ipynb"))
 
 def test_the_example_notebooks_exist():
     names = {p.stem for p in NOTEBOOKS}
-    assert {"quickstart", "load_imbalance", "gradient_equivalence", "grpo", "preference"} <= names, names
+    assert {"quickstart", "load_imbalance", "gradient_equivalence", "grpo", "preference", "moe", "staleness"} <= names, names
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
