@@ -92,7 +92,9 @@ def away_from_kinks(batch, cfg, params, loss_cfg, *, margin=1e-3):
             logp = torch.zeros(s.length, dtype=torch.float64)  # token t predicted from t - 1
             logp[1:] = torch.log_softmax(fn(tokens)[:-1] / t, -1).gather(1, tokens[1:, None])[:, 0]
             extras = dict(s.extras)
-            for key, kinks in (("old_logprobs", ratio_kinks), ("ref_logprobs", ref_kinks)):
+            # the clipped ratio is against the proximal policy under the decoupled objective
+            anchor = "prox_logprobs" if loss_cfg.get("decoupled") else "old_logprobs"
+            for key, kinks in ((anchor, ratio_kinks), ("ref_logprobs", ref_kinks)):
                 if key not in extras:
                     continue
                 v = extras[key].double().clone()
@@ -102,5 +104,10 @@ def away_from_kinks(batch, cfg, params, loss_cfg, *, margin=1e-3):
                         near |= ((logp - v) - k).abs() < margin
                     v[near] -= 3 * margin
                 extras[key] = v.float()
+            cap = loss_cfg.get("behav_imp_weight_cap")
+            if loss_cfg.get("decoupled") and cap is not None:  # the weight exp(prox - old) meets its cap
+                old, prox = extras["old_logprobs"].double(), extras["prox_logprobs"].double()
+                near = ((prox - old) - math.log(cap)).abs() < margin
+                extras["old_logprobs"] = torch.where(near, old + 3 * margin, old).float()
             out.append(odcfn.Sample(s.tokens, loss_mask=s.loss_mask, extras=extras))
     return odcfn.Batch(tuple(out))

@@ -15,7 +15,8 @@ NOTEBOOKS = sorted(EXAMPLES.glob("*.ipynb"))
 
 def test_the_example_notebooks_exist():
     names = {p.stem for p in NOTEBOOKS}
-    assert {"quickstart", "load_imbalance", "gradient_equivalence", "grpo", "preference", "moe", "staleness"} <= names, names
+    want = {"quickstart", "load_imbalance", "gradient_equivalence", "grpo", "preference", "moe", "staleness"}
+    assert want <= names, names
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)

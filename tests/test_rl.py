@@ -67,7 +67,8 @@ def test_sharded_policy_gradient_equals_reference(cfg, world, policy, data):
     cap = data.draw(st.integers(max(lengths), 3 * max(lengths)))
     full, model = _params(seed), qwen_model(CFG)
     # no token within float32's reach of a clip/KL branch point: both sides take the same branch
-    batch = away_from_kinks(rollout_batch(lengths, prompts, CFG.vocab_size, seed=seed), CFG, full, cfg)
+    batch = rollout_batch(lengths, prompts, CFG.vocab_size, seed=seed, prox=cfg.get("decoupled", False))
+    batch = away_from_kinks(batch, CFG, full, cfg)
     want_loss, want_metrics, want_grads = reference(full, batch, **cfg)
     loss32, metrics32, grads32 = reference(full, batch, dtype=torch.float32, **cfg)
     atol = _atol(want_grads, grads32)
