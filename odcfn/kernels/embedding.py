@@ -46,16 +46,17 @@ class _Embedding(torch.autograd.Function):
         if ctx.pad is not None:  # the padding row gets no gradient, as in F.embedding
             keep = idx != ctx.pad % w.shape[0]
             idx, rows = idx[keep], rows[keep]
-        # a repeated token's rows summed in fp32 first (U×D, U the distinct tokens), then added
-        # once: a bf16 gradient is rounded once per row, as F.embedding's own backward does
-        used, slot = idx.unique(return_inverse=True)
-        acc = rows.new_zeros((used.numel(), w.shape[1]), dtype=torch.float32)
-        acc.index_add_(0, slot, rows.float())
         dest = destination(w)
-        if dest is not None:  # the sink already holds it: no gradient to return
-            dest.index_add_(0, used, acc.to(dest.dtype))
-            return None, None, None
-        return None, torch.zeros_like(w).index_add_(0, used, acc.to(w.dtype)), None
+        out = dest if dest is not None else torch.zeros_like(w)
+        if out.dtype.itemsize < 4:
+            # a repeated token's rows summed in fp32 first (U×D, U the distinct tokens), then
+            # added once: a bf16 gradient rounded once per row, not once per occurrence
+            idx, slot = idx.unique(return_inverse=True)
+            rows = rows.new_zeros((idx.numel(), w.shape[1]), dtype=torch.float32).index_add_(
+                0, slot, rows.float())
+        out.index_add_(0, idx, rows.to(out.dtype))
+        # written into the sink: no gradient to return (the flat gradient already holds it)
+        return None, (None if dest is not None else out), None
 
 
 def embedding(ids: torch.Tensor, w_VxD: torch.Tensor, padding_idx: int | None = None) -> torch.Tensor:
