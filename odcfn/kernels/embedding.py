@@ -48,13 +48,14 @@ class _Embedding(torch.autograd.Function):
             idx, rows = idx[keep], rows[keep]
         dest = destination(w)
         out = dest if dest is not None else torch.zeros_like(w)
-        if out.dtype.itemsize < 4:
-            # a repeated token's rows summed in fp32 first (U×D, U the distinct tokens), then
-            # added once: a bf16 gradient rounded once per row, not once per occurrence
+        if out.dtype.itemsize < 4 or out.is_cuda:
+            # a repeated token's rows summed first, in fp32, into U×D (U the distinct tokens) by
+            # F.embedding's own backward on that small problem, then added once per row: a bf16
+            # gradient is rounded once per row, and on CUDA the sum is F.embedding's
+            # deterministic one, not index_add_'s atomics in a run-dependent order
             idx, slot = idx.unique(return_inverse=True)
-            rows = rows.new_zeros((idx.numel(), w.shape[1]), dtype=torch.float32).index_add_(
-                0, slot, rows.float())
-        out.index_add_(0, idx, rows.to(out.dtype))
+            rows = torch.ops.aten.embedding_dense_backward(rows.float(), slot, idx.numel(), -1, False)
+        out.index_add_(0, idx, rows.to(out.dtype))  # on CUDA the indices are distinct by now
         # written into the sink: no gradient to return (the flat gradient already holds it)
         return None, (None if dest is not None else out), None
 
