@@ -260,8 +260,7 @@ class Executor:
             gy = torch.zeros_like(y)  # [loss, metrics...]: only the loss is differentiated
             gy[0] = 1.0
         own = s.unit not in self.frozen
-        # tied weights: the later units' gradient of this unit starts its flat gradient, so its
-        # own writes (the embedding's rows) add into that V×D buffer instead of a second one
+        # tied: the later units' gradient of this unit starts its flat gradient (no second V×D)
         shared = self.shared.pop(s.unit, None) if own else None
         seeded = shared is not None and seed(flat, shared)
         trained_uses = [(v, f) for v, f in zip(s.uses, used) if v not in self.frozen]
@@ -280,8 +279,7 @@ class Executor:
         else:  # a pass-through unit right after the forward-only ones: nothing reaches its weights
             grads = (None,) * len(inputs)
         if seeded:  # autograd returned the seeded buffer, or nothing if it never reached flat
-            grads = [shared if grads[0] is None else grads[0], *grads[1:]]
-            shared = None
+            grads, shared = [shared if grads[0] is None else grads[0], *grads[1:]], None
         grads = [torch.zeros_like(t) if g is None else g for g, t in zip(grads, inputs)]
         g_own = grads[0] if own else None
         for (v, _), g in zip(trained_uses, grads[int(own):]):  # the used unit pushes the sum, once
