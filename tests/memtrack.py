@@ -7,6 +7,10 @@ tensors), so this counts what the process really holds, independent of the alloc
 other processes. Temporaries allocated *inside* one aten kernel (a fused kernel's scratch) are
 not seen: that is the point of a fused kernel, and any decomposed op (SDPA's math fallback) is
 seen op by op.
+
+``TensorBytes(resizes=True)`` also follows storages resized in place (the step frees a gathered
+unit's buffer with ``untyped_storage().resize_(0)`` and refills it later, outside any op): each
+live storage's size is read again before and after every op. Slower, so only on request.
 """
 
 from __future__ import annotations
@@ -22,16 +26,23 @@ __all__ = ["TensorBytes"]
 class TensorBytes(TorchDispatchMode):
     """``with TensorBytes() as m: ...``; then ``m.peak`` (bytes above what was alive before)."""
 
-    def __init__(self) -> None:
+    def __init__(self, resizes: bool = False) -> None:
         super().__init__()
         self.live: dict[int, tuple[StorageWeakRef, int]] = {}  # storage key -> (weak ref, bytes)
         self.current = 0
         self.peak = 0
+        self.resizes = resizes
 
     def _sweep(self) -> None:
         dead = [k for k, (ref, _) in self.live.items() if ref.expired()]
         for k in dead:
             self.current -= self.live.pop(k)[1]
+        if self.resizes:
+            for k, (ref, n) in self.live.items():
+                now = torch.UntypedStorage._new_with_weak_ptr(ref.cdata).nbytes()
+                if now != n:
+                    self.live[k] = (ref, now)
+                    self.current += now - n
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self._sweep()

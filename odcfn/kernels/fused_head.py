@@ -33,8 +33,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from odcfn._check import check_int, check_number
 from odcfn.kernels.grad_sink import destination
+from odcfn.kernels.head_checks import IGNORE, check_args, check_chunk, check_temperature
 
 __all__ = [
     "IGNORE",
@@ -47,7 +47,6 @@ __all__ = [
     "unfused_head",
 ]
 
-IGNORE = -100
 # fp32 elements of one logits tile (32 MiB; a few live at once): big enough that the tile GEMMs
 # run at the full-matrix rate on the CPUs this was tuned on, small against any T×V
 _TILE_ELEMS = 1 << 23
@@ -56,34 +55,11 @@ _VOCAB_CHUNK = 8192
 _SMALL = 1 << 20
 
 
-def check_temperature(temperature: object, name: str = "temperature") -> float:
-    return check_number(temperature, name, positive=True, want="> 0 (a finite number)")
-
-
-def check_chunk(chunk: object, name: str) -> int | None:
-    return check_int(chunk, name, at_least=1, none_ok=True, want="an int >= 1 or None")
-
-
 def default_chunks(T: int, V: int) -> tuple[int, int]:
     """``(token_chunk, vocab_chunk)`` from the shapes: the whole vocabulary per tile when it is
     small (no running rescale), else ``_VOCAB_CHUNK``-entry slices; tiles of ``_TILE_ELEMS``."""
     vc = V if V <= 2 * _VOCAB_CHUNK else _VOCAB_CHUNK
     return max(1, min(T, _TILE_ELEMS // vc)), vc
-
-
-def _check_labels(labels_T: torch.Tensor, T: int, V: int) -> None:
-    if not isinstance(labels_T, torch.Tensor) or labels_T.dtype != torch.int64 or labels_T.shape != (T,):
-        is_t = isinstance(labels_T, torch.Tensor)
-        got = f"{tuple(labels_T.shape)} {labels_T.dtype}" if is_t else type(labels_T).__name__
-        raise ValueError(f"labels_T must be an int64 tensor of shape ({T},), got {got}")
-    if T:
-        lo, hi = int(labels_T.min()), int(labels_T.max())
-        bad = (lo < 0 and (lo != IGNORE or int(labels_T[labels_T < 0].max()) != IGNORE)) or hi >= V
-        if bad:
-            raise ValueError(
-                f"labels_T must lie in [0, vocab_size={V}) or equal {IGNORE} (not a target); "
-                f"got values in [{lo}, {hi}]"
-            )
 
 
 def _rows(labels_T: torch.Tensor) -> torch.Tensor | None:
@@ -332,21 +308,6 @@ class _FusedHead(torch.autograd.Function):
         return dh, dw, None, None, None, None, None
 
 
-def _check(h_TxD, w_VxD, labels_T, temperature, token_chunk, vocab_chunk) -> float:
-    for name, x in (("h_TxD", h_TxD), ("w_VxD", w_VxD)):
-        if not isinstance(x, torch.Tensor) or x.dim() != 2 or not x.is_floating_point():
-            raise ValueError(f"{name} must be a 2-D floating tensor, got {getattr(x, 'shape', type(x))}")
-    if h_TxD.shape[1] != w_VxD.shape[1] or h_TxD.dtype != w_VxD.dtype:
-        raise ValueError(
-            f"h_TxD {tuple(h_TxD.shape)} {h_TxD.dtype} and w_VxD {tuple(w_VxD.shape)} {w_VxD.dtype} "
-            "must share the hidden size and dtype"
-        )
-    check_chunk(token_chunk, "token_chunk")
-    check_chunk(vocab_chunk, "vocab_chunk")
-    _check_labels(labels_T, h_TxD.shape[0], w_VxD.shape[0])
-    return check_temperature(temperature)
-
-
 def fused_head(
     h_TxD: torch.Tensor,
     w_VxD: torch.Tensor,
@@ -361,7 +322,7 @@ def fused_head(
     ``labels_T`` (IGNORE: not a target, 0) under logits ``h Wᵀ / temperature``, never holding T×V.
     Chunks: None chooses from the shapes (``default_chunks``); a problem of at most ``_SMALL``
     logits with no chunk given runs as one plain-autograd tile."""
-    t = _check(h_TxD, w_VxD, labels_T, temperature, token_chunk, vocab_chunk)
+    t = check_args(h_TxD, w_VxD, labels_T, temperature, token_chunk, vocab_chunk)
     small = h_TxD.shape[0] * w_VxD.shape[0] <= _SMALL and token_chunk is None and vocab_chunk is None
     if small and not (h_TxD.is_cuda and _triton() is not None):
         # the whole problem is smaller than one tile: plain autograd over it is the same tile
@@ -391,7 +352,7 @@ def unfused_head(
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """The reference head through full fp32 logits (O(T×V) memory, plain autograd):
     ``(logp_T, entropy_T or None, logits_TxV or None)``, IGNORE rows 0 like ``fused_head``."""
-    t = _check(h_TxD, w_VxD, labels_T, temperature, None, None)
+    t = check_args(h_TxD, w_VxD, labels_T, temperature, None, None)
     z_TxV = F.linear(h_TxD, w_VxD).float()
     if t != 1.0:
         z_TxV = z_TxV / t

@@ -247,10 +247,7 @@ def interpreting() -> bool:
 
 def _blocks(kind: str, dtype: torch.dtype, overrides: dict) -> dict:
     b = dict(INTERPRETER_BLOCKS if interpreting() else GPU_BLOCKS[kind, dtype != torch.float32])
-    for k, v in overrides.items():
-        if v is not None:
-            b[k] = v
-    return b
+    return b | {k: v for k, v in overrides.items() if v is not None}
 
 
 def _launch(kernel, grid, args: tuple, meta: dict) -> None:
@@ -359,13 +356,11 @@ def triton_head_backward(
     T, D = h_TxD.shape
     V = w_VxD.shape[0]
     dev = h_TxD.device
-    if dw_out is None:
-        dw_VxD = torch.zeros(V, D, dtype=torch.float32, device=dev)
-    elif dw_out.shape != (V, D) or dw_out.dtype != torch.float32 or not dw_out.is_contiguous():
+    if dw_out is not None and (dw_out.shape != (V, D) or dw_out.dtype != torch.float32
+                               or not dw_out.is_contiguous()):
         raise ValueError(f"dw_out must be a contiguous fp32 ({V}, {D}) tensor, got "
                          f"{tuple(dw_out.shape)} {dw_out.dtype}")
-    else:
-        dw_VxD = dw_out
+    dw_VxD = torch.zeros(V, D, dtype=torch.float32, device=dev) if dw_out is None else dw_out
     dh_TxD = torch.zeros_like(h_TxD)
     rows = _rows(labels_T)
     pick = (lambda x: x) if rows is None else (lambda x: x[rows])
@@ -396,9 +391,8 @@ def triton_head_backward(
     common = (h, w, y, lse, ent, gl, gh)
     _launch(_head_bwd_dh_kernel, (n_t, k), (*common, dh_parts, n, V, D, v_per_split, inv_tau), meta)
     _launch(_head_bwd_dw_kernel, (n_v,), (*common, dw_VxD, n, V, D, inv_tau), meta)
-    dh32 = dh_parts[0] if k == 1 else dh_parts.sum(0)
+    dh = (dh_parts[0] if k == 1 else dh_parts.sum(0)).to(h_TxD.dtype)
     if rows is None:
-        dh_TxD = dh32.to(h_TxD.dtype)
-    else:
-        dh_TxD[rows] = dh32.to(h_TxD.dtype)
+        return dh, dw_VxD
+    dh_TxD[rows] = dh
     return dh_TxD, dw_VxD

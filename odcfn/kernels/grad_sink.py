@@ -13,6 +13,10 @@ and hands the sink on as the flat gradient, with no copy.
 Correctness rests on autograd's order: a node runs only after every consumer of its outputs
 has run its backward, so all direct writes land before the sink is handed on. A writer must
 return ``None`` for the view it wrote: the sink already holds that gradient.
+
+``seed`` hands the sink a buffer that already holds a gradient of the same flat buffer (a tied
+embedding's gradient from the head): the writes then add into it, so the unit's backward never
+holds that gradient and its own as two buffers.
 """
 
 from __future__ import annotations
@@ -21,9 +25,10 @@ from typing import Any
 
 import torch
 
-__all__ = ["destination", "flat_views"]
+__all__ = ["destination", "flat_views", "seed"]
 
 _ATTR = "_odcfn_grad_sink"  # on each view: (sink, element offset of the view in the flat buffer)
+_FLAT_ATTR = "_odcfn_grad_sink_flat"  # on the flat buffer: its sink
 
 
 class _Sink:
@@ -69,6 +74,7 @@ def flat_views(flat: torch.Tensor, numels: tuple[int, ...], shapes: tuple) -> li
     rest is padding) whose flat gradient is a sink ops can write into (``destination``).
     ``flat`` must require grad (a frozen unit's views need no sink)."""
     sink = _Sink(flat)
+    setattr(flat, _FLAT_ATTR, sink)
     views = _FlatViews.apply(flat, (*numels, flat.numel() - sum(numels)), (*shapes, (-1,)), sink)
     offset = 0
     for v, n in zip(views, numels):
@@ -86,3 +92,18 @@ def destination(view: torch.Tensor) -> torch.Tensor | None:
         return None
     sink, offset = got
     return sink.get()[offset: offset + view.numel()].view(view.shape)
+
+
+def seed(flat: torch.Tensor, buf: torch.Tensor) -> bool:
+    """Make ``buf`` (contiguous, ``flat``'s numel, dtype and device) the start of ``flat``'s
+    flat gradient: its views' gradients and direct writes add into ``buf``, which the
+    differentiation then returns as ``flat``'s gradient. False (nothing done) when ``flat`` has
+    no ``flat_views`` sink or ``buf`` does not fit; then add ``buf`` to the gradient yourself."""
+    sink = getattr(flat, _FLAT_ATTR, None)
+    if sink is None or not buf.is_contiguous() or (buf.numel(), buf.dtype, buf.device) != (
+            sink.numel, sink.dtype, sink.device):
+        return False
+    if sink.buf is not None:  # written to already: keep those writes
+        buf.view(-1).add_(sink.buf)
+    sink.buf = buf.view(-1)
+    return True

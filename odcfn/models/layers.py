@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from einops import rearrange
 
 from odcfn.batch import Microbatch
+from odcfn.kernels.embedding import embedding
 from odcfn.losses import head_stats
 from odcfn.models.rope import apply_rope
 
@@ -72,7 +73,9 @@ def attention(p: dict, x_TxD: torch.Tensor, mb: Microbatch, cfg) -> torch.Tensor
 
 
 def embed_fwd(p: dict, x: None, mb: Microbatch, *, pad: int | None = None) -> torch.Tensor:
-    return F.embedding(mb.input_ids_T, p["embed_tokens"]["weight"], padding_idx=pad)
+    """The token rows of the embedding matrix; in the step their gradient is added straight
+    into the unit's flat gradient (``odcfn.kernels.embedding``: no dense V×D gradient)."""
+    return embedding(mb.input_ids_T, p["embed_tokens"]["weight"], padding_idx=pad)
 
 
 def block_fwd(p: dict, x_TxD: torch.Tensor, mb: Microbatch, *, cfg) -> torch.Tensor:

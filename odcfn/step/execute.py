@@ -19,7 +19,7 @@ import torch
 
 from odcfn.batch import Batch, Microbatch, pack
 from odcfn.kernels.base import Handle, Transport, sum_squares
-from odcfn.kernels.grad_sink import flat_views
+from odcfn.kernels.grad_sink import flat_views, seed
 from odcfn.model import Model, unit_inputs
 from odcfn.schedule.plan import (
     AllGather,
@@ -259,6 +259,9 @@ class Executor:
             gy = torch.zeros_like(y)  # [loss, metrics...]: only the loss is differentiated
             gy[0] = 1.0
         own = s.unit not in self.frozen
+        # tied: the later units' gradient of this unit starts its flat gradient (no second V×D)
+        shared = self.shared.pop(s.unit, None) if own else None
+        seeded = shared is not None and seed(flat, shared)
         trained_uses = [(v, f) for v, f in zip(s.uses, used) if v not in self.frozen]
         inputs = ([flat] if own else []) + [f for _, f in trained_uses] + [f for _, f in experts]
         has_x = isinstance(sv.x_in, torch.Tensor) and sv.x_in.requires_grad
@@ -274,6 +277,8 @@ class Executor:
             grads = torch.autograd.grad(y, inputs, gy, allow_unused=True)
         else:  # a pass-through unit right after the forward-only ones: nothing reaches its weights
             grads = (None,) * len(inputs)
+        if seeded:  # autograd returned the seeded buffer, or nothing if it never reached flat
+            grads, shared = [shared if grads[0] is None else grads[0], *grads[1:]], None
         grads = [torch.zeros_like(t) if g is None else g for g, t in zip(grads, inputs)]
         g_own = grads[0] if own else None
         for (v, _), g in zip(trained_uses, grads[int(own):]):  # the used unit pushes the sum, once
@@ -281,7 +286,6 @@ class Executor:
         for (e, _), g in zip(experts, grads[int(own) + len(trained_uses):]):  # joins the reduce-scatter
             self.grads[e] = g
         if own:
-            shared = self.shared.pop(s.unit, None)
             if shared is None:
                 self.grads[s.unit] = g_own
             elif g_own.is_contiguous():  # autograd's fresh output: a tied V×D sum, no third copy
