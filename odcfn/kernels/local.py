@@ -182,13 +182,8 @@ class LocalTransport(StepCollectives):
         """This rank's bounded-staleness side (τ >= 1, ``odcfn.kernels.versions``), made on first
         use and kept for the transport's life: it holds the owner's version ring. ``ordered``:
         each owner sums a step's pushes in rank order (``odcfn.kernels.versions_det``)."""
-        if self._stale is not None and self._stale.ORDERED != ordered:
-            raise ValueError(
-                f"StepConfig.deterministic changed on this transport under staleness: its versions "
-                f"were made with deterministic={self._stale.ORDERED}"
-            )
         kind = OrderedStaleLocal if ordered else StaleLocal
-        self._stale = reuse_view(self._stale, ring, lambda: kind(self, ring, start))
+        self._stale = reuse_view(self._stale, ring, ordered, lambda: kind(self, ring, start))
         return self._stale
 
     # --- per step ---------------------------------------------------------------------------

@@ -160,10 +160,7 @@ class ShmTransport(StepCollectives):
         """This rank's bounded-staleness side (τ >= 1, ``odcfn.kernels.versions_shm``), made on
         first use and kept for the transport's life: it holds the owner's version ring.
         ``ordered``: each owner sums a step's pushes in rank order (one part per rank)."""
-        if self._stale is not None and self._stale.ORDERED != ordered:
-            raise ValueError("StepConfig.deterministic changed on this transport under staleness: its "
-                             f"versions were made with deterministic={self._stale.ORDERED}")
-        self._stale = reuse_view(self._stale, ring, lambda: StaleShm(self, ring, start, ordered))
+        self._stale = reuse_view(self._stale, ring, ordered, lambda: StaleShm(self, ring, start, ordered))
         return self._stale
 
     # --- setup ---------------------------------------------------------------------------------

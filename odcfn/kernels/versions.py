@@ -67,11 +67,17 @@ class VersionBoard:
         self.apply_locks = [threading.Lock() for _ in range(w)]
 
 
-def reuse_view(view: Any, ring: int, make: Callable[[], Any]) -> Any:
+def reuse_view(view: Any, ring: int, ordered: bool, make: Callable[[], Any]) -> Any:
     """A transport's versions side: made on first use, then kept for the transport's life (it
-    holds the owner's version ring), refusing a later config with another ring."""
+    holds the owner's version ring), refusing a later config with another ring or another
+    ``deterministic`` (rank-order sums)."""
     if view is None:
         return make()
+    if view.ORDERED != ordered:
+        raise ValueError(
+            f"StepConfig.deterministic changed on this transport under staleness: its versions "
+            f"were made with deterministic={view.ORDERED}"
+        )
     if view.ring != ring:
         raise ValueError(
             f"StepConfig.staleness changed on this transport: it keeps {view.ring} versions, "
