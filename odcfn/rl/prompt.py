@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -42,7 +41,7 @@ class Prompt:
             raise TypeError(f"Prompt.text must be a str or None, got {type(self.text).__name__}")
         if not isinstance(self.fields, Mapping):
             raise TypeError(f"Prompt.fields must be a mapping, got {type(self.fields).__name__}")
-        object.__setattr__(self, "fields", MappingProxyType(dict(self.fields)))
+        object.__setattr__(self, "fields", dict(self.fields))  # a copy: picklable, unshared
 
     def __len__(self) -> int:
         return len(self.tokens)
