@@ -24,6 +24,8 @@ from hypothesis import strategies as st
 import odcfn
 from odcfn.rl import ESTIMATORS, advantages, token_advantages
 
+NO_BASELINE = "reinforce_plus_plus_no_baseline"
+
 EPS = 1e-6
 
 
@@ -44,7 +46,7 @@ def ref_scalars(rewards, n, estimator, *, norm=True, lengths=None):
                 base.append((x - mean) / (std + EPS) if norm else x - mean)
             elif estimator == "rloo":
                 base.append(x if others is None else x - others)  # leave-one-out baseline
-            elif estimator == "reinforce_plus_plus_baseline":
+            elif estimator in ("reinforce_plus_plus", "reinforce_plus_plus_baseline"):
                 base.append(x - mean)
             else:
                 base.append(x)
@@ -74,7 +76,7 @@ def ref_verl_tokens(rewards, n, estimator, lengths, *, norm=True):
         var = (((values - mean) ** 2) * mask).sum() / cnt * cnt / (cnt - 1)
         return (values - mean) / torch.sqrt(var + 1e-8)
 
-    if estimator == "reinforce_plus_plus":
+    if estimator == "reinforce_plus_plus_no_baseline":
         returns = torch.zeros_like(token_rewards)
         running = torch.zeros(B, dtype=torch.float64)
         for t in reversed(range(T)):  # gamma = 1, reset past each response's end
@@ -98,7 +100,8 @@ def ref_verl_tokens(rewards, n, estimator, lengths, *, norm=True):
         else:
             out[i] = scores[i] - mean
     tokens = out[:, None].expand(B, T) * mask
-    return whiten(tokens) * mask if estimator == "reinforce_plus_plus_baseline" else tokens
+    baseline_then_whiten = estimator in ("reinforce_plus_plus", "reinforce_plus_plus_baseline")
+    return whiten(tokens) * mask if baseline_then_whiten else tokens
 
 
 def _close(got, want, tol=2e-5):
@@ -145,9 +148,12 @@ def test_whitening_weighs_samples_by_response_length():
     weighted = advantages(r, 2, "reinforce_plus_plus_baseline", response_lengths=[10, 1, 1, 1])
     assert not torch.allclose(plain, weighted)
     _close(weighted, ref_scalars(r, 2, "reinforce_plus_plus_baseline", lengths=[10, 1, 1, 1]))
-    # reinforce_plus_plus has no baseline: whitening the raw rewards, group size 1 welcome
+    # reinforce_plus_plus is the group-baseline form (verl's reinforce_plus_plus_baseline)
+    _close(advantages(r, 2, "reinforce_plus_plus", response_lengths=[10, 1, 1, 1]), weighted)
+    # reinforce_plus_plus_no_baseline (verl's reinforce_plus_plus): the raw rewards, whitened
     r = [1.0, 0.0, 3.0]
-    _close(advantages(r, 1, "reinforce_plus_plus"), ref_scalars(r, 1, "reinforce_plus_plus"))
+    _close(advantages(r, 1, "reinforce_plus_plus_no_baseline"),
+           ref_scalars(r, 1, "reinforce_plus_plus_no_baseline"))
 
 
 def test_a_group_of_one_is_refused_unless_asked_then_follows_verl():
@@ -158,7 +164,7 @@ def test_a_group_of_one_is_refused_unless_asked_then_follows_verl():
     _close(advantages([2.0, -1.0], 1, "rloo", allow_group_of_one=True), [2.0, -1.0])
     _close(
         advantages([2.0, -1.0, 0.5], 1, "reinforce_plus_plus_baseline", allow_group_of_one=True),
-        advantages([2.0, -1.0, 0.5], 1, "reinforce_plus_plus"),
+        advantages([2.0, -1.0, 0.5], 1, "reinforce_plus_plus_no_baseline"),
     )
 
 
@@ -166,8 +172,8 @@ def test_a_group_of_one_is_refused_unless_asked_then_follows_verl():
     "kwargs,err,msg",
     [
         (dict(rewards=[1.0, 0.0], group_size=2, estimator="ppo"), ValueError,
-         "unknown advantage estimator 'ppo': known ones are grpo, rloo, reinforce_plus_plus_baseline, "
-         "reinforce_plus_plus"),
+         "unknown advantage estimator 'ppo': known ones are grpo, rloo, reinforce_plus_plus, "
+         "reinforce_plus_plus_baseline, reinforce_plus_plus_no_baseline"),
         (dict(rewards=[1.0, 0.0, 1.0], group_size=2), ValueError,
          r"3 rewards do not divide into groups of group_size=2 \(1 full groups and 1 left over\)"),
         (dict(rewards=[1.0, float("nan"), 0.0, 1.0], group_size=2), ValueError,
@@ -179,11 +185,11 @@ def test_a_group_of_one_is_refused_unless_asked_then_follows_verl():
         (dict(rewards=[1.0, 0.0], group_size=0), ValueError, "group_size must be an int >= 1, got 0"),
         (dict(rewards=[1.0, "x"], group_size=2), TypeError, r"rewards\[1\] must be a real number"),
         (dict(rewards=torch.ones(2, 2), group_size=2), ValueError, r"rewards must be 1-D"),
-        (dict(rewards=[1.0, 0.0], group_size=2, estimator="reinforce_plus_plus", response_lengths=[3]),
+        (dict(rewards=[1.0, 0.0], group_size=2, estimator=NO_BASELINE, response_lengths=[3]),
          ValueError, "response_lengths has 1 entries for 2 rewards"),
-        (dict(rewards=[1.0, 0.0], group_size=2, estimator="reinforce_plus_plus", response_lengths=[3, 0]),
+        (dict(rewards=[1.0, 0.0], group_size=2, estimator=NO_BASELINE, response_lengths=[3, 0]),
          ValueError, r"response_lengths\[1\] must be an int >= 1"),
-        (dict(rewards=[1.0], group_size=1, estimator="reinforce_plus_plus"), ValueError,
+        (dict(rewards=[1.0], group_size=1, estimator="reinforce_plus_plus_no_baseline"), ValueError,
          "whitening over the batch needs at least 2 response tokens"),
         (dict(rewards=[1.0, 0.0], group_size=2, norm_adv_by_std_in_grpo=1), TypeError,
          "norm_adv_by_std_in_grpo must be a bool"),

@@ -7,12 +7,14 @@ mean m, torch's unbiased std s (Bessel: divides by n - 1) and ``epsilon`` e:
 
 - ``grpo``: (r - m) / (s + e); with ``norm_adv_by_std_in_grpo=False`` (Dr. GRPO): r - m.
 - ``rloo``: r minus the mean of the group's *other* rewards, = (r - m) * n / (n - 1).
-- ``reinforce_plus_plus_baseline``: r - m, then whitened over the batch.
-- ``reinforce_plus_plus``: r itself (no baseline), whitened over the batch.
+- ``reinforce_plus_plus`` (also ``reinforce_plus_plus_baseline``): r - m, whitened over the batch.
+- ``reinforce_plus_plus_no_baseline``: r itself, whitened over the batch.
 
-verl names the group-baseline variant ``reinforce_plus_plus_baseline``; its
-``reinforce_plus_plus`` has no baseline. Both are here under verl's names, so a config ported
-from verl means the same thing.
+A naming caution for configs ported from verl: verl calls the group-baseline variant
+``reinforce_plus_plus_baseline`` and uses ``reinforce_plus_plus`` for the one without a baseline.
+Here ``reinforce_plus_plus`` is the group-baseline form (the one an outcome reward with groups
+calls for, and what odcfn's RL loop documents); verl's baseline-free form is
+``reinforce_plus_plus_no_baseline``, and ``reinforce_plus_plus_baseline`` keeps verl's meaning.
 
 Whitening is verl's ``masked_whiten`` over the response tokens of the whole batch: a sample's
 value counts once per response token, with the Bessel-corrected variance over the token count
@@ -26,7 +28,7 @@ rounds away for any N >= 1, so it is left out). Means are taken relative to one 
 so that a flat group or batch gives exactly 0 rather than rounding noise divided by a tiny
 std. Without ``response_lengths`` every sample counts
 once (L_i = 1): whitening over samples. Pass the lengths to match verl when they differ.
-verl's ``reinforce_plus_plus`` discounts with ``gamma`` (default 1.0); only gamma = 1 gives every
+verl's baseline-free ``reinforce_plus_plus`` discounts with ``gamma`` (default 1.0); only gamma = 1 gives every
 response token the same value, which is what a per-sample scalar can express.
 """
 
@@ -42,8 +44,9 @@ from odcfn._check import ArgTypeError, check_int, check_number, is_number
 __all__ = ["ESTIMATORS", "GROUP_ESTIMATORS", "advantages", "token_advantages"]
 
 # the estimators that compare a sample with the rest of its group
-GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")
-ESTIMATORS = (*GROUP_ESTIMATORS, "reinforce_plus_plus")
+GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
+ESTIMATORS = (*GROUP_ESTIMATORS, "reinforce_plus_plus_no_baseline")
+_WITH_BASELINE = ("reinforce_plus_plus", "reinforce_plus_plus_baseline")
 
 _WHITEN_EPS = 1e-8  # verl's masked_whiten: rsqrt(var + 1e-8)
 
@@ -99,7 +102,7 @@ def advantages(
     each sample by its length); ignored by the others. ``allow_group_of_one``: a group estimator
     refuses ``group_size`` 1 (nothing to compare a sample with) unless this is True, which gives
     verl's rule for a one-sample group: baseline 0 and std 1, so ``grpo`` is r / (1 + epsilon),
-    ``rloo`` is r and ``reinforce_plus_plus_baseline`` whitens the raw rewards.
+    ``rloo`` is r and ``reinforce_plus_plus`` whitens the raw rewards.
     """
     if not isinstance(estimator, str) or estimator not in ESTIMATORS:
         raise ValueError(f"unknown advantage estimator {estimator!r}: known ones are {', '.join(ESTIMATORS)}")
@@ -141,7 +144,7 @@ def advantages(
     elif estimator == "rloo":
         out = (groups - mean) * (n / (n - 1)) if n > 1 else groups.clone()
     else:
-        x = (groups - mean if estimator == "reinforce_plus_plus_baseline" else groups).reshape(-1)
+        x = (groups - mean if estimator in _WITH_BASELINE else groups).reshape(-1)
         w = torch.ones_like(x) if response_lengths is None else _lengths(response_lengths, x.numel())
         out = _whiten(x, w)
     return out.reshape(-1).to(torch.float32)
