@@ -26,10 +26,10 @@ N = sum of the response lengths:
 (verl divides by ``N + 1e-8`` in its means: a guard against N = 0 that float32, verl's dtype,
 rounds away for any N >= 1, so it is left out). Means are taken relative to one of the values,
 so that a flat group or batch gives exactly 0 rather than rounding noise divided by a tiny
-std. Without ``response_lengths`` every sample counts
-once (L_i = 1): whitening over samples. Pass the lengths to match verl when they differ.
-verl's baseline-free ``reinforce_plus_plus`` discounts with ``gamma`` (default 1.0); only gamma = 1 gives every
-response token the same value, which is what a per-sample scalar can express.
+std. Without ``response_lengths`` every sample counts once (L_i = 1): whitening over samples.
+Pass the lengths to match verl when they differ. verl's baseline-free ``reinforce_plus_plus``
+discounts with ``gamma`` (default 1.0); only gamma = 1 gives every response token the same
+value, which is what a per-sample scalar can express.
 """
 
 from __future__ import annotations
