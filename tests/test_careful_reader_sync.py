@@ -10,6 +10,7 @@ import torch
 
 import odcfn
 from odcfn.sft.lock import RankLock, RunDirLocked, RunLock
+from tests.mp_pool import mp_pool  # noqa: F401 - the session fixture
 from tests.util import make_state, tiny
 
 CFG, MODEL, FULL = tiny()
@@ -86,3 +87,69 @@ def test_the_fingerprint_error_names_the_extra_that_differs(edit, said):
     for msg in odcfn.run_local(fn, 2, timeout=30):
         assert msg is not None and msg.startswith("ranks disagree on the minibatch: "), msg
         assert said in msg and "token ids" not in msg, msg
+
+
+# --- item 22: sets and tensors are fingerprinted by what they hold -------------------------------
+
+
+def test_stable_repr_sees_the_contents_of_sets_and_tensors():
+    """Issue 40, item 22: ``stable_repr`` described a set or a tensor by its type alone, so
+    ``ScheduleOptions.remat`` / ``frozen`` / ``passthrough`` agreed whatever they held."""
+    from odcfn.schedule.plan import ScheduleOptions
+    from odcfn.step.fingerprint import stable_repr
+
+    a, b = ScheduleOptions(remat=frozenset({"layers.0"})), ScheduleOptions(remat=frozenset({"head"}))
+    assert stable_repr(a) != stable_repr(b)
+    assert stable_repr(ScheduleOptions(frozen=frozenset({"embed"}))) != stable_repr(ScheduleOptions())
+    assert stable_repr({"b", "a", "c"}) == stable_repr({"c", "a", "b"}) != stable_repr({"a", "b"})
+    assert stable_repr({1, "1"}) != stable_repr({1})  # mixed types sort too
+    t = torch.arange(6.0)
+    assert stable_repr(t) == stable_repr(t.clone())
+    assert stable_repr(t) != stable_repr(t + 1) and stable_repr(t) != stable_repr(t.reshape(2, 3))
+    assert stable_repr(t) != stable_repr(t.double())
+
+
+def _train_differently(tr, rank: int, **config) -> tuple[str, int, int]:
+    """One train_step where rank 1 freezes the embedding and rank 0 trains everything: what it
+    raised, and the gathers and pushes this rank made."""
+    batch = odcfn.random_batch([5, 9, 3, 7], CFG.vocab_size, seed=0)
+    kw = {"trainable": lambda n: not n.startswith("embed")} if rank == 1 else {}
+    state = odcfn.TrainState.create(params=FULL, model=MODEL, optimizer=odcfn.sgd(0.1), transport=tr,
+                                    config=odcfn.StepConfig(balance="round_robin", **config), **kw)
+    try:
+        odcfn.train_step(state, batch)
+        out = "trained"
+    except Exception as e:  # noqa: BLE001 - whatever it was, it is the outcome under test
+        out = f"{type(e).__name__}: {e}"
+    return out, tr.counters.gathers, tr.counters.scatters
+
+
+def _raised_alike_before_any_gather(out: list) -> None:
+    (msg, *_), (msg1, *_) = out
+    assert msg == msg1, out
+    assert msg.startswith("ValueError: ranks disagree on the trained units"), msg
+    assert "rank 0 trains every unit" in msg and "rank 1 freezes ['embed']" in msg, msg
+    assert all(g == 0 and s == 0 for _, g, s in out), out
+
+
+@pytest.mark.parametrize("config", [{}, {"comm": "collective"}, {"staleness": 1}])
+def test_ranks_that_train_different_units_raise_alike_before_the_first_gather(config):
+    """Issue 40, item 22: rank 1 froze the embedding, rank 0 trained everything. Rank 0 died of
+    a ``KeyError: 'embed'`` pushing into rank 1's missing accumulator; rank 1 timed out waiting
+    for it. Both must raise the same error, naming the trainable sets, before any gather."""
+    _raised_alike_before_any_gather(odcfn.run_local(lambda r, tr: _train_differently(tr, r, **config), 2,
+                                                    timeout=10))
+
+
+def train_differently_worker() -> tuple[str, int, int]:
+    from odcfn.kernels.shm import ShmTransport
+
+    torch.set_num_threads(1)
+    mesh = odcfn.Mesh.from_env()
+    with ShmTransport(mesh, timeout=20) as tr:
+        return _train_differently(tr, mesh.rank)
+
+
+def test_processes_that_train_different_units_raise_alike_before_the_first_gather(mp_pool):  # noqa: F811
+    _raised_alike_before_any_gather(mp_pool.run(train_differently_worker, 2, timeout=120))
+

@@ -43,6 +43,10 @@ def stable_repr(x: Any) -> str:
         return repr(x)
     if isinstance(x, (list, tuple)):
         return f"{type(x).__name__}({', '.join(stable_repr(v) for v in x)})"
+    if isinstance(x, (set, frozenset)):  # by contents: ScheduleOptions.remat / frozen / passthrough
+        return f"{type(x).__name__}({', '.join(sorted(stable_repr(v) for v in x))})"
+    if isinstance(x, torch.Tensor):  # by values: a digest of dtype, shape and bytes
+        return f"tensor({x.dtype}, {tuple(x.shape)}, {_tensor_digest(x)})"
     if isinstance(x, dict):
         items = sorted(x.items(), key=str)
         return "{" + ", ".join(f"{stable_repr(k)}: {stable_repr(v)}" for k, v in items) + "}"
@@ -52,6 +56,11 @@ def stable_repr(x: Any) -> str:
     if hasattr(x, "func") and hasattr(x, "args"):  # functools.partial
         return f"partial({stable_repr(x.func)}, {stable_repr(x.args)}, {stable_repr(x.keywords)})"
     return f"{getattr(type(x), '__module__', '')}.{getattr(x, '__qualname__', type(x).__qualname__)}"
+
+
+def _tensor_digest(v: torch.Tensor) -> str:
+    raw = v.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)  # any dtype, as bytes
+    return hashlib.blake2b(raw.numpy().tobytes(), digest_size=8).hexdigest()
 
 
 def _word(*parts: bytes | str) -> int:
