@@ -153,3 +153,47 @@ def train_differently_worker() -> tuple[str, int, int]:
 def test_processes_that_train_different_units_raise_alike_before_the_first_gather(mp_pool):  # noqa: F811
     _raised_alike_before_any_gather(mp_pool.run(train_differently_worker, 2, timeout=120))
 
+
+# --- item 23: "busy" means recent progress ------------------------------------------------------
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _wait(monkeypatch, beats_at: list[float], until: float, timeout: float = 1.0) -> tuple[bool, str]:
+    """A ``Patience`` on a fake clock, polled every 10 ms up to ``until`` seconds into the wait,
+    with the peer's progress counter moving at ``beats_at``: whether it expired, and its notes."""
+    import io
+
+    from odcfn.kernels import heartbeat
+
+    clock, err = _Clock(), io.StringIO()
+    monkeypatch.setattr(heartbeat.time, "monotonic", clock)
+    monkeypatch.setattr(heartbeat.sys, "stderr", err)
+    t0 = clock.now
+    beats = lambda: sum(t0 + b <= clock.now for b in beats_at)  # noqa: E731
+    patience = heartbeat.Patience(timeout, "rank 1 to publish", beats)
+    expired = False
+    while clock.now < t0 + until and not (expired := patience.expired()):
+        clock.now += 0.01
+    return expired, err.getvalue()
+
+
+def test_a_peer_stopped_after_a_first_beat_is_not_called_busy(monkeypatch):
+    """Issue 40, item 23: a peer that made progress in the wait's first milliseconds and was
+    then SIGSTOPped was reported as "busy, not stuck" a timeout later, just before the timeout
+    ("no progress from it for 1.0s") ended the wait."""
+    expired, err = _wait(monkeypatch, beats_at=[0.005], until=3.0)
+    assert expired
+    assert "busy" not in err, err
+
+
+def test_a_peer_making_progress_is_still_called_busy(monkeypatch):
+    expired, err = _wait(monkeypatch, beats_at=[0.3 * k for k in range(1, 11)], until=2.5)
+    assert not expired
+    assert "the peer is busy, not stuck" in err, err
