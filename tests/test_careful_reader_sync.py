@@ -3,6 +3,7 @@ before its fix (the commit that added it says how)."""
 
 from __future__ import annotations
 
+import os
 import sys
 
 import pytest
@@ -197,3 +198,57 @@ def test_a_peer_making_progress_is_still_called_busy(monkeypatch):
     expired, err = _wait(monkeypatch, beats_at=[0.3 * k for k in range(1, 11)], until=2.5)
     assert not expired
     assert "the peer is busy, not stuck" in err, err
+
+
+# --- item 8: two rendezvous on one node never share a secret file --------------------------------
+
+
+def test_two_jobs_rendezvousing_at_once_on_one_node_do_not_share_a_secret(monkeypatch):
+    """Issue 40, item 8: the conformance test's ``nvshmem_threads`` case failed once beside
+    another run. The CUDA-IPC rendezvous (the CPU NVSHMEM fabric's memory too) names its node-local
+    secret file after (uid, torchrun env, key, group): the same for two jobs on one node without
+    torchrun's env (two test runs' threads). The first job to finish unlinks the file; a late rank
+    of the other then makes a fresh secret, and its peers' records fail authentication. Forced
+    here: job B's rank 0 reads the secret, job A rendezvouses start to end, then B's rank 1."""
+    import threading
+    from datetime import timedelta
+
+    from torch.distributed import HashStore
+
+    from odcfn.kernels.cuda_ipc import IpcFabric
+
+    monkeypatch.delenv("ODCFN_JOB_SECRET", raising=False)
+    monkeypatch.setenv("ODCFN_SHM_PREFIX", f"odcfn-item8-{os.getpid()}")  # away from other runs
+
+    def job() -> tuple[HashStore, list[IpcFabric]]:
+        store = HashStore()
+        store.set_timeout(timedelta(seconds=10))
+        return store, [IpcFabric(odcfn.Mesh(2, r), store, "cpu", timeout=10) for r in range(2)]
+
+    outcome: dict[str, object] = {}
+
+    def setup(name: str, fabric: IpcFabric) -> threading.Thread:
+        def go() -> None:
+            try:
+                fabric.setup(4096, 8, "odcfn/arena/1")
+                outcome[name] = "ok"
+            except Exception as e:  # noqa: BLE001 - the outcome under test
+                outcome[name] = e
+
+        t = threading.Thread(target=go, daemon=True)
+        t.start()
+        return t
+
+    (_, job_a), (store_b, job_b) = job(), job()
+    try:
+        b0 = setup("b0", job_b[0])
+        store_b.get("odcfn/arena/1/0")  # B's rank 0 has read the secret and sealed its record
+        for t in [setup("a0", job_a[0]), setup("a1", job_a[1])]:
+            t.join(15)
+        b1 = setup("b1", job_b[1])
+        b0.join(15)
+        b1.join(15)
+        assert outcome == {"a0": "ok", "a1": "ok", "b0": "ok", "b1": "ok"}, outcome
+    finally:
+        for f in job_a + job_b:
+            f.close()
