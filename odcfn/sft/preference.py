@@ -100,12 +100,17 @@ def prepare_pairs(cfg: SFTConfig, vocab_size: int) -> PreparedPairs:
     from odcfn.data.chat import load_tokenizer
     from odcfn.data.preference import tokenize_pair
     from odcfn.data.records import jsonl_records
+    from odcfn.preference import check_pairs
 
     d = cfg.data
     tok = load_tokenizer(d.tokenizer)
     pairs, lines, long = [], [], []
     for lineno, where, rec in jsonl_records(d.path):
         pair = tokenize_pair(tok, rec, where)
+        try:  # named by line now, as read_preference_jsonl does: not by a pair index mid-run
+            check_pairs(Batch(pair, pairs=True))
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
         for member, s in zip(("chosen", "rejected"), pair):
             top = int(s.tokens.max())
             if top >= vocab_size:
