@@ -13,6 +13,7 @@ import torch
 
 import odcfn
 from odcfn import cli
+from odcfn.sft.ref_logprobs import CACHE_NAME
 
 ROOT = Path(__file__).parent.parent
 TOKENIZER = ROOT / "examples" / "chat" / "tokenizer"  # shipped: no download
@@ -82,3 +83,47 @@ def test_a_pair_whose_members_differ_in_prompt_is_named_by_line_before_the_refer
     err = capsys.readouterr().err
     assert f"{tmp_path / 'pairs.jsonl'}:3: " in err and "differ in prompt" in err, err
     assert passes == []  # refused when read: no reference pass ran
+
+
+# --- 4: a resumed full fine-tuning run keeps its reference ------------------------------------------
+
+
+def _hf_base(path: Path, seed: int) -> None:
+    from odcfn.models import QwenConfig, init_params, to_hf
+
+    cfg = QwenConfig(vocab_size=300, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64)
+    to_hf(path, init_params(cfg, seed=seed), cfg)
+
+
+def test_a_resume_whose_reference_weights_changed_is_refused_unless_asked(tmp_path, passes, capsys,
+                                                                         monkeypatch):
+    """The base at ``model.hf_path`` is replaced by other weights of the same size between two
+    legs of a full fine-tuning DPO run (weights files count by size in the resume check: here every
+    file does). Failed before: the resume went on, recomputing the reference from the new weights
+    without a word (the cache's key no longer matched)."""
+    import odcfn.sft.resume_check as rc
+
+    monkeypatch.setattr(rc, "_WHOLE", -1)  # every file counts by size, as weights over 64 MiB do
+    base = tmp_path / "base"
+    _hf_base(base, seed=0)
+    cfg = _setup(tmp_path, steps=2, every=1, model=f'hf_path = "{base}"\n')
+    assert cli.main(["train", "--config", str(cfg), "--quiet"]) == 0
+    assert len(passes) == 2  # 8 pairs in chunks of data.batch_size = 4: the reference pass
+    size = (base / "model.safetensors").stat().st_size
+    _hf_base(base, seed=1)  # other weights, the same files and sizes
+    assert (base / "model.safetensors").stat().st_size == size
+    capsys.readouterr()
+    passes.clear()
+    for cache in (True, False):  # with the cache (its key then fails) and without it
+        if not cache:
+            (tmp_path / "out" / CACHE_NAME).unlink()
+        assert cli.main(["train", "--config", str(cfg), "--quiet", "--steps", "3"]) == 2
+        err = capsys.readouterr().err
+        assert "was trained against another reference" in err and "--recompute-reference" in err, err
+        assert passes == []  # refused before any reference pass
+    assert cli.main(["train", "--config", str(cfg), "--quiet", "--steps", "3", "--recompute-reference"]) == 0
+    out = capsys.readouterr()
+    assert "resuming" in out.err and "against a new reference" in out.err, out.err
+    assert len(passes) == 2 and "resumed from" in out.out
+    # the new reference is the run's now: a later resume on these weights needs no flag
+    assert cli.main(["train", "--config", str(cfg), "--quiet", "--steps", "4"]) == 0

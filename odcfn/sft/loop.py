@@ -127,6 +127,7 @@ def _setup(cfg: SFTConfig, rank: int, transport, data: PreparedData | None = Non
     from odcfn.checkpoint.sharded import read_manifest
     from odcfn.checkpoint.state_io import ROUTER_BIAS
     from odcfn.checkpoint.verify import sha256
+    from odcfn.sft.ref_logprobs import REFERENCE_SHA
 
     t = cfg.train
     mesh = transport.mesh  # the transport's view of the job (ranks_per_node, sharding) wins
@@ -153,11 +154,12 @@ def _setup(cfg: SFTConfig, rank: int, transport, data: PreparedData | None = Non
         donate=not active(t),
         loss=dpo_loss(cfg),  # None: cross-entropy (SFT)
     )
-    start, resumed, bias = 0, None, None
+    start, resumed, bias, recorded = 0, None, None, None
     data_sha = sha256(Path(cfg.data.path))
     if ck is not None:
         extra = read_manifest(ck).get("extra", {})
         check_resume(cfg, extra, data_sha, str(ck))
+        recorded = (str(ck), extra.get(REFERENCE_SHA))  # the DPO reference the run started with
         # the state is built from the checkpoint's shards: a resumed rank never initialises
         # (or holds) fresh weights
         t_load = time.perf_counter()
@@ -185,7 +187,7 @@ def _setup(cfg: SFTConfig, rank: int, transport, data: PreparedData | None = Non
         from odcfn.sft.ref_logprobs import attach_reference
 
         data, reference = attach_reference(cfg, state, data, data_sha, qcfg, resumed=ck is not None,
-                                           initial=lambda: _build_model(cfg, mesh)[2])
+                                           initial=lambda: _build_model(cfg, mesh)[2], recorded=recorded)
     return _Run(state, data, lr, data_sha, start, resumed, tier, reference)
 
 
@@ -225,7 +227,8 @@ def train_rank(cfg: SFTConfig, rank: int, transport, data: PreparedData | None =
     # disk and memory tiers (sft/restart.py); under torchrun the HF export is written from the
     # last step's checkpoint, so that one is saved whatever the schedule
     snaps = Snapshots(cfg, run.data_sha, run.state.mesh, run.tier, base=cfg.model.hf_path,
-                      save_last=bool(cfg.checkpoint.export_hf) and _under_torchrun())
+                      save_last=bool(cfg.checkpoint.export_hf) and _under_torchrun(),
+                      reference=(run.reference or {}).get("sha256"))
     log = StepLog(cfg, logger, snaps)  # under staleness: late losses, a drain before each save
     try:
         for step in range(run.start, cfg.train.steps):
@@ -346,6 +349,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="start from scratch: delete out_dir's checkpoints and restart its metrics log")
     parser.add_argument("--resume-anyway", action="store_true", help="resume though hyperparameters or "
                         "data changed (each change is printed); another model is refused still")
+    parser.add_argument("--recompute-reference", action="store_true", help="train.task = \"dpo\": resume "
+                        "although the reference weights at model.hf_path changed since the run started "
+                        "(the reference log-probs are recomputed from them; refused otherwise)")
     parser.add_argument("--quiet", action="store_true", help="no per-step progress lines")
     parser.add_argument("--force", action="store_true", help="--init: overwrite DIR's run.toml/train.jsonl")
 
@@ -369,6 +375,8 @@ def main(args: argparse.Namespace) -> int:
     if args.no_resume or args.resume_anyway:
         ckpt = replace(ckpt, resume=ckpt.resume and not args.no_resume,
                        resume_anyway=ckpt.resume_anyway or args.resume_anyway)
+    if getattr(args, "recompute_reference", False):
+        ckpt = replace(ckpt, recompute_reference=True)
     if args.quiet:
         log = replace(log, progress=False)
     cfg = replace(
