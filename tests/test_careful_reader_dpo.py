@@ -127,3 +127,34 @@ def test_a_resume_whose_reference_weights_changed_is_refused_unless_asked(tmp_pa
     assert len(passes) == 2 and "resumed from" in out.out
     # the new reference is the run's now: a later resume on these weights needs no flag
     assert cli.main(["train", "--config", str(cfg), "--quiet", "--steps", "4"]) == 0
+
+
+# --- 21: odd pairs are named ----------------------------------------------------------------------
+
+
+def _odd_records() -> list[dict]:
+    recs = _pairs(8)
+    recs[1] = {"prompt": "1 + 1 =", "chosen": " 2", "rejected": " 2"}  # a constant ln 2, no gradient
+    recs[4] = {"prompt": "2 + 2 =", "chosen": " 4", "rejected": ""}  # an empty answer
+    return recs
+
+
+def test_identical_members_and_empty_answers_are_named_by_line(tmp_path, capsys):
+    """Failed before: such pairs trained without a word (the identical one a constant ln 2 and a
+    zero gradient)."""
+    from odcfn.data.preference import read_preference_jsonl
+
+    cfg = _setup(tmp_path, steps=1, records=_odd_records())
+    data = tmp_path / "pairs.jsonl"
+    with pytest.warns(UserWarning) as got:
+        pairs = read_preference_jsonl(data, TOKENIZER)
+    text = " ".join(str(w.message) for w in got)
+    assert f"{data}:2" in text and "chosen and rejected are identical" in text, text
+    assert f"{data}:5" in text and "rejected is empty" in text, text
+    assert len(pairs) == 8  # named, still read
+    with pytest.warns(UserWarning, match=r"preference pair 1: chosen and rejected are identical"):
+        odcfn.preference_batch(pairs[:2])
+    assert cli.main(["train", "--config", str(cfg), "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert f"warning: 2 odd pair(s): {data}:2 chosen and rejected are identical" in out, out
+    assert f"{data}:5 rejected is empty" in out, out

@@ -93,6 +93,11 @@ def run_lines(cfg: SFTConfig, qcfg: Any, model: Any, data: Any) -> list[str]:
         lines.append(f"data: {d.path} (preference pairs, tokenizer {d.tokenizer}): {len(ds) // 2} pairs, "
                      f"{ds.num_tokens} tokens; minibatch {d.batch_size} pairs, {data.per_epoch} steps "
                      f"per epoch{', shuffled' if d.shuffle else ''}")
+        from odcfn.data.preference import warn_odd
+
+        odd = warn_odd(list(getattr(data, "odd", ())))
+        if odd is not None:
+            lines.append(f"warning: {odd}")
     else:
         what = f"chat, tokenizer {d.tokenizer}" if d.tokenizer else "token records"
         lines.append(f"data: {d.path} ({what}): {len(ds)} samples, {ds.num_tokens} tokens; minibatch "
