@@ -22,3 +22,41 @@ def test_mlp_only_layers_naming_a_missing_layer_is_named():
     with pytest.warns(UserWarning, match=r"mlp_only_layers names layer\(s\) \[5\] .* 2 layers \(0\.\.1\)"):
         cfg = QwenMoeConfig(**SMALL, mlp_only_layers=(1, 5))
     assert cfg.mlp_only_layers == (1, 5)  # kept as given: transformers' config reads the same
+
+
+# --- 16: a MoE run in odcfn train shows its experts --------------------------------------------------
+
+
+def _moe_run(tmp_path, *, train: str = "expert_bias_rate = 0.01\n", every: int = 0, **over) -> "Path":
+    from odcfn.data.records import synthetic_records, write_jsonl
+    from tests.hf_moe_families import hf_moe_model
+
+    src = tmp_path / "src"
+    hf_moe_model("qwen3_moe", vocab_size=40, **over).save_pretrained(src)
+    write_jsonl(tmp_path / "train.jsonl", synthetic_records([5, 9, 7, 12, 6, 8], 40, seed=0))
+    cfg = tmp_path / "run.toml"
+    cfg.write_text(f'out_dir = "out"\n[model]\nhf_path = "{src}"\n[data]\npath = "train.jsonl"\nbatch_size = 3\n'
+                   f'[train]\nsteps = 2\nlr = 1e-2\nworld_size = 2\n{train}[checkpoint]\nevery = {every}\n')
+    return cfg
+
+
+def test_a_moe_run_logs_its_experts_and_says_what_the_model_is(tmp_path, capsys):
+    """Failed before: metrics.jsonl had no expert figure, the opening line said "d_ff 48" and
+    nothing of the experts, and the bias showed only in a checkpoint's manifest."""
+    import json
+
+    from odcfn import cli
+
+    cfg = _moe_run(tmp_path, output_router_logits=True)  # the aux loss on (coef 0.001)
+    assert cli.main(["train", "--config", str(cfg), "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert ("experts: mixture of experts, 8 experts of moe_intermediate_size 16, top-2 per token, in "
+            "sparse layers [0, 2] of 3 (dense: [1], d_ff 48)") in out, out
+    assert "aux loss coef 0.001" in out and "expert_bias_rate 0.01" in out, out
+    recs = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    for r in recs:
+        for layer in ("layers.0", "layers.2"):  # the sparse layers: max over mean of tokens per expert
+            assert r[f"moe/load_max_over_mean/{layer}"] >= 1.0, r
+        assert r["moe/aux_loss"] > 0 and r["moe/aux_loss"] < r["loss"], r
+        assert r["moe/router_bias_min"] <= 0 <= r["moe/router_bias_max"], r
+    assert recs[-1]["moe/router_bias_max"] > 0  # the bias moved: 2 updates at rate 0.01

@@ -251,7 +251,8 @@ def train_rank(cfg: SFTConfig, rank: int, transport, data: PreparedData | None =
             batch = run.data.batch(step, cfg.data)  # a pure function of the step (pairs too)
             kill_point("step", step + 1, rank)  # tests only (ODCFN_TEST_KILL_AT)
             run.state, m = odcfn.train_step(run.state, batch)
-            rec = step_record(m, step + 1, step // run.data.per_epoch, _lr_now(run, step))
+            rec = step_record(m, step + 1, step // run.data.per_epoch, _lr_now(run, step),
+                              run.state.router_bias)
             run.state = log.after_step(run.state, m, rec)
         snaps.finish(run.state)
     finally:
