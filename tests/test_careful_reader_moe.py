@@ -5,6 +5,8 @@ naming a layer the model lacks (21). Tiny Qwen3-MoE, 2 threads ranks, seconds.""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from odcfn.models import QwenMoeConfig
@@ -27,7 +29,7 @@ def test_mlp_only_layers_naming_a_missing_layer_is_named():
 # --- 16: a MoE run in odcfn train shows its experts --------------------------------------------------
 
 
-def _moe_run(tmp_path, *, train: str = "expert_bias_rate = 0.01\n", every: int = 0, **over) -> "Path":
+def _moe_run(tmp_path, *, train: str = "expert_bias_rate = 0.01\n", every: int = 0, **over) -> Path:
     from odcfn.data.records import synthetic_records, write_jsonl
     from tests.hf_moe_families import hf_moe_model
 
@@ -35,7 +37,8 @@ def _moe_run(tmp_path, *, train: str = "expert_bias_rate = 0.01\n", every: int =
     hf_moe_model("qwen3_moe", vocab_size=40, **over).save_pretrained(src)
     write_jsonl(tmp_path / "train.jsonl", synthetic_records([5, 9, 7, 12, 6, 8], 40, seed=0))
     cfg = tmp_path / "run.toml"
-    cfg.write_text(f'out_dir = "out"\n[model]\nhf_path = "{src}"\n[data]\npath = "train.jsonl"\nbatch_size = 3\n'
+    cfg.write_text(f'out_dir = "out"\n[model]\nhf_path = "{src}"\n'
+                   '[data]\npath = "train.jsonl"\nbatch_size = 3\n'
                    f'[train]\nsteps = 2\nlr = 1e-2\nworld_size = 2\n{train}[checkpoint]\nevery = {every}\n')
     return cfg
 
@@ -60,3 +63,33 @@ def test_a_moe_run_logs_its_experts_and_says_what_the_model_is(tmp_path, capsys)
         assert r["moe/aux_loss"] > 0 and r["moe/aux_loss"] < r["loss"], r
         assert r["moe/router_bias_min"] <= 0 <= r["moe/router_bias_max"], r
     assert recs[-1]["moe/router_bias_max"] > 0  # the bias moved: 2 updates at rate 0.01
+
+
+# --- 17: odcfn export says that it drops a learned router bias ---------------------------------------
+
+
+def test_export_names_the_router_bias_it_drops(tmp_path, capsys):
+    """A Hugging Face Qwen3-MoE router has no bias, so the export routes otherwise than the trained
+    model. Failed before: ``odcfn export`` (and ``checkpoint.export_hf``) wrote it without a word."""
+    import json
+
+    from odcfn import cli
+    from odcfn.checkpoint.sharded import read_manifest
+
+    cfg = _moe_run(tmp_path, every=1)
+    cfg.write_text(cfg.read_text() + 'export_hf = "hf"\n')  # [checkpoint] is the last section
+    assert cli.main(["train", "--config", str(cfg), "--quiet"]) == 0
+    bias = read_manifest(tmp_path / "out" / "checkpoints" / "step-00000002")["extra"]["router_bias"]
+    lo, hi = min(map(min, bias)), max(map(max, bias))
+    assert hi > 0
+    assert "WARNING: the trained router bias is not exported" in capsys.readouterr().err  # export_hf
+    assert cli.main(["export", str(tmp_path / "out"), str(tmp_path / "exported")]) == 0
+    err = capsys.readouterr().err
+    for root, said in ((tmp_path / "exported", err), (tmp_path / "hf", None)):
+        if said is not None:
+            assert "WARNING: the trained router bias is not exported" in said, said
+            assert "model.layers.0.mlp.gate, model.layers.2.mlp.gate" in said and "2 x 8" in said, said
+        readme = (root / "README.md").read_text()
+        assert "Router bias not exported" in readme and "layers.0, layers.2" in readme, readme
+        assert f"{lo:.4g}" in readme and f"{hi:.4g}" in readme, readme
+        assert json.loads((root / "config.json").read_text())["model_type"] == "qwen3_moe"

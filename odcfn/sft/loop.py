@@ -273,6 +273,8 @@ def train_rank(cfg: SFTConfig, rank: int, transport, data: PreparedData | None =
         # numpy: torch would send tensors to the launcher as shared-memory handles that die
         # with this rank's process
         out["shards"] = {k: v.detach().numpy().copy() for k, v in run.state.params.items()}
+        bias = run.state.router_bias  # not exportable: named by the export (note_router_bias)
+        out["router_bias"] = None if bias is None else bias.detach().cpu().double().tolist()
     return out
 
 
@@ -342,7 +344,7 @@ def _run_locked(cfg: SFTConfig) -> list[dict[str, Any]]:
         shards = [{k: torch.from_numpy(v) for k, v in r.pop("shards").items()} for r in results]
         full = odcfn.unshard(shards, model, odcfn.Mesh(W))
         full = odcfn.lora.merge(model, full) if cfg.lora.rank else full
-        export_params(cfg.checkpoint.export_hf, full, qcfg, cfg)
+        export_params(cfg.checkpoint.export_hf, full, qcfg, cfg, router_bias=results[0].get("router_bias"))
     return results
 
 
