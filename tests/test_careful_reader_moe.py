@@ -93,3 +93,38 @@ def test_export_names_the_router_bias_it_drops(tmp_path, capsys):
         assert "Router bias not exported" in readme and "layers.0, layers.2" in readme, readme
         assert f"{lo:.4g}" in readme and f"{hi:.4g}" in readme, readme
         assert json.loads((root / "config.json").read_text())["model_type"] == "qwen3_moe"
+
+
+# --- 19: weight sync into transformers' in-memory MoE ------------------------------------------------
+
+
+def test_the_documented_weight_sync_reaches_transformers_fused_experts(tmp_path):
+    """docs/models.md's recipe for a transformers model in memory, run as written on a Qwen3-MoE
+    (transformers 5 holds its experts fused): every tensor, experts included, ends equal to the
+    trained params. Failed before: the recipe gave one tensor per expert, which
+    ``load_state_dict(strict=False)`` skips silently (the experts stayed stale)."""
+    import re
+
+    import torch
+
+    import odcfn
+    from tests.hf_moe_families import hf_moe_model, hub_names
+
+    doc = (Path(__file__).parent.parent / "docs" / "models.md").read_text()
+    (recipe,) = re.findall(r"^hf\.load_state_dict\(.*fused_experts=True.*$", doc, re.M)
+    assert "strict=False" in doc and "missing_keys" in doc  # what strict=False hides is said
+    hf_moe_model("qwen3_moe").save_pretrained(tmp_path / "base")
+    _, full = odcfn.models.from_hf(tmp_path / "base")
+    g = torch.Generator().manual_seed(1)
+    full = odcfn.tree_map(lambda v: v + 0.01 * torch.randn(v.shape, generator=g), full)  # "trained"
+    hf = hf_moe_model("qwen3_moe")  # the engine's model: still the base's weights
+    exec(recipe, {"hf": hf, "odcfn": odcfn, "full": full})
+    want = odcfn.models.hf_state_dict(full)  # the Hub's names, one tensor per expert
+    got = hub_names({k: v.detach() for k, v in hf.state_dict().items()})
+    assert sorted(got) == sorted(want)
+    for k, v in want.items():
+        torch.testing.assert_close(got[k], v, rtol=0, atol=0, msg=k)
+    # and what strict=False hides: the per-expert names match nothing, every fused tensor is missing
+    res = hf.load_state_dict(odcfn.models.hf_state_dict(full), strict=False)
+    assert any(k.endswith("experts.gate_up_proj") for k in res.missing_keys)
+    assert any(".experts.0.gate_proj.weight" in k for k in res.unexpected_keys)
