@@ -59,3 +59,18 @@ def test_other_unknown_fields_are_named_once(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a file of known fields only: no warning
         read_jsonl(clean)
+
+
+def test_unknown_fields_are_named_once_per_run_with_rank_processes(tmp_path, capfd):
+    """With ``train.backend = "processes"`` every rank reads the file again: the launcher names the
+    fields, the ranks stay quiet (before the fix of the second read: the launcher and rank 0)."""
+    recs = synthetic_records([6, 7, 5, 8], 40)
+    for i, r in enumerate(recs):
+        r["id"] = i
+    cfg = _write(tmp_path, recs)
+    cfg.write_text(cfg.read_text().replace("[train]\n", '[train]\nbackend = "processes"\n'))
+    with pytest.warns(UserWarning, match="fields not read: 'id' \\(4 lines") as got:  # the launcher's read
+        assert cli.main(["train", "--config", str(cfg), "--quiet"]) == 0
+    assert sum("fields not read" in str(w.message) for w in got) == 1
+    err = capfd.readouterr().err  # the rank processes' own stderr
+    assert "fields not read" not in err, err

@@ -27,7 +27,6 @@ import math
 import os
 import sys
 import time
-import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -41,7 +40,7 @@ from odcfn.sft.config import (
 )
 from odcfn.sft.config_dpo import dpo_loss
 from odcfn.sft.example import write_example
-from odcfn.sft.prepare import PreparedData, prepare_data
+from odcfn.sft.prepare import PreparedData, prepare_data, prepare_quietly
 from odcfn.sft.record import Logger, already_done, data_summary, step_record
 from odcfn.sft.restart import Snapshots, clear_for_fresh_start, open_memory_tier, resume_point
 from odcfn.sft.resume_check import check_resume
@@ -141,7 +140,10 @@ def _setup(cfg: SFTConfig, rank: int, transport, data: PreparedData | None = Non
     model, initial = _with_lora(cfg, model, initial, mesh)
     check_model(cfg, model)  # staleness patterns, expert_bias_rate: before any step communicates
     if data is None:  # a rank of torchrun or of the processes backend: its own (cached) read
-        data = _rank_read(cfg, qcfg.vocab_size, rank)
+        # its warnings (fields not read, ...) are given once: by odcfn's launcher (which sets
+        # ODCFN_LAUNCHER_PID in its ranks), or by torchrun's rank 0
+        loud = rank == 0 and "ODCFN_LAUNCHER_PID" not in os.environ
+        data = (prepare_data if loud else prepare_quietly)(cfg, qcfg.vocab_size)
     lr = _lr_fn(t)
     make_opt = odcfn.adamw if t.optimizer == "adamw" else odcfn.sgd
     optimizer = make_opt(lr, weight_decay=t.weight_decay, weight_decay_mask=t.weight_decay_mask)
@@ -190,17 +192,6 @@ def _setup(cfg: SFTConfig, rank: int, transport, data: PreparedData | None = Non
         data, reference = attach_reference(cfg, state, data, data_sha, qcfg, resumed=ck is not None,
                                            initial=lambda: _build_model(cfg, mesh)[2], recorded=recorded)
     return _Run(state, data, lr, data_sha, start, resumed, tier, reference)
-
-
-def _rank_read(cfg: SFTConfig, vocab_size: int, rank: int) -> PreparedData:
-    """A rank process's own read of the data. Its warnings (fields not read, ...) were given once
-    already, by the launcher or, under torchrun, by rank 0's read: the others stay quiet. A process
-    of its own, so the filter touches no other rank."""
-    if rank == 0 and _under_torchrun():
-        return prepare_data(cfg, vocab_size)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return prepare_data(cfg, vocab_size)
 
 
 def _say_schedule_change(stored: dict[str, Any], cfg: SFTConfig, start: int) -> None:
