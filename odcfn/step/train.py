@@ -104,6 +104,8 @@ def _grads(state: TrainState, batch: Batch) -> tuple[dict[str, torch.Tensor], St
         metrics.extra["skipped_nonfinite"] = True
     if result.expert_loads is not None:
         metrics.extra.update(expert_load_metrics(model, result.expert_loads))
+        if model.router.aux_coef:  # included in metrics.loss; off (0) unless output_router_logits
+            metrics.extra["moe/aux_loss"] = result.aux_loss
     return transport.grad_shards(), metrics, layout
 
 
