@@ -6,7 +6,7 @@ wings. The rules are data: ``LAYERS`` lists the wings from the bottom up, a wing
 own modules and any wing of a lower layer, and the applications (the top layer) may also import
 one another. ``FORBIDDEN`` spells out the promises docs/design.md makes in words, and ``BENCH``
 keeps the benchmark harness out of the library's import graph. A module of a wing no layer names
-fails the test: add the new wing to ``LAYERS`` (an application such as ``rl`` or ``rollout``
+fails the test: add the new wing to ``LAYERS`` (an application such as ``rl``, ``rollout`` or ``rewards``
 already has its place).
 
 A wing is a top-level module or package of odcfn (``transport``, ``tree``), or a sub-package or
@@ -24,7 +24,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent / "odcfn"
 
-APPLICATIONS = ("sft", "rl", "rollout", "bench", "cli")
+APPLICATIONS = ("sft", "rl", "rollout", "rewards", "bench", "cli")
 
 # bottom first; a wing may import any wing of a lower layer (and the applications each other)
 LAYERS: tuple[tuple[str, ...], ...] = (

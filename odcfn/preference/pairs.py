@@ -15,6 +15,7 @@ bounds memory, is exact.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -22,7 +23,8 @@ import torch
 from odcfn.batch import Batch, Sample
 from odcfn.schedule.program import Piece
 
-__all__ = ["check_pairs", "expand_program", "preference_batch", "schedule_lengths", "with_ref_logprobs"]
+__all__ = ["check_pairs", "expand_program", "identical_pairs", "preference_batch", "schedule_lengths",
+           "with_ref_logprobs"]
 
 MEMBERS = ("chosen", "rejected")
 
@@ -60,6 +62,11 @@ def preference_batch(
         samples.extend(pair)
     batch = Batch(tuple(samples), step=step, pairs=True)
     check_pairs(batch)
+    same = identical_pairs(batch)
+    if same:  # named, not refused: the loss of such a pair is a constant (ln 2 for sigmoid)
+        warnings.warn(f"preference pair {same[0]}{f' (and {len(same) - 1} more)' if len(same) > 1 else ''}: "
+                      "chosen and rejected are identical, so the pair adds a constant to the loss and "
+                      "nothing to the gradient", UserWarning, stacklevel=2)
     return batch if ref_logprobs is None else with_ref_logprobs(batch, ref_logprobs)
 
 
@@ -119,6 +126,18 @@ def check_pairs(batch: Batch) -> None:
                 f"in prompt (the tokens before the first loss_mask=1 token; {where}): both members "
                 "must answer the same prompt"
             )
+
+
+def identical_pairs(batch: Batch) -> list[int]:
+    """The pairs whose members hold the same tokens and loss mask."""
+    out = []
+    for k in range(len(batch) // 2):
+        c, r = batch.samples[2 * k], batch.samples[2 * k + 1]
+        if c.length == r.length and c.tokens.tolist() == r.tokens.tolist() and (
+                c.loss_mask is None) == (r.loss_mask is None) and (
+                c.loss_mask is None or c.loss_mask.bool().tolist() == r.loss_mask.bool().tolist()):
+            out.append(k)
+    return out
 
 
 def schedule_lengths(batch: Batch, cap: int | None) -> tuple[tuple[int, ...], int]:

@@ -40,7 +40,7 @@ from odcfn.sft.config import (
 )
 from odcfn.sft.config_dpo import dpo_loss
 from odcfn.sft.example import write_example
-from odcfn.sft.prepare import PreparedData, prepare_data
+from odcfn.sft.prepare import PreparedData, prepare_data, prepare_quietly
 from odcfn.sft.record import Logger, already_done, data_summary, step_record
 from odcfn.sft.restart import Snapshots, clear_for_fresh_start, open_memory_tier, resume_point
 from odcfn.sft.resume_check import check_resume
@@ -127,6 +127,7 @@ def _setup(cfg: SFTConfig, rank: int, transport, data: PreparedData | None = Non
     from odcfn.checkpoint.sharded import read_manifest
     from odcfn.checkpoint.state_io import ROUTER_BIAS
     from odcfn.checkpoint.verify import sha256
+    from odcfn.sft.ref_logprobs import REFERENCE_SHA
 
     t = cfg.train
     mesh = transport.mesh  # the transport's view of the job (ranks_per_node, sharding) wins
@@ -139,7 +140,10 @@ def _setup(cfg: SFTConfig, rank: int, transport, data: PreparedData | None = Non
     model, initial = _with_lora(cfg, model, initial, mesh)
     check_model(cfg, model)  # staleness patterns, expert_bias_rate: before any step communicates
     if data is None:  # a rank of torchrun or of the processes backend: its own (cached) read
-        data = prepare_data(cfg, qcfg.vocab_size)
+        # its warnings (fields not read, ...) are given once: by odcfn's launcher (which sets
+        # ODCFN_LAUNCHER_PID in its ranks), or by torchrun's rank 0
+        loud = rank == 0 and "ODCFN_LAUNCHER_PID" not in os.environ
+        data = (prepare_data if loud else prepare_quietly)(cfg, qcfg.vocab_size)
     lr = _lr_fn(t)
     make_opt = odcfn.adamw if t.optimizer == "adamw" else odcfn.sgd
     optimizer = make_opt(lr, weight_decay=t.weight_decay, weight_decay_mask=t.weight_decay_mask)
@@ -153,11 +157,12 @@ def _setup(cfg: SFTConfig, rank: int, transport, data: PreparedData | None = Non
         donate=not active(t),
         loss=dpo_loss(cfg),  # None: cross-entropy (SFT)
     )
-    start, resumed, bias = 0, None, None
+    start, resumed, bias, recorded = 0, None, None, None
     data_sha = sha256(Path(cfg.data.path))
     if ck is not None:
         extra = read_manifest(ck).get("extra", {})
         check_resume(cfg, extra, data_sha, str(ck))
+        recorded = (str(ck), extra.get(REFERENCE_SHA))  # the DPO reference the run started with
         # the state is built from the checkpoint's shards: a resumed rank never initialises
         # (or holds) fresh weights
         t_load = time.perf_counter()
@@ -185,7 +190,7 @@ def _setup(cfg: SFTConfig, rank: int, transport, data: PreparedData | None = Non
         from odcfn.sft.ref_logprobs import attach_reference
 
         data, reference = attach_reference(cfg, state, data, data_sha, qcfg, resumed=ck is not None,
-                                           initial=lambda: _build_model(cfg, mesh)[2])
+                                           initial=lambda: _build_model(cfg, mesh)[2], recorded=recorded)
     return _Run(state, data, lr, data_sha, start, resumed, tier, reference)
 
 
@@ -225,7 +230,8 @@ def train_rank(cfg: SFTConfig, rank: int, transport, data: PreparedData | None =
     # disk and memory tiers (sft/restart.py); under torchrun the HF export is written from the
     # last step's checkpoint, so that one is saved whatever the schedule
     snaps = Snapshots(cfg, run.data_sha, run.state.mesh, run.tier, base=cfg.model.hf_path,
-                      save_last=bool(cfg.checkpoint.export_hf) and _under_torchrun())
+                      save_last=bool(cfg.checkpoint.export_hf) and _under_torchrun(),
+                      reference=(run.reference or {}).get("sha256"))
     log = StepLog(cfg, logger, snaps)  # under staleness: late losses, a drain before each save
     try:
         for step in range(run.start, cfg.train.steps):
@@ -236,7 +242,8 @@ def train_rank(cfg: SFTConfig, rank: int, transport, data: PreparedData | None =
             batch = run.data.batch(step, cfg.data)  # a pure function of the step (pairs too)
             kill_point("step", step + 1, rank)  # tests only (ODCFN_TEST_KILL_AT)
             run.state, m = odcfn.train_step(run.state, batch)
-            rec = step_record(m, step + 1, step // run.data.per_epoch, _lr_now(run, step))
+            rec = step_record(m, step + 1, step // run.data.per_epoch, _lr_now(run, step),
+                              run.state.router_bias)
             run.state = log.after_step(run.state, m, rec)
         snaps.finish(run.state)
     finally:
@@ -257,6 +264,8 @@ def train_rank(cfg: SFTConfig, rank: int, transport, data: PreparedData | None =
         # numpy: torch would send tensors to the launcher as shared-memory handles that die
         # with this rank's process
         out["shards"] = {k: v.detach().numpy().copy() for k, v in run.state.params.items()}
+        bias = run.state.router_bias  # not exportable: named by the export (note_router_bias)
+        out["router_bias"] = None if bias is None else bias.detach().cpu().double().tolist()
     return out
 
 
@@ -326,7 +335,7 @@ def _run_locked(cfg: SFTConfig) -> list[dict[str, Any]]:
         shards = [{k: torch.from_numpy(v) for k, v in r.pop("shards").items()} for r in results]
         full = odcfn.unshard(shards, model, odcfn.Mesh(W))
         full = odcfn.lora.merge(model, full) if cfg.lora.rank else full
-        export_params(cfg.checkpoint.export_hf, full, qcfg, cfg)
+        export_params(cfg.checkpoint.export_hf, full, qcfg, cfg, router_bias=results[0].get("router_bias"))
     return results
 
 
@@ -346,6 +355,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="start from scratch: delete out_dir's checkpoints and restart its metrics log")
     parser.add_argument("--resume-anyway", action="store_true", help="resume though hyperparameters or "
                         "data changed (each change is printed); another model is refused still")
+    parser.add_argument("--recompute-reference", action="store_true", help="train.task = \"dpo\": resume "
+                        "although the reference weights at model.hf_path changed since the run started "
+                        "(the reference log-probs are recomputed from them; refused otherwise)")
     parser.add_argument("--quiet", action="store_true", help="no per-step progress lines")
     parser.add_argument("--force", action="store_true", help="--init: overwrite DIR's run.toml/train.jsonl")
 
@@ -369,6 +381,8 @@ def main(args: argparse.Namespace) -> int:
     if args.no_resume or args.resume_anyway:
         ckpt = replace(ckpt, resume=ckpt.resume and not args.no_resume,
                        resume_anyway=ckpt.resume_anyway or args.resume_anyway)
+    if getattr(args, "recompute_reference", False):
+        ckpt = replace(ckpt, recompute_reference=True)
     if args.quiet:
         log = replace(log, progress=False)
     cfg = replace(

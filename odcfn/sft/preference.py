@@ -31,6 +31,7 @@ class PreparedPairs:
     lines: tuple[int, ...]  # each pair's 1-based line in the file
     per_epoch: int
     dropped: tuple[str, ...] = ()  # file:line of each pair left out for its length
+    odd: tuple[str, ...] = ()  # "file:line why" of each pair that teaches nothing (odd_record)
     # the reference's per-token log-probs of every sample (chosen_0, rejected_0, ...); None until
     # the reference pass, and for reference-free losses
     ref: tuple[torch.Tensor, ...] | None = None
@@ -66,11 +67,14 @@ class PreparedPairs:
 
     def batch(self, step: int, d: Any) -> Batch:
         """Step ``step``'s minibatch (``d``: the ``[data]`` section)."""
-        import odcfn
+        from odcfn.preference import with_ref_logprobs
 
         ids = self.indices(step, d.batch_size, d.seed, d.shuffle)
         ref = None if self.ref is None else [self.ref[2 * k + m] for k in ids for m in (0, 1)]
-        return odcfn.preference_batch([self.pairs[k] for k in ids], ref_logprobs=ref)
+        # preference_batch's checks ran when the file was read (prepare_pairs), and odd pairs were
+        # named once in the opening lines: not again by every rank at every step
+        batch = Batch(tuple(s for k in ids for s in self.pairs[k]), pairs=True)
+        return batch if ref is None else with_ref_logprobs(batch, ref)
 
     def report(self) -> dict[str, Any]:
         return {"samples": 2 * len(self.pairs), "pairs": len(self.pairs), "truncated": [],
@@ -98,14 +102,19 @@ def _too_long(cfg: SFTConfig, pair: tuple[Sample, Sample]) -> str | None:
 def prepare_pairs(cfg: SFTConfig, vocab_size: int) -> PreparedPairs:
     """Read and check every pair of ``data.path`` (file:line named for each problem)."""
     from odcfn.data.chat import load_tokenizer
-    from odcfn.data.preference import tokenize_pair
+    from odcfn.data.preference import odd_record, tokenize_pair
     from odcfn.data.records import jsonl_records
+    from odcfn.preference import check_pairs
 
     d = cfg.data
     tok = load_tokenizer(d.tokenizer)
-    pairs, lines, long = [], [], []
+    pairs, lines, long, odd = [], [], [], []
     for lineno, where, rec in jsonl_records(d.path):
         pair = tokenize_pair(tok, rec, where)
+        try:  # named by line now, as read_preference_jsonl does: not by a pair index mid-run
+            check_pairs(Batch(pair, pairs=True))
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
         for member, s in zip(("chosen", "rejected"), pair):
             top = int(s.tokens.max())
             if top >= vocab_size:
@@ -115,6 +124,9 @@ def prepare_pairs(cfg: SFTConfig, vocab_size: int) -> PreparedPairs:
         if why is not None:
             long.append((where, why))
             continue
+        strange = odd_record(rec)
+        if strange is not None:  # trained, and named in the opening lines
+            odd.append(f"{where} {strange}")
         pairs.append(pair)
         lines.append(lineno)
     if long and d.long_samples == "error":
@@ -129,4 +141,4 @@ def prepare_pairs(cfg: SFTConfig, vocab_size: int) -> PreparedPairs:
     if per_epoch == 0:
         raise ValueError(f"{d.path}: {len(pairs)} pair(s), fewer than data.batch_size = {d.batch_size} "
                          "(pairs per minibatch with train.task = \"dpo\")")
-    return PreparedPairs(tuple(pairs), d.path, tuple(lines), per_epoch, tuple(dropped))
+    return PreparedPairs(tuple(pairs), d.path, tuple(lines), per_epoch, tuple(dropped), odd=tuple(odd))

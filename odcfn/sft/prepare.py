@@ -6,6 +6,7 @@ first step, not at the step that would have hit it; ``data.long_samples`` ("trun
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,7 +14,7 @@ from odcfn.batch import Sample
 from odcfn.data.dataset import TokenDataset
 from odcfn.sft.config import SFTConfig
 
-__all__ = ["PreparedData", "length_limit", "prepare_data"]
+__all__ = ["PreparedData", "length_limit", "prepare_data", "prepare_quietly"]
 
 _SHOW = 5  # data lines named in a message
 
@@ -143,3 +144,12 @@ def prepare_data(cfg: SFTConfig, vocab_size: int) -> Any:
         raise ValueError(f"{cfg.data.path}: {e} (data.batch_size)") from None
     skip = _empty_steps(cfg, data, per_epoch)
     return PreparedData(data, per_epoch, tuple(truncated), tuple(dropped), skip)
+
+
+def prepare_quietly(cfg: SFTConfig, vocab_size: int) -> Any:
+    """``prepare_data`` without its warnings (fields not read, ...): for a rank process whose data
+    the launcher, or torchrun's rank 0, read and named once already. Only in a process of its own:
+    the filter is process-wide (threads ranks take the launcher's data and read nothing)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return prepare_data(cfg, vocab_size)

@@ -104,4 +104,9 @@ def minibatch_fingerprint(
     lengths = repr(batch.lengths) if len(batch) <= 16 else f"{batch.lengths[:16]}... ({len(batch)} samples)"
     detail = [f"lengths {lengths}, {batch.num_loss_tokens} loss tokens", f"token hash {words[1]:05x}",
               fingerprint.stable_repr(config)[:300], key[:300]]
+    first = batch.samples[0].extras if batch.samples else {}
+    kinds = [f"{k}: {v.dtype} x {tuple(v.shape[1:])}" for k, v in sorted(first.items())]
+    detail.append(f"extras {kinds}"[:300])
+    detail += [", ".join(f"extras[{k!r}]" for k in names) + f", hash {w:05x}" if names else "no extra"
+               for names, w in zip(fingerprint.extra_slots(batch), words[5:])]
     return words, detail

@@ -37,6 +37,7 @@ from odcfn.schedule.policy import prepare_program
 from odcfn.schedule.program import Piece, assemble_plan
 from odcfn.sharding import Layout
 from odcfn.step import fingerprint
+from odcfn.step.agree import check_trained_units
 from odcfn.step.execute import Executor
 from odcfn.step.experts import expert_load_metrics
 from odcfn.step.ordered_push import check_head
@@ -228,6 +229,7 @@ def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, StepMetrics
         object.__setattr__(batch, "step", state.step)
     dtype = cfg.compute_dtype or model.dtype
     device = next(iter(state.params.values())).device
+    check_trained_units(state.transport, layout, mesh)  # before any push (odcfn.step.agree)
     view, owner = _owner_of(state, layout, dtype, max(taus.values()) + 1)
     j = state.step
     view.service()  # whatever completed since this rank's last step

@@ -16,7 +16,10 @@ rank's minibatch. A rank that waits does not beat, so two ranks waiting on each 
 rank that stopped, still time out; a dead process is seen at once (its pid) as before.
 
 While it waits past ``timeout`` on a busy peer, the waiting rank says so on stderr every
-``timeout`` seconds (what it waits for, how long, how much progress the peers made)."""
+``timeout`` seconds (what it waits for, how long, how much progress the peers made). "Busy"
+means *recent* progress (within the last ``timeout / 2``), not progress since the wait began: a
+peer that beat in the wait's first milliseconds and was then stopped (SIGSTOP) is not busy, and
+a note due while the peers are quiet waits for their next beat (or the timeout)."""
 
 from __future__ import annotations
 
@@ -37,6 +40,7 @@ class Patience:
         self.deadline = self.t0 + timeout
         self.seen = progress() if progress is not None else 0
         self.beats = 0  # progress seen during this wait
+        self.last = self.t0  # when progress was last seen
         self.next_note = self.deadline
 
     def expired(self) -> bool:
@@ -46,10 +50,10 @@ class Patience:
             value = self.progress()
             if value != self.seen:
                 self.beats += value - self.seen
-                self.seen, self.deadline = value, now + self.timeout
-        if now < self.deadline and now >= self.next_note:
+                self.seen, self.last, self.deadline = value, now, now + self.timeout
+        if now < self.deadline and now >= self.next_note and now - self.last <= self.timeout / 2:
             self.next_note = now + self.timeout
             print(f"odcfn: still waiting for {self.what} after {now - self.t0:.0f}s: the peer is busy, "
-                  f"not stuck ({self.beats} plan steps of progress since the wait began)",
-                  file=sys.stderr, flush=True)
+                  f"not stuck (progress {now - self.last:.1f}s ago; {self.beats} plan steps of it "
+                  "since the wait began)", file=sys.stderr, flush=True)
         return now >= self.deadline

@@ -104,7 +104,7 @@ def test_bad_extras_name_the_key_and_sample():
 
 
 def test_fingerprint_hashes_dtype_shape_and_every_element():
-    words = lambda b: minibatch_words(b, None, "")[1]  # the token ids / masks / extras word
+    words = lambda b: minibatch_words(b, None, "")[4:]  # the extras' words (names, each one's values)
     base = routed_batch([5, 3], seed=1)
     assert words(base) == words(routed_batch([5, 3], seed=1))
 
@@ -140,7 +140,8 @@ def test_ranks_with_different_routing_are_refused():
         return None
 
     for msg in odcfn.run_local(fn, 2, timeout=30):
-        assert msg is not None and "ranks disagree on the minibatch: the token ids" in msg
+        assert msg is not None and "the values of a per-token extra differ" in msg, msg
+        assert f"extras[{KEY!r}]" in msg, msg
 
 
 # --- balancers, work stealing, log-probs -----------------------------------------------------------
@@ -225,4 +226,4 @@ def test_shm_processes_deliver_and_fingerprint_the_routing(mp_pool):  # noqa: F8
     check_seen([x for _, seen in out for x in seen], len(lengths))
     assert out[0][0] == pytest.approx(out[1][0]) and isinstance(out[0][0], float)
     out = mp_pool.run(shm_routing_worker, 2, args=(lengths, True))
-    assert all("ranks disagree on the minibatch: the token ids" in msg for msg, _ in out)
+    assert all("the values of a per-token extra differ" in msg and KEY in msg for msg, _ in out), out

@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import os
 import platform
+import secrets
 import sys
 import time
 import uuid
@@ -82,11 +83,24 @@ def _shm(path: str, nbytes: int, create: bool) -> torch.Tensor:
     return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
 
 
-def _secret_name(prefix: str, key: str, group: tuple[int, ...]) -> str:
+def _secret_name(prefix: str, key: str, group: tuple[int, ...], nonce: bytes = b"") -> str:
     """The node-local secret file's name: the same on every rank of this rendezvous (see rdzv)."""
     job = "|".join(os.environ.get(k, "") for k in ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"))
-    h = hashlib.sha256(f"{os.getuid()}|{job}|{key}|{group}".encode()).hexdigest()[:16]
+    h = hashlib.sha256(f"{os.getuid()}|{job}|{key}|{group}|{nonce.hex()}".encode()).hexdigest()[:16]
     return f"{prefix}secret-{h}"
+
+
+def _rendezvous_nonce(store: Any, key: str, group: tuple[int, ...], rank: int) -> bytes:
+    """Random bytes the group's first rank draws and the others read from this job's store, for
+    the secret file's name. Without them two jobs on one node whose uid, torchrun env, key and
+    group coincide (the threads of two test runs; jobs without torchrun's env) share one file:
+    the first to finish unlinks it, a late rank of the other then makes a new secret, and its
+    peers' records fail authentication (issue 40). Only hashed into a name: a forged value can
+    at worst fail the rendezvous, which anyone who reaches the store can do anyway."""
+    name = f"{key}/nonce/{group[0]}"
+    if rank == group[0]:
+        store.set(name, secrets.token_bytes(16))
+    return bytes(store.get(name))  # waits for it (the store's timeout)
 
 
 def _share_cuda(t: torch.Tensor) -> dict[str, Any]:
@@ -187,7 +201,7 @@ class IpcFabric:
         self._own_files = [sig_path]
         if self.device.type == "cpu":
             self._own_files.append(os.path.join(self.shm_dir, f"{tag}.arena"))
-        secret_file = _secret_name(prefix, key, self.group)
+        secret_file = _secret_name(prefix, key, self.group, _rendezvous_nonce(self.store, key, self.group, r))
         # if this process dies before the rendezvous unlinks them, exit still removes the files
         weakref.finalize(self, _unlink_all, [*self._own_files, os.path.join(self.shm_dir, secret_file)])
         secret = job_secret(secret_file, self.shm_dir)
