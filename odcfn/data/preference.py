@@ -27,7 +27,7 @@ import torch
 from odcfn.batch import Batch, Sample
 from odcfn.data.chat import load_tokenizer
 from odcfn.data.records import jsonl_records
-from odcfn.preference import check_pairs
+from odcfn.preference.pairs import check_pairs
 
 __all__ = ["odd_record", "read_preference_jsonl", "tokenize_pair", "warn_odd"]
 

@@ -45,7 +45,7 @@ def _decay_masks() -> tuple[str, ...]:
 
 
 def _dpo_losses() -> tuple[str, ...]:
-    from odcfn.losses_dpo import DPO_LOSS_TYPES
+    from odcfn.losses.preference import DPO_LOSS_TYPES
 
     return DPO_LOSS_TYPES
 

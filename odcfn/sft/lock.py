@@ -13,7 +13,7 @@ The run is more than its launcher: with ``train.backend = "processes"`` (and und
 every rank process holds its own ``.odcfn-run.lock.rank<R>`` (``RankLock``) for as long as it
 lives. A new run takes the directory only when the launcher's lock *and* every rank's lock are
 free, so ranks that outlived a killed launcher keep the directory theirs (they die with it,
-``odcfn.orphan``: the new run waits up to ``wait_ranks`` seconds for that before refusing).
+``odcfn.launch.orphan``: the new run waits up to ``wait_ranks`` seconds for that before refusing).
 The kernel keeps these locks too: no pid bookkeeping that a recycled pid could fool."""
 
 from __future__ import annotations

@@ -274,8 +274,8 @@ def process_worker(cfg: SFTConfig) -> dict[str, Any]:
     import torch
 
     import odcfn
-    from odcfn.kernels.shm import ShmTransport
     from odcfn.sft.lock import RankLock
+    from odcfn.transport.shm import ShmTransport
 
     torch.set_num_threads(1)
     mesh = odcfn.Mesh.from_env()

@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from odcfn.kernels.base import world_group
 from odcfn.sharding import Layout, Mesh
+from odcfn.transport.base import world_group
 
 __all__ = ["check_trained_units"]
 

@@ -18,7 +18,6 @@ from typing import Any
 import torch
 
 from odcfn.batch import Batch, Microbatch, pack
-from odcfn.kernels.base import Handle, Transport, sum_squares
 from odcfn.kernels.grad_sink import flat_views, seed
 from odcfn.model import Model, unit_inputs
 from odcfn.schedule.plan import (
@@ -37,6 +36,7 @@ from odcfn.sharding import Layout
 from odcfn.step.experts import expert_source
 from odcfn.step.ordered_push import OrderedPusher
 from odcfn.trace import Event
+from odcfn.transport.base import Handle, Transport, sum_squares
 from odcfn.tree import tree_unflatten
 
 __all__ = ["Executor"]
@@ -67,7 +67,7 @@ class Executor:
         self.t, self.dtype, self.device = transport, compute_dtype, device
         chain = model.chain  # the forward's units: all but a mixture's experts (Unit.experts)
         self.rank, self.last = transport.mesh.rank, chain[-1]
-        # progress that peers waiting on this rank can see (odcfn.kernels.heartbeat); optional
+        # progress that peers waiting on this rank can see (odcfn.transport.heartbeat); optional
         self.beat = getattr(transport, "beat", None) or (lambda: None)
         self.riders: torch.Tensor | None = None
         self.units = {u.name: u for u in model.units}

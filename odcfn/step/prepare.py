@@ -11,7 +11,6 @@ from typing import Any
 import torch
 
 from odcfn.batch import Batch, check_token_range
-from odcfn.kernels.base import supports_odc
 from odcfn.model import Model
 from odcfn.moe.router import check_routing
 from odcfn.schedule.plan import ScheduleOptions
@@ -20,6 +19,7 @@ from odcfn.sharding import Layout, make_layout
 from odcfn.sharding.layout import check_shards
 from odcfn.step import fingerprint
 from odcfn.step.state import TrainState, check_fields
+from odcfn.transport.base import supports_odc
 
 __all__ = ["check_inputs", "minibatch_fingerprint", "recording", "schedule_options"]
 

@@ -11,7 +11,6 @@ from typing import Any
 import torch
 
 from odcfn.batch import Batch
-from odcfn.kernels.base import Transport
 from odcfn.model import Model
 from odcfn.schedule.plan import Plan
 from odcfn.schedule.program import Piece, assemble_plan
@@ -19,6 +18,7 @@ from odcfn.sharding import Layout
 from odcfn.step.execute import Executor
 from odcfn.step.ordered_push import OrderedPusher
 from odcfn.trace import Event
+from odcfn.transport.base import Transport
 
 __all__ = ["ExecResult", "execute"]
 
