@@ -367,8 +367,9 @@ def test_hybrid_mesh_through_two_torchrun_agents_on_loopback(tmp_path):
             odcfn.tree_assert_allclose(res[comm]["grads"], ref, rtol=1e-5, atol=1e-7)
             assert res[comm]["loss"] == pytest.approx(float(loss), rel=1e-5)
             assert res[comm]["syncs"] == 1
-        # ODC: the sync and the replica all-reduce across nodes; nothing else on the wire
-        assert res["odc"]["wire"] == {"all_reduce": 2}, res["odc"]["wire"]
+        # ODC: the sync and the replica all-reduce across nodes, and (a layout's first step only)
+        # the trained-units agreement (odcfn.step.agree); nothing else on the wire
+        assert res["odc"]["wire"] == {"all_reduce": 3}, res["odc"]["wire"]
     assert [f for f in os.listdir("/dev/shm") if f.startswith(prefix)] == []
 
 
