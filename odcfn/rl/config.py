@@ -13,12 +13,11 @@ from typing import Any
 
 from odcfn._check import check_int, check_number
 from odcfn.losses import PolicyGradient, policy_gradient
+from odcfn.rl.advantages import ESTIMATORS, GROUP_ESTIMATORS
 from odcfn.rollout.base import SamplingParams
 
-__all__ = ["ESTIMATORS", "GROUP_ESTIMATORS", "RLConfig"]
+__all__ = ["RLConfig"]
 
-ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus")
-GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus")  # each needs a group baseline
 
 
 @dataclass(frozen=True)
@@ -66,10 +65,14 @@ class RLConfig:
 
     def __post_init__(self) -> None:
         if not (callable(self.reward) or isinstance(self.reward, str)):
-            raise TypeError(f"RLConfig.reward must be a callable or a 'module:function' string, got {self.reward!r}")
+            raise TypeError(
+                f"RLConfig.reward must be a callable or a 'module:function' string, got {self.reward!r}"
+            )
         check_int(self.group_size, "RLConfig.group_size", at_least=1)
         if self.estimator not in ESTIMATORS:
-            raise ValueError(f"RLConfig.estimator={self.estimator!r} is unknown; expected one of {list(ESTIMATORS)}")
+            raise ValueError(
+                f"RLConfig.estimator={self.estimator!r} is unknown; expected one of {list(ESTIMATORS)}"
+            )
         if self.estimator in GROUP_ESTIMATORS and self.group_size < 2:
             raise ValueError(
                 f"RLConfig.group_size={self.group_size}: the {self.estimator!r} estimator needs a group "
@@ -80,7 +83,9 @@ class RLConfig:
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"RLConfig.{name} must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.sampling, SamplingParams):
-            raise TypeError(f"RLConfig.sampling must be an odcfn.rollout.SamplingParams, got {self.sampling!r}")
+            raise TypeError(
+                f"RLConfig.sampling must be an odcfn.rollout.SamplingParams, got {self.sampling!r}"
+            )
         if not isinstance(self.loss, PolicyGradient):
             raise TypeError(
                 f"RLConfig.loss must be an odcfn.losses.policy_gradient(...), got {type(self.loss).__name__}"

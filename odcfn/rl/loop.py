@@ -26,7 +26,8 @@ from typing import Any
 import torch
 
 from odcfn.batch import Batch, Sample
-from odcfn.rewards import resolve_reward, score
+from odcfn.rewards import resolve as resolve_reward
+from odcfn.rewards import score
 from odcfn.rl import metrics as rl_metrics
 from odcfn.rl.advantages import advantages as compute_advantages
 from odcfn.rl.config import RLConfig
@@ -178,9 +179,12 @@ def _check(state: Any, engine: Any, prompts: Any, config: Any, ref_state: Any, n
                 raise ValueError(f"odcfn.rl.step: {name}[{i}] holds token id {max(p.tokens)}, outside the "
                                  f"model's vocabulary [0, {state.model.vocab_size})")
     if next_prompts is not None and not config.async_rollouts:
-        raise ValueError("odcfn.rl.step: next_prompts is for asynchronous mode (RLConfig.async_rollouts=True)")
+        raise ValueError(
+            "odcfn.rl.step: next_prompts is for asynchronous mode (RLConfig.async_rollouts=True)"
+        )
     if config.needs_ref and ref_state is None and not _is_lora(state):
-        raise ValueError("odcfn.rl.step: the loss has a KL term (kl_loss_coef > 0) but no ref_state was given "
+        raise ValueError("odcfn.rl.step: the loss has a KL term (kl_loss_coef > 0) but no ref_state was "
+                         "given "
                          "(a LoRA policy's reference is its base; others pass the reference's TrainState)")
 
 
@@ -218,10 +222,11 @@ def _score(reward_fn: Any, prompts: Sequence[Prompt], mine: range, completions: 
            n: int) -> list[Local]:
     want = len(mine) * n
     if len(completions) != want:
-        raise RuntimeError(f"the engine returned {len(completions)} completions for {len(mine)} prompts x n={n}")
-    owners = [prompts[mine.start + c.prompt_index] for c in completions]
-    rewards = score(reward_fn, owners, completions, prompt_indices=[mine.start + c.prompt_index
-                                                                    for c in completions])
+        raise RuntimeError(
+            f"the engine returned {len(completions)} completions for {len(mine)} prompts x n={n}"
+        )
+    rewards = score(reward_fn, prompts, completions, prompt_indices=[mine.start + c.prompt_index
+                                                                     for c in completions])
     return [Local(index=mine.start * n + k, tokens=c.tokens, logprobs=c.logprobs,
                   stopped=c.finish_reason == "stop", reward=float(r), version=c.version,
                   routed=None if c.routed_experts is None else c.routed_experts)
