@@ -40,7 +40,7 @@ def _setup(tmp: Path, *, rows: list[dict] | None = None, name: str = "prompts.js
         'out_dir = "out"\n[model]\nvocab_size = 300\nd_model = 32\nn_layers = 2\nn_heads = 4\n'
         f'n_kv_heads = 2\nd_ff = 64\n[data]\npath = "{name}"\ntokenizer = "{TOKENIZER}"\n'
         f'batch_size = 4\n{data}[train]\ntask = "rl"\nsteps = 2\nworld_size = 2\n{train}'
-        f"[rollout]\nmax_tokens = 8\nmax_model_len = 32\n{rollout}[rl]\ngroup_size = 2\n{rl}"
+        f"[rollout]\nmax_tokens = 8\nmax_model_len = 32\n{rollout}[rl]\n{rl or 'group_size = 2'}\n"
     )
     return cfg
 
