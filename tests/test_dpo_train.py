@@ -201,7 +201,7 @@ def test_reference_free_losses_skip_the_pass(tmp_path, passes, capsys, dpo):
      'config: dpo.label_smoothing must be < 0.5 with dpo.loss_type = "robust", got 0.5'),
     ({"dpo": "sft_weight = -1.0"}, "config: dpo.sft_weight must be a number >= 0, got -1.0"),
     ({"dpo": "reference_free = 1"}, "config: dpo.reference_free must be true or false, got int 1"),
-    ({"task": "ppo"}, "config: train.task must be one of ['sft', 'dpo'], got 'ppo'"),
+    ({"task": "ppo"}, "config: train.task must be one of ['sft', 'dpo', 'rl'], got 'ppo'"),
     ({"task": "sft"}, 'config: dpo.beta is set but train.task is "sft"'),
     ({"tokenizer": None}, 'config: train.task = "dpo" needs data.tokenizer'),
     ({"long": "truncate"}, 'config: data.long_samples = "truncate" cannot serve train.task = "dpo"'),

@@ -83,7 +83,11 @@ def run_lines(cfg: SFTConfig, qcfg: Any, model: Any, data: Any) -> list[str]:
         lines.append(f"trained: every parameter (full fine-tuning: {_count(trained)}); a [lora] section "
                      "with rank trains adapters instead")
     ds, d = data.dataset, cfg.data
-    if cfg.train.task == "dpo":
+    if cfg.train.task == "rl":
+        from odcfn.sft.rl_data import rl_lines
+
+        lines += rl_lines(cfg, data)
+    elif cfg.train.task == "dpo":
         p = cfg.dpo
         ref = "no reference pass" if not p.uses_reference else "reference: the initial model" + (
             " (the base, adapters off)" if cfg.lora.rank else "")

@@ -12,12 +12,14 @@ from typing import Any
 
 from odcfn._check import ArgTypeError
 from odcfn.sft.config_dpo import DpoSection, check_task
+from odcfn.sft.config_rl import RLSection, RolloutSection, check_rl_task
 from odcfn.sft.keys import KEYS, check_key
 from odcfn.sft.stale_train import check_config, check_model, check_train
 
 __all__ = [
     "CheckpointSection", "DataSection", "DpoSection", "LogSection", "LoraSection", "ModelSection",
-    "SFTConfig", "TrainSection", "config_from_dict", "config_from_stored", "load_config",
+    "RLSection", "RolloutSection", "SFTConfig", "TrainSection", "config_from_dict", "config_from_stored",
+    "load_config",
     "model_config", "check_inputs", "default_world_size",
 ]
 
@@ -74,7 +76,7 @@ class DataSection:
 @dataclass(frozen=True)
 class TrainSection:
     steps: int = 0
-    task: str = "sft"  # "dpo": preference pairs and [dpo]'s loss (odcfn.sft.config_dpo)
+    task: str = "sft"  # "dpo": pairs and [dpo]'s loss (sft.config_dpo); "rl": prompts, [rl] (sft.config_rl)
     lr: float = 1e-3
     warmup_steps: int = 0
     schedule: str = "constant"
@@ -160,6 +162,8 @@ class SFTConfig:
     log: LogSection = field(default_factory=LogSection)
     lora: LoraSection = field(default_factory=LoraSection)
     dpo: DpoSection = field(default_factory=DpoSection)
+    rollout: RolloutSection = field(default_factory=RolloutSection)
+    rl: RLSection = field(default_factory=RLSection)
 
     def __post_init__(self) -> None:
         t = self.train
@@ -178,6 +182,7 @@ class SFTConfig:
                 f"(threads of one process cannot be restarted alone), got backend {t.backend!r}"
             )
         check_task(self)
+        check_rl_task(self)
         check_config(self)
 
     @property
@@ -197,6 +202,8 @@ _SECTIONS = {
     "log": LogSection,
     "lora": LoraSection,
     "dpo": DpoSection,
+    "rollout": RolloutSection,
+    "rl": RLSection,
 }
 _PATH_KEYS = {
     ("model", "hf_path"),
@@ -341,6 +348,10 @@ def check_inputs(cfg: SFTConfig) -> None:
         except ValueError as e:
             raise ValueError(f"config: lora.targets {cfg.lora.targets}: {e}") from None
     check_model(cfg, model)
+    if cfg.train.task == "rl":  # the reward resolves, the engine is installed
+        from odcfn.sft.config_rl import check_rl_inputs
+
+        check_rl_inputs(cfg)
 
 
 def model_config(cfg: SFTConfig) -> Any:

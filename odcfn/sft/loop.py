@@ -31,14 +31,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from odcfn.sft.config import (
-    SFTConfig,
-    TrainSection,
-    config_from_dict,
-    load_config,
-    model_config,
-)
-from odcfn.sft.config_dpo import dpo_loss
+from odcfn.sft.config import SFTConfig, TrainSection, config_from_dict, load_config, model_config
+from odcfn.sft.config_rl import task_loss
 from odcfn.sft.example import write_example
 from odcfn.sft.prepare import PreparedData, prepare_data
 from odcfn.sft.record import Logger, already_done, data_summary, step_record
@@ -151,7 +145,7 @@ def _setup(cfg: SFTConfig, rank: int, transport, data: PreparedData | None = Non
         # the loop never reuses a state: update in place (no second copy of it); stale owners
         # keep older versions readable by peers, so never in place there
         donate=not active(t),
-        loss=dpo_loss(cfg),  # None: cross-entropy (SFT)
+        loss=task_loss(cfg),  # None: cross-entropy (SFT); [dpo]'s or [rl]'s
     )
     start, resumed, bias = 0, None, None
     data_sha = sha256(Path(cfg.data.path))
@@ -217,6 +211,10 @@ def _lr_now(run: _Run, step: int) -> float:
 def train_rank(cfg: SFTConfig, rank: int, transport, data: PreparedData | None = None) -> dict[str, Any]:
     """The SFT loop for one rank; returns a summary (and rank's final shards for export).
     ``data``: the launcher's checked dataset (else this rank reads and checks it)."""
+    if cfg.train.task == "rl":  # iterations of rollouts and updates: odcfn.sft.rl_task
+        from odcfn.sft.rl_task import train_rl_rank
+
+        return train_rl_rank(cfg, rank, transport, data)
     import odcfn
     from odcfn.checkpoint.kill_point import kill_point
 

@@ -128,13 +128,18 @@ def _empty_steps(cfg: SFTConfig, data: TokenDataset, per_epoch: int) -> frozense
 
 def prepare_data(cfg: SFTConfig, vocab_size: int) -> Any:
     """Read ``cfg.data.path`` and check all of it against ``cfg`` (see the module docstring);
-    ``train.task = "dpo"``: its preference pairs (``odcfn.sft.preference.PreparedPairs``)."""
+    ``train.task = "dpo"``: its preference pairs (``odcfn.sft.preference.PreparedPairs``);
+    ``"rl"``: its prompts (``odcfn.sft.rl_data.PreparedPrompts``)."""
     from odcfn.data.records import steps_per_epoch
 
     if cfg.train.task == "dpo":
         from odcfn.sft.preference import prepare_pairs
 
         return prepare_pairs(cfg, vocab_size)
+    if cfg.train.task == "rl":  # prompts (odcfn.sft.rl_data)
+        from odcfn.sft.rl_data import prepare_prompts
+
+        return prepare_prompts(cfg, vocab_size)
 
     data, truncated, dropped = _fit_lengths(cfg, _read(cfg, vocab_size))
     try:

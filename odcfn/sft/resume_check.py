@@ -111,8 +111,8 @@ def resume_conflicts(
         old = stored.get(section, {})
         for key, value in values.items():
             name, was = f"{section}.{key}", old.get(key, value)
-            # a preference run's reference is its initial model: there model.seed is not resumable
-            if name in _RESUMABLE and not (name == "model.seed" and cfg.train.task == "dpo"):
+            # a preference or RL run's reference is its initial model: there model.seed is not resumable
+            if name in _RESUMABLE and not (name == "model.seed" and cfg.train.task in ("dpo", "rl")):
                 continue
             same = _same_path(name, was, value, digests) if name in _PATHS else was == value
             if not same:
