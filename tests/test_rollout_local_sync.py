@@ -10,7 +10,7 @@ import torch
 
 import odcfn
 from odcfn.rollout import LocalEngine, SamplingParams
-from tests.rollout_util import CONFIGS, DENSE, MOE, prompts, qwen_model, sharp_params
+from tests.rollout_util import CONFIGS, DENSE, MOE, QWEN3, prompts, qwen_model, sharp_params
 
 ATOL = 1e-5
 
@@ -90,6 +90,7 @@ def test_weights_follow_the_trainer_step_by_step(kind):
             diffs.append(max(float((g - w).abs().max()) for g, w in zip(got, want)))
             # and its samples' own log-probs
             outs = eng.generate(fixed[:2], SamplingParams(max_tokens=6, n=2, seed=3))
+            assert all(c.version == state.step for c in outs)
             diffs.append(_diff(fixed, outs, odcfn.log_probs(state, _batch(fixed, outs))))
         after = eng.score(fixed)
         moved.append(max(float((a - b).abs().max()) for a, b in zip(after, before)))
@@ -100,3 +101,14 @@ def test_weights_follow_the_trainer_step_by_step(kind):
         assert max(diffs) <= ATOL, diffs
         assert moved[0] > 1e-2  # the weights did change: the check is not vacuous
         assert (bias is not None and bias > 0) == (kind == "moe")
+
+
+def test_update_weights_refuses_another_models_state():
+    def worker(rank, transport):
+        state = _state(qwen_model(QWEN3), sharp_params(QWEN3), transport)
+        eng = LocalEngine(qwen_model(DENSE), DENSE)
+        with pytest.raises(ValueError, match="not the engine's"):
+            eng.update_weights(state)
+        return eng.version
+
+    assert odcfn.run_local(worker, world_size=2) == [0, 0]
