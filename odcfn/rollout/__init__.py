@@ -1,5 +1,6 @@
 """Rollout engines: what generates an RL loop's samples (``LocalEngine``, ``VLLMEngine``)."""
 
 from odcfn.rollout.base import Completion, Engine, SamplingParams
+from odcfn.rollout.local import LocalEngine
 
-__all__ = ["Completion", "Engine", "SamplingParams"]
+__all__ = ["Completion", "Engine", "LocalEngine", "SamplingParams"]
