@@ -70,11 +70,11 @@ def step(
             completions = engine.collect(key)
         else:
             completions = engine.generate([list(prompts[i].tokens) for i in mine_range],
-                                          _sampling(config, state.step, mine_range.start))
+                                          _sampling(config, state.step), first_index=mine_range.start)
         if config.async_rollouts and next_prompts is not None:
             nxt = share_range(len(next_prompts), W, rank)
-            engine.submit([list(next_prompts[i].tokens) for i in nxt],
-                          _sampling(config, state.step + 1, nxt.start), key=_key(next_prompts))
+            engine.submit([list(next_prompts[i].tokens) for i in nxt], _sampling(config, state.step + 1),
+                          key=_key(next_prompts), first_index=nxt.start)
         timing["gen_local"] = time.perf_counter() - t
         local = _score(reward_fn, prompts, mine_range, completions, n)
     except Exception as e:  # joins the exchange anyway: every rank raises it, none waits
@@ -200,13 +200,13 @@ def _lora_reference(state: TrainState) -> TrainState:
     return lora_reference(state)
 
 
-def _sampling(config: RLConfig, step: int, first_prompt: int) -> SamplingParams:
+def _sampling(config: RLConfig, step: int) -> SamplingParams:
     """The iteration's sampling: ``n`` = group size; the seed a function of (seed, step) when the
-    config gives none, shifted by the share's first prompt so that each prompt's draws do not
-    depend on how prompts are shared among ranks."""
+    config gives none, so a resumed run draws what the uninterrupted one would have (each
+    share passes its first prompt's position, so draws do not depend on the number of ranks)."""
     s = config.sampling
-    base = s.seed if s.seed is not None else (config.seed * 1_000_003 + step * 7_919) % (1 << 31)
-    return replace(s, n=config.group_size, seed=base + first_prompt)
+    seed = s.seed if s.seed is not None else (config.seed * 1_000_003 + step * 7_919) % (1 << 31)
+    return replace(s, n=config.group_size, seed=seed)
 
 
 def _key(prompts: Sequence[Prompt]) -> str:
@@ -225,8 +225,8 @@ def _score(reward_fn: Any, prompts: Sequence[Prompt], mine: range, completions: 
         raise RuntimeError(
             f"the engine returned {len(completions)} completions for {len(mine)} prompts x n={n}"
         )
-    rewards = score(reward_fn, prompts, completions, prompt_indices=[mine.start + c.prompt_index
-                                                                     for c in completions])
+    rewards = score(reward_fn, prompts, completions, first_completion=mine.start * n,
+                    prompt_indices=[mine.start + c.prompt_index for c in completions])
     return [Local(index=mine.start * n + k, tokens=c.tokens, logprobs=c.logprobs,
                   stopped=c.finish_reason == "stop", reward=float(r), version=c.version,
                   routed=None if c.routed_experts is None else c.routed_experts)

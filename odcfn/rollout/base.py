@@ -130,9 +130,13 @@ class Engine(abc.ABC):
         the weights it was built with until the first ``update_weights``."""
 
     @abc.abstractmethod
-    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> list[Completion]:
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, *,
+                 first_index: int = 0) -> list[Completion]:
         """``sampling.n`` completions per prompt, grouped in prompt order
-        (``len(prompts) * n`` in all)."""
+        (``len(prompts) * n`` in all). ``first_index``: the position of ``prompts[0]`` for
+        seeding only (prompt i draws as position ``first_index + i``): an RL loop that shares a
+        prompt list among ranks passes each share's offset, so a seeded run draws the same
+        samples whatever the number of ranks. ``Completion.prompt_index`` stays i."""
 
     @abc.abstractmethod
     def update_weights(self, state: Any) -> None:
@@ -147,14 +151,17 @@ class Engine(abc.ABC):
     # an iteration later without keeping a handle of its own: one request at a time, named by a
     # key so a collector asking for other prompts gets an error, never someone else's rollouts.
 
-    def submit(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, *, key: Hashable = None) -> None:
-        """Start ``generate(prompts, sampling)`` on a background thread; ``collect(key)`` returns it."""
+    def submit(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, *, key: Hashable = None,
+               first_index: int = 0) -> None:
+        """Start ``generate(prompts, sampling, first_index=...)`` on a background thread;
+        ``collect(key)`` returns it."""
         if getattr(self, "_inflight", None) is not None:
             raise RuntimeError(f"{type(self).__name__}.submit: a generation ({self._inflight[0]!r}) is in flight; "
                                "collect it first")
         if getattr(self, "_pool", None) is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="odcfn-rollout")
-        self._inflight: tuple[Hashable, Future] | None = (key, self._pool.submit(self.generate, prompts, sampling))
+        self._inflight: tuple[Hashable, Future] | None = (key, self._pool.submit(
+            self.generate, prompts, sampling, first_index=first_index))
 
     @property
     def in_flight(self) -> Hashable | None:

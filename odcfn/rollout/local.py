@@ -153,9 +153,11 @@ class LocalEngine(Engine):
 
     # --- generation ---------------------------------------------------------------------------
 
-    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> list[Completion]:
-        """``sampling.n`` completions per prompt, grouped in prompt order."""
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, *,
+                 first_index: int = 0) -> list[Completion]:
+        """``sampling.n`` completions per prompt, grouped in prompt order (``Engine.generate``)."""
         self._check_open()
+        check_int(first_index, "generate: first_index", at_least=0)
         ids = check_prompts(prompts, self.cfg.vocab_size, self.max_model_len, sampling)
         if self._weights is None:
             raise RuntimeError("LocalEngine.generate: the engine has no weights yet; pass params= to the "
@@ -163,7 +165,7 @@ class LocalEngine(Engine):
         seed = fresh_seed() if sampling.seed is None else sampling.seed
         seqs = [
             _Seq(i * sampling.n + j, i, p, min(sampling.max_tokens, self.max_model_len - len(p)),
-                 None if sampling.greedy else sequence_generator(seed, i, j))
+                 None if sampling.greedy else sequence_generator(seed, first_index + i, j))
             for i, p in enumerate(ids) for j in range(sampling.n)
         ]
         self._run(seqs, sampling)
@@ -271,6 +273,7 @@ class LocalEngine(Engine):
             raise RuntimeError("LocalEngine is closed")
 
     def close(self) -> None:
+        self.shutdown_background()
         self._weights, self._closed = None, True
 
     def __repr__(self) -> str:
