@@ -221,14 +221,13 @@ def score(
             try:
                 v = reward_fn(prompts[i], c)
             except Exception as e:
-                raise RewardError(
-                    f"reward {name} raised on {_describe(first_completion + j, i, prompts)}: {type(e).__name__}: {e}"
-                ) from e
+                where = _describe(first_completion + j, i, prompts)
+                raise RewardError(f"reward {name} raised on {where}: {type(e).__name__}: {e}") from e
             r = _as_reward(v)
             if r is None:
+                where = _describe(first_completion + j, i, prompts)
                 raise RewardError(
-                    f"reward {name} returned {v!r:.80} for {_describe(first_completion + j, i, prompts)}: a reward must be "
-                    "a finite real number (float)"
+                    f"reward {name} returned {v!r:.80} for {where}: a reward must be a finite real number (float)"
                 )
             out.append(r)
         return torch.tensor(out, dtype=torch.float32)
@@ -256,8 +255,9 @@ def score(
         for k, v in enumerate(vs):
             r = _as_reward(v)
             if r is None:
+                where = _describe(first_completion + a + k, idx[a + k], prompts)
                 raise RewardError(
-                    f"batched reward {name} returned {v!r:.80} for {_describe(first_completion + a + k, idx[a + k], prompts)}: "
+                    f"batched reward {name} returned {v!r:.80} for {where}: "
                     "a reward must be a finite real number (float)"
                 )
             out.append(r)
