@@ -84,7 +84,7 @@ def test_the_loop_equals_its_pieces_composed_by_hand():
 
     for m, got, want in odcfn.run_local(worker, world_size=2):
         assert m.extra["actor/num_updates"] == 2
-        odcfn.tree_assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+        odcfn.tree_assert_allclose(got, want, rtol=1e-5, atol=1e-6)  # fp32 sums in another order
 
 
 def test_ranks_with_different_prompts_fail_alike_before_training():

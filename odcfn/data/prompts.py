@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from odcfn.rl.prompt import Prompt
+from odcfn.rollout.prompt import Prompt
 
 __all__ = ["PromptDataset", "get_field", "prompt_records", "read_prompts", "tokenize_prompt"]
 

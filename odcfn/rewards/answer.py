@@ -15,8 +15,8 @@ from typing import Any
 
 from odcfn._check import ArgTypeError, check_number
 from odcfn.rewards.base import completion_text, ground_truth
-from odcfn.rl.prompt import Prompt
 from odcfn.rollout.base import Completion
+from odcfn.rollout.prompt import Prompt
 
 __all__ = [
     "EXTRACT_MODES",

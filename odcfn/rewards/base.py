@@ -25,8 +25,8 @@ from typing import Any
 import torch
 
 from odcfn._check import ArgTypeError, check_int
-from odcfn.rl.prompt import Prompt
 from odcfn.rollout.base import Completion
+from odcfn.rollout.prompt import Prompt
 
 __all__ = [
     "GROUND_TRUTH_KEYS",
@@ -226,9 +226,8 @@ def score(
             r = _as_reward(v)
             if r is None:
                 where = _describe(first_completion + j, i, prompts)
-                raise RewardError(
-                    f"reward {name} returned {v!r:.80} for {where}: a reward must be a finite real number (float)"
-                )
+                raise RewardError(f"reward {name} returned {v!r:.80} for {where}: a reward must be a finite "
+                                  "real number (float)")
             out.append(r)
         return torch.tensor(out, dtype=torch.float32)
 

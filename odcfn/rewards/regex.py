@@ -6,8 +6,8 @@ import re
 
 from odcfn._check import ArgTypeError, check_number
 from odcfn.rewards.base import completion_text
-from odcfn.rl.prompt import Prompt
 from odcfn.rollout.base import Completion
+from odcfn.rollout.prompt import Prompt
 
 __all__ = ["MATCH_MODES", "RegexFormat"]
 

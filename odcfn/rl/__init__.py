@@ -4,6 +4,6 @@
 from odcfn.rl.advantages import ESTIMATORS, advantages, token_advantages
 from odcfn.rl.config import RLConfig
 from odcfn.rl.loop import RLMetrics, step
-from odcfn.rl.prompt import Prompt
+from odcfn.rollout.prompt import Prompt
 
 __all__ = ["ESTIMATORS", "Prompt", "RLConfig", "RLMetrics", "advantages", "step", "token_advantages"]

@@ -32,8 +32,8 @@ from odcfn.rl import metrics as rl_metrics
 from odcfn.rl.advantages import advantages as compute_advantages
 from odcfn.rl.config import RLConfig
 from odcfn.rl.exchange import Local, Shared, share, share_range
-from odcfn.rl.prompt import Prompt
 from odcfn.rollout.base import Completion, Engine, SamplingParams
+from odcfn.rollout.prompt import Prompt
 from odcfn.step import fingerprint
 from odcfn.step.logprobs import log_probs
 from odcfn.step.state import StepMetrics, TrainState

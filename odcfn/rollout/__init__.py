@@ -2,5 +2,6 @@
 
 from odcfn.rollout.base import Completion, Engine, SamplingParams
 from odcfn.rollout.local import LocalEngine
+from odcfn.rollout.prompt import Prompt
 
-__all__ = ["Completion", "Engine", "LocalEngine", "SamplingParams"]
+__all__ = ["Completion", "Engine", "LocalEngine", "Prompt", "SamplingParams"]

@@ -156,8 +156,9 @@ class Engine(abc.ABC):
         """Start ``generate(prompts, sampling, first_index=...)`` on a background thread;
         ``collect(key)`` returns it."""
         if getattr(self, "_inflight", None) is not None:
-            raise RuntimeError(f"{type(self).__name__}.submit: a generation ({self._inflight[0]!r:.60}) is in "
-                               "flight; collect it first")
+            what = f"{self._inflight[0]!r:.60}"
+            raise RuntimeError(f"{type(self).__name__}.submit: a generation ({what}) is in flight; "
+                               "collect it first")
         if getattr(self, "_pool", None) is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="odcfn-rollout")
         self._inflight: tuple[Hashable, Future] | None = (key, self._pool.submit(

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from odcfn.data.prompts import PromptDataset
-from odcfn.rl.prompt import Prompt
+from odcfn.rollout.prompt import Prompt
 
 __all__ = ["PreparedPrompts", "prepare_prompts", "rl_lines"]
 

@@ -1,5 +1,6 @@
-"""A prompt of an RL dataset: its token ids, its text when known, and the row's other fields
-(the ground truth a reward reads, for example)."""
+"""A prompt of an RL dataset (``odcfn.rl.Prompt``): its token ids, its text when known, and the
+row's other fields (the ground truth a reward reads, for example). It lives with the engine
+interface because rewards (below the loop) read it too."""
 
 from __future__ import annotations
 
