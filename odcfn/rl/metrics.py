@@ -4,6 +4,7 @@ and the one-line progress report."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -60,15 +61,20 @@ def logprob_diff(trainer: Sequence[torch.Tensor], engine: Sequence[torch.Tensor]
 
 def update_metrics(updates: Sequence[Any]) -> dict[str, float]:
     """The actor's figures averaged over the iteration's ``train_step`` calls (verl's
-    ``actor/`` names; the policy-gradient loss's own figures keep their names under it)."""
-    if not updates:
-        return {"actor/num_updates": 0.0}
-    out: dict[str, float] = {"actor/num_updates": float(len(updates)),
-                             "actor/loss": sum(m.loss for m in updates) / len(updates),
-                             "actor/grad_norm": sum(m.grad_norm for m in updates) / len(updates)}
-    keys = [k for k, v in updates[0].extra.items() if isinstance(v, (int, float)) and not isinstance(v, bool)]
-    for k in keys:
-        out[f"actor/{k}"] = sum(float(m.extra[k]) for m in updates) / len(updates)
+    ``actor/`` names; the policy-gradient loss's own figures keep their names under it). Under
+    bounded staleness a step's loss arrives late (NaN in its own metrics): such values are left
+    out of the means, and a figure with none is left out."""
+    out: dict[str, float] = {"actor/num_updates": float(len(updates))}
+    values: dict[str, list[float]] = {"actor/loss": [m.loss for m in updates],
+                                      "actor/grad_norm": [m.grad_norm for m in updates]}
+    for m in updates:
+        for k, v in m.extra.items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                values.setdefault(f"actor/{k}", []).append(float(v))
+    for k, vs in values.items():
+        finite = [v for v in vs if math.isfinite(v)]
+        if finite:
+            out[k] = sum(finite) / len(finite)
     return out
 
 
