@@ -143,3 +143,43 @@ def test_a_tiny_model_learns_a_task_it_starts_at_chance_on(mode):
     first, last = sum(scores[:5]) / 5, sum(scores[-5:]) / 5
     assert first < 0.25, scores  # at chance (1/16) before training
     assert last > first + 0.3, scores
+
+
+def test_moe_rollouts_replay_their_routing_and_lora_takes_its_base_as_reference():
+    """A mixture of experts: the trainer's old log-probs (routing replayed from the engine's
+    record) equal the engine's; LoRA with a KL term and no ref_state: its reference is the base,
+    so the first update's KL is 0 (the adapters start at B = 0)."""
+    from odcfn.models import QwenMoeConfig
+
+    moe = QwenMoeConfig(vocab_size=16, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=48,
+                        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+    sampling = SamplingParams(max_tokens=3, seed=5)
+
+    def worker(rank, tr):
+        model = qwen_model(moe)
+        state = odcfn.TrainState.create(params=init_params(moe, seed=1), model=model,
+                                        optimizer=odcfn.adamw(1e-3), transport=tr,
+                                        config=odcfn.StepConfig(loss=odcfn.losses.policy_gradient()))
+        out = []
+        with LocalEngine(model, moe) as engine:
+            engine.update_weights(state)
+            for it in range(2):
+                state, m = rl.step(state, engine, prompts_at(it, k=4),
+                                   rl.RLConfig(reward=target_reward, group_size=2, sampling=sampling))
+                out.append(m.extra["rollout/logprob_diff/max"])
+        lora_model, lora_params = odcfn.lora.apply(qwen_model(CFG), init_params(CFG, seed=3), rank=2, alpha=4)
+        kl_loss = odcfn.losses.policy_gradient(kl_loss_coef=0.1)
+        lstate = odcfn.TrainState.create(params=lora_params, model=lora_model, optimizer=odcfn.adamw(1e-2),
+                                         transport=tr, config=odcfn.StepConfig(loss=kl_loss))
+        kls = []
+        with LocalEngine(lora_model, CFG) as engine:
+            engine.update_weights(lstate)
+            for it in range(2):
+                lstate, m = rl.step(lstate, engine, prompts_at(it, k=4), rl.RLConfig(
+                    reward=target_reward, group_size=2, sampling=sampling, loss=kl_loss))
+                kls.append(m.extra["actor/kl_loss"])
+        return out, kls
+
+    for diffs, kls in odcfn.run_local(worker, world_size=2):
+        assert max(diffs) < 1e-4, diffs
+        assert abs(kls[0]) < 1e-9 and kls[1] > 0, kls  # the base is the reference; one step moves off it
