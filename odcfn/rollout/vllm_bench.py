@@ -96,3 +96,52 @@ def bench_weight_sync(state: Any, engine: VLLMEngine | None, *, host: int = 0, r
             r["engine_rss_peak_delta"] = r.pop("engine_peak_rss") - r.pop("engine_rss_before")
             out["full_reload"].append(r)
     return out if engine is not None else None
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m odcfn.rollout.vllm_bench [--layers 8 --d-model 512 --world 2 --bucket-mb 16]``:
+    a model built from a config (no download), trained one step on ``--world`` in-process ranks,
+    rank 0 hosting the engine; prints the result as JSON."""
+    import argparse
+    import json
+    import threading
+
+    import torch
+
+    from odcfn.models import QwenConfig, init_params, qwen_model
+
+    ap = argparse.ArgumentParser(prog="python -m odcfn.rollout.vllm_bench")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--d-model", type=int, default=512)
+    ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--bucket-mb", type=float, default=16)
+    ap.add_argument("--repeat", type=int, default=3)
+    a = ap.parse_args(argv)
+    cfg = QwenConfig(vocab_size=a.vocab, d_model=a.d_model, n_layers=a.layers, n_heads=a.d_model // 64,
+                     n_kv_heads=max(1, a.d_model // 256), d_ff=3 * a.d_model, head_dim=64)
+    model, full = qwen_model(cfg), init_params(cfg)
+    engine = VLLMEngine(model, cfg, params=full, max_model_len=256, bucket_mb=a.bucket_mb,
+                        kv_cache_memory_bytes=256 << 20)
+    del full
+    lock = threading.Lock()
+
+    def body(rank: int, tr: Any) -> Any:
+        with lock:  # one rank at a time builds its state from fresh full params
+            params = init_params(cfg)
+        state = odcfn.TrainState.create(params=params, model=model, optimizer=odcfn.adamw(1e-4), transport=tr,
+                                        config=odcfn.StepConfig(balance="round_robin"))
+        del params
+        state, _ = odcfn.train_step(state, odcfn.random_batch([32, 32], cfg.vocab_size))
+        return bench_weight_sync(state, engine if rank == 0 else None, repeat=a.repeat, bucket_mb=a.bucket_mb)
+
+    try:
+        torch.set_num_threads(1)
+        res = odcfn.run_local(body, a.world, timeout=1800)[0]
+    finally:
+        engine.close()
+    print(json.dumps({"config": vars(a), "params": cfg.num_params, **res}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -395,8 +395,6 @@ class VLLMEngine(Engine):
         if stop is not None:
             stop()
         llm, self._llm = self._llm, None
-        if llm is not None:
-            shut = getattr(llm, "shutdown", None) or getattr(llm.llm_engine, "shutdown", None)
-            if shut is not None:
-                shut()
-            del llm
+        core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+        if core is not None:  # vLLM 0.32's LLM has no shutdown of its own: end its engine process
+            core.shutdown()
