@@ -3,5 +3,6 @@
 from odcfn.rollout.base import Completion, Engine, SamplingParams
 from odcfn.rollout.local import LocalEngine
 from odcfn.rollout.prompt import Prompt
+from odcfn.rollout.vllm_engine import VLLMEngine
 
-__all__ = ["Completion", "Engine", "LocalEngine", "Prompt", "SamplingParams"]
+__all__ = ["Completion", "Engine", "LocalEngine", "Prompt", "SamplingParams", "VLLMEngine"]
