@@ -226,7 +226,7 @@ def test_bad_pairs_are_named_by_line_before_training(tmp_path, capsys):
     lines[2] = json.dumps({"prompt": "1 + 1 =", "chosen": " 2"})
     data.write_text("\n".join(lines) + "\n")
     assert cli.main(["train", "--config", str(cfg)]) == 2
-    assert f"{data}:3: expected an object with ['prompt', 'chosen', 'rejected']" in capsys.readouterr().err
+    assert f"{data}:3: no 'rejected' column; the file is in the preference format" in capsys.readouterr().err
     lines[2] = json.dumps({"prompt": "1 + 1 =", "chosen": " 2" * 40, "rejected": " 3"})
     data.write_text("\n".join(lines) + "\n")
     assert cli.main(["train", "--config", str(cfg)]) == 2

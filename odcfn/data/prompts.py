@@ -9,7 +9,9 @@ beside it whatever the reward reads (TRL's ``answer``, or verl's nested
 
 Conversational prompts are rendered with the tokenizer's own chat template and the generation
 prompt (``add_generation_prompt=True``: the text ends where the assistant's answer begins); a
-plain string is tokenized as it is, without special tokens (as TRL's GRPO trainer does). Every
+plain string is tokenized with the tokenizer's special tokens, as TRL's GRPO trainer does
+(``odcfn.data.formats.encode_text``). A file whose first row has no ``prompt`` column is refused
+naming its columns and what each format needs. Every
 other field of the row goes to ``Prompt.fields``. Every row is checked when it is read, and a
 problem is named by ``file:line`` (parquet: ``file: row i``) and key: no or an empty prompt, a
 token outside the model's vocabulary, a prompt that leaves the engine no room to answer, a field
@@ -21,7 +23,6 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from odcfn.rollout.prompt import Prompt
@@ -48,24 +49,13 @@ class PromptDataset:
 
 
 def prompt_records(path: str | os.PathLike) -> Iterator[tuple[str, Any]]:
-    """``(where, row)`` for every row of a ``.jsonl`` / ``.json`` (one object a line) or
-    ``.parquet`` file; ``where`` is ``file:line`` or ``file: row i``."""
-    from odcfn.data.records import jsonl_records
+    """``(where, row)`` for every row of ``path``: a ``.jsonl`` / ``.json`` (one object a line) or
+    ``.parquet`` file, a folder of them, or a datasets directory (``odcfn.data.sources``);
+    ``where`` is ``file:line`` or ``file: row i``."""
+    from odcfn.data.sources import iter_rows
 
-    suffix = Path(path).suffix.lower()
-    if suffix in (".jsonl", ".json"):
-        for _, where, rec in jsonl_records(path):
-            yield where, rec
-        return
-    if suffix not in (".parquet", ".pq"):
-        raise ValueError(f"{path}: unknown prompts format {suffix!r}; use .jsonl or .parquet")
-    try:
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise ImportError(f"reading {path} needs pyarrow: pip install pyarrow") from None
-    for i, row in enumerate(pq.read_table(path).to_pylist()):
-        # a column absent from this row reads as None: treat it as absent
-        yield f"{path}: row {i}", {k: v for k, v in row.items() if v is not None}
+    for row in iter_rows(path):
+        yield row.where, row.rec
 
 
 def get_field(row: Mapping[str, Any], key: str, default: Any = _MISSING) -> Any:
@@ -113,7 +103,12 @@ def tokenize_prompt(tok: Any, rec: Any, where: str = "record") -> tuple[list[int
     else:
         raise ValueError(f"{where}: 'prompt' must be text or a list of chat messages, got "
                          f"{type(prompt).__name__}")
-    ids = list(tok(text, add_special_tokens=False)["input_ids"])
+    if isinstance(prompt, str):
+        from odcfn.data.formats import encode_text
+
+        ids = encode_text(tok, text)
+    else:  # the template wrote the special tokens
+        ids = list(tok(text, add_special_tokens=False)["input_ids"])
     if not ids:
         raise ValueError(f"{where}: 'prompt' tokenizes to no tokens: an empty prompt")
     return ids, text, {k: v for k, v in rec.items() if k != "prompt"}
@@ -146,8 +141,12 @@ def read_prompts(
         from odcfn.data.chat import load_tokenizer
 
         tokenizer = load_tokenizer(tokenizer)
+    from odcfn.data.formats import detect_format
+
     prompts, wheres = [], []
     for where, rec in prompt_records(path):
+        if not prompts and isinstance(rec, Mapping):  # the format, from the first row's columns
+            detect_format(list(rec), where, "rl")
         ids, text, fields = tokenize_prompt(tokenizer, rec, where)
         top = max(ids)
         if vocab_size is not None and top >= vocab_size:

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from odcfn._check import ArgTypeError
+from odcfn.sft.config_data import check_data_section, check_data_task
 from odcfn.sft.config_dpo import DpoSection, check_task
 from odcfn.sft.config_rl import RLSection, RolloutSection, check_rl_task
 from odcfn.sft.keys import KEYS, check_key
@@ -68,9 +69,13 @@ class DataSection:
     # a minibatch without loss tokens (every sample fully masked) has no loss: an error naming
     # its step and data lines before the first step, or (true) a step without an update
     skip_empty_minibatches: bool = False
+    # instead of path: [[data.sources]] tables {path, weight}, mixed by weight (odcfn.data.mixture)
+    sources: list | None = None
+    eval_path: str | None = None  # a held-out set in the training data's format
 
     def __post_init__(self) -> None:
         _check_types(self, 'data')
+        check_data_section(self)
 
 
 @dataclass(frozen=True)
@@ -168,8 +173,8 @@ class SFTConfig:
     def __post_init__(self) -> None:
         t = self.train
         check_key("", "out_dir", self.out_dir, "str")
-        if not self.data.path:
-            raise ValueError("config: data.path is required (the JSONL training file)")
+        if not self.data.path and not self.data.sources:
+            raise ValueError("config: data.path (the training data) or [[data.sources]] is required")
         if t.steps < 1:
             raise ValueError(f"config: train.steps is required, an integer >= 1, got {t.steps!r}")
         if t.warmup_steps > t.steps:
@@ -183,6 +188,7 @@ class SFTConfig:
             )
         check_task(self)
         check_rl_task(self)
+        check_data_task(self)
         check_config(self)
 
     @property
@@ -210,6 +216,7 @@ _PATH_KEYS = {
     ("data", "path"),
     ("data", "tokenizer"),
     ("data", "cache_dir"),
+    ("data", "eval_path"),
     ("checkpoint", "export_hf"),
 }
 
@@ -244,6 +251,9 @@ def config_from_dict(
         for key in section:
             if (name, key) in _PATH_KEYS and isinstance(section[key], str):
                 section[key] = str(base / section[key])
+        if name == "data" and isinstance(section.get("sources"), list):  # each source's path, likewise
+            section["sources"] = [{**s, "path": str(base / s["path"])} if isinstance(s, dict) and
+                                  isinstance(s.get("path"), str) else s for s in section["sources"]]
         kwargs[name] = cls(**section)
     return SFTConfig(**kwargs)
 
@@ -261,6 +271,8 @@ def _check_document(doc: dict[str, Any]) -> None:
             got = f"{type(doc[name]).__name__} {doc[name]!r}"
             raise ArgTypeError(f"config: [{name}] must be a table, got {got}")
     for section, key in (("data", "path"), ("train", "steps")):
+        if section == "data" and "sources" in doc.get("data", {}):
+            continue  # the sources are the data
         if key not in doc.get(section, {}):
             what = KEYS[(section, key)].doc.split(": ", 1)[1]
             raise ValueError(f"config: {section}.{key} is required ({what})")
@@ -322,9 +334,9 @@ def check_inputs(cfg: SFTConfig) -> None:
     """What the config names must exist and fit: the data file, the tokenizer and HF model
     directories, and a model that ``[model]`` describes consistently (a ValueError naming the key)."""
     d, m = cfg.data, cfg.model
-    if not Path(d.path).is_file():
-        what = "is a directory" if Path(d.path).is_dir() else "does not exist"
-        raise ValueError(f"config: data.path {d.path} {what} (the JSONL training file)")
+    from odcfn.sft.config_data import check_data_paths
+
+    check_data_paths(cfg)
     if d.tokenizer is not None and not Path(d.tokenizer).is_dir():
         raise ValueError(f"config: data.tokenizer {d.tokenizer} is not a directory (a local tokenizer "
                          "directory with tokenizer.json / tokenizer_config.json)")

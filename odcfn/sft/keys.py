@@ -95,9 +95,11 @@ KEYS: dict[tuple[str, str], Rule] = {
     ("model", "tie_embeddings"): Rule("fresh model: the head reads the embedding matrix (one parameter)"),
     ("model", "seed"): Rule("fresh model: seed of the initial weights", **_NONNEG),
     # [data]
-    ("data", "path"): Rule("REQUIRED: the JSONL training file (token records, or chat messages with "
-                           "data.tokenizer; train.task = \"dpo\": prompt/chosen/rejected pairs; \"rl\": "
-                           "prompts and their reward fields, JSONL or parquet)"),
+    ("data", "path"): Rule("REQUIRED (or [[data.sources]]): the training data, a JSONL or parquet file, a "
+                           "folder of them or a datasets save_to_disk directory, in a format its columns "
+                           "name (docs/data.md): token records (input_ids), or with data.tokenizer TRL's "
+                           "text / messages / prompt + completion; train.task = \"dpo\": prompt + chosen + "
+                           "rejected (or chosen + rejected); \"rl\": prompt and the reward's fields"),
     ("data", "batch_size"): Rule("samples per minibatch (one optimizer step); pairs with train.task = "
                                  "\"dpo\"; prompts per iteration with \"rl\"", **_POS),
     ("data", "seed"): Rule("seed of the per-epoch shuffle", **_NONNEG),
@@ -112,6 +114,12 @@ KEYS: dict[tuple[str, str], Rule] = {
                                    choices=("error", "truncate", "drop")),
     ("data", "skip_empty_minibatches"): Rule("a minibatch without loss tokens: an error naming it (false) "
                                              "or a step without an update (true)"),
+    ("data", "sources"): Rule("train.task = \"sft\", instead of data.path: several datasets mixed by "
+                              "weight, [[data.sources]] tables with path (like data.path) and weight (> 0, "
+                              "default 1: its share of every minibatch, relative to the others)",
+                              what="a list of tables {path = \"...\", weight = 1.0}"),
+    ("data", "eval_path"): Rule("a held-out set in the training data's format (sft, dpo), read and checked "
+                                "with it before the first step (it must have loss tokens)"),
     # [train]
     ("train", "steps"): Rule("REQUIRED: optimizer steps (minibatches) of the whole run; RL iterations "
                              "with train.task = \"rl\"", **_POS),

@@ -28,7 +28,6 @@ import os
 import sys
 import time
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
 from odcfn.sft.config import SFTConfig, TrainSection, config_from_dict, load_config, model_config
@@ -120,7 +119,7 @@ def _setup(cfg: SFTConfig, rank: int, transport, data: PreparedData | None = Non
     from odcfn.checkpoint.frozen import load_parts
     from odcfn.checkpoint.sharded import read_manifest
     from odcfn.checkpoint.state_io import ROUTER_BIAS
-    from odcfn.checkpoint.verify import sha256
+    from odcfn.sft.config_data import data_sha256
 
     t = cfg.train
     mesh = transport.mesh  # the transport's view of the job (ranks_per_node, sharding) wins
@@ -148,7 +147,7 @@ def _setup(cfg: SFTConfig, rank: int, transport, data: PreparedData | None = Non
         loss=task_loss(cfg),  # None: cross-entropy (SFT); [dpo]'s or [rl]'s
     )
     start, resumed, bias = 0, None, None
-    data_sha = sha256(Path(cfg.data.path))
+    data_sha = data_sha256(cfg)  # data.path's bytes, or the mixture's sources (sft/config_data.py)
     if ck is not None:
         extra = read_manifest(ck).get("extra", {})
         check_resume(cfg, extra, data_sha, str(ck))
