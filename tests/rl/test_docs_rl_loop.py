@@ -4,7 +4,7 @@ engine at trainer step 6 (3 iterations x 2 train_steps) and verl's timing names.
 import re
 from pathlib import Path
 
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_rl_loop_example_runs(capsys):
