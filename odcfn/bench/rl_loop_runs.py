@@ -353,7 +353,7 @@ def loop_worker(spec: LoopSpec, progress: bool = False) -> dict:
     """Entry point of one launched rank."""
     import torch.distributed as dist
 
-    from odcfn.kernels.shm import ShmTransport
+    from odcfn.transport.shm import ShmTransport
     from odcfn.sharding import Mesh
 
     torch.set_num_threads(1)  # W ranks on the machine's cores: one thread each
