@@ -353,8 +353,8 @@ def loop_worker(spec: LoopSpec, progress: bool = False) -> dict:
     """Entry point of one launched rank."""
     import torch.distributed as dist
 
-    from odcfn.transport.shm import ShmTransport
     from odcfn.sharding import Mesh
+    from odcfn.transport.shm import ShmTransport
 
     torch.set_num_threads(1)  # W ranks on the machine's cores: one thread each
     mesh = Mesh.from_env()

@@ -64,19 +64,22 @@ def _rel(src: Source, file: str) -> str:
 
 def _tokenize(src: Source, fmt: str, rows: Iterator[Row], tok: Any) -> tuple[list, list, list]:
     from odcfn.data.formats import tokenize_sft_row
-    from odcfn.data.records import record_to_sample
+    from odcfn.data.records import UnreadFields, record_to_sample
 
     samples, lines, files = [], [], []
+    unread = UnreadFields(src.path)  # token records: per-token extras refused, other fields named once
     for row in rows:
         if not isinstance(row.rec, dict):
             raise ValueError(f"{row.where}: expected an object with the columns of the first row")
         if fmt == "tokens":  # limits are checked below, with the tokenized formats'
+            unread.add(row.rec, row.where)
             samples.append(record_to_sample(row.rec, row.where, None, None))
         else:
             samples.append(tokenize_sft_row(tok, fmt, row.rec, row.where))
         if not files or files[-1][1] != row.file:
             files.append((len(lines), row.file))
         lines.append(row.line)
+    unread.warn()
     return samples, lines, files
 
 
