@@ -11,7 +11,9 @@ rendered with the generation prompt, i.e. its content and whatever closes the tu
 end-of-turn token the model must learn to emit). The whole conversation is tokenized once;
 a token is a target when its characters overlap an assistant span. A template under which a
 conversation's prefixes do not render as prefixes (some templates drop earlier reasoning) is
-refused for that line rather than guessed at.
+refused for that line rather than guessed at. A template that marks the assistant's output
+with ``{% generation %}`` blocks (TRL's training templates) says itself what is trained: its
+marks decide, as they do for TRL's ``assistant_only_loss``.
 
 Tokenizing is slow, so the result is cached as token-id shards (safetensors; nothing is
 unpickled) under ``cache_dir`` keyed by the data file's bytes and the tokenizer's files: a
@@ -23,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import threading
 import uuid
@@ -41,11 +44,11 @@ __all__ = [
     "tokenize_chat",
 ]
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: templates with {% generation %} marks train what they mark
 # One reader at a time per process: ranks that are threads of one process must not import
 # transformers concurrently (a half-initialised module reads as "not installed") nor tokenize
 # the same file twice (the second one finds the first one's cache).
-_LOCK = threading.RLock()
+CACHE_LOCK = threading.RLock()
 _SHARD_SAMPLES = 4096
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
@@ -58,7 +61,7 @@ def load_tokenizer(directory: str | os.PathLike) -> Any:
     root = Path(directory)
     if not root.is_dir():
         raise FileNotFoundError(f"tokenizer directory {root} does not exist")
-    with _LOCK:
+    with CACHE_LOCK:
         try:
             from transformers import AutoTokenizer
         except ImportError as e:
@@ -99,8 +102,24 @@ def _render(tok: Any, msgs: list, gen: bool) -> str:
     return tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
 
 
+_GENERATION = re.compile(r"{%-?\s*generation\s*-?%}")
+
+
+def _marked(tok: Any, messages: list[dict[str, str]], where: str) -> Sample:
+    """The template's own ``{% generation %}`` marks as the targets (transformers computes them)."""
+    out = tok.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                  return_assistant_tokens_mask=True)
+    ids, mask = list(out["input_ids"]), [bool(m) for m in out["assistant_masks"]]
+    if not any(mask[1:]):
+        raise ValueError(f"{where}: the chat template's {{% generation %}} marks cover no token after the "
+                         "first: nothing to train on")
+    return Sample(torch.tensor(ids, dtype=torch.int32), torch.tensor(mask, dtype=torch.bool))
+
+
 def tokenize_chat(tok: Any, messages: list[dict[str, str]], where: str = "messages") -> Sample:
     """One conversation -> ``Sample(tokens, loss_mask)`` with the assistant spans as targets."""
+    if _GENERATION.search(str(tok.chat_template or "")):
+        return _marked(tok, messages, where)
     text = _render(tok, messages, False)
     spans = []
     for i, m in enumerate(messages):
@@ -138,9 +157,9 @@ def chat_cache_key(path: str | os.PathLike, tokenizer_dir: str | os.PathLike, to
     return h.hexdigest()[:32]
 
 
-def _write_cache(final: Path, samples: list[Sample], lines: list[int]) -> None:
-    """Shards + manifest into a private directory, renamed into place in one step: concurrent
-    writers (ranks) never see a half cache, and the first rename wins."""
+def write_cache(final: Path, samples: list[Sample], lines: list[int], meta: dict | None = None) -> None:
+    """Shards + manifest (with ``meta``) into a private directory, renamed into place in one step:
+    concurrent writers (ranks) never see a half cache, and the first rename wins."""
     from safetensors.torch import save_file
 
     tmp = final.parent / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
@@ -160,14 +179,15 @@ def _write_cache(final: Path, samples: list[Sample], lines: list[int]) -> None:
             str(tmp / name),
         )
         names.append(name)
-    (tmp / "manifest.json").write_text(json.dumps({"version": CACHE_VERSION, "shards": names}))
+    doc = {"version": CACHE_VERSION, "shards": names, **(meta or {})}
+    (tmp / "manifest.json").write_text(json.dumps(doc))
     try:
         os.rename(tmp, final)
     except OSError:  # another writer got there first: its cache is the same
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _read_cache(final: Path) -> tuple[list[Sample], list[int]] | None:
+def read_cache(final: Path) -> tuple[list[Sample], list[int]] | None:
     from safetensors.torch import load_file
 
     manifest = final / "manifest.json"
@@ -195,7 +215,7 @@ def read_chat_jsonl(
     """Chat transcripts as a ``TokenDataset``; errors name ``file:line`` and the field. The token
     ids are cached under ``cache_dir`` (default: ``<path>.odcfn-cache`` beside the data).
     Thread-safe: concurrent callers in one process tokenize once."""
-    with _LOCK:
+    with CACHE_LOCK:
         return _read_chat_jsonl(path, tokenizer_dir, vocab_size, max_length, cache_dir)
 
 
@@ -206,7 +226,7 @@ def _read_chat_jsonl(path, tokenizer_dir, vocab_size, max_length, cache_dir) -> 
     tok = load_tokenizer(tokenizer_dir)
     root = Path(cache_dir) if cache_dir is not None else Path(f"{path}.odcfn-cache")
     final = root / chat_cache_key(path, tokenizer_dir, tok)
-    cached = _read_cache(final)
+    cached = read_cache(final)
     if cached is not None:
         samples, lines = cached
     else:
@@ -216,7 +236,7 @@ def _read_chat_jsonl(path, tokenizer_dir, vocab_size, max_length, cache_dir) -> 
             lines.append(lineno)
         if samples:
             root.mkdir(parents=True, exist_ok=True)
-            _write_cache(final, samples, lines)
+            write_cache(final, samples, lines)
     for s, lineno in zip(samples, lines):  # limits are checked on every read: not in the key
         where = f"{path}:{lineno}"
         if vocab_size is not None and int(s.tokens.max()) >= vocab_size:

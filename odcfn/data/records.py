@@ -40,6 +40,7 @@ from odcfn.data.dataset import TokenDataset
 
 __all__ = [
     "TokenDataset",
+    "UnreadFields",
     "batch_at",
     "batch_indices",
     "epoch_order",
@@ -58,7 +59,7 @@ FIELDS = ("input_ids", "loss_mask", "labels")  # what a token record is read for
 EXTRA_FIELDS = ("routed_experts", "advantages", "old_logprobs", "prox_logprobs", "ref_logprobs")
 
 
-class _Unread:
+class UnreadFields:
     """The unknown fields of one file's records: how many records have each, and the first."""
 
     def __init__(self, path: Any) -> None:
@@ -88,7 +89,7 @@ class _Unread:
                       "loss_mask or labels only (docs/sft.md)", UserWarning, stacklevel=3)
 
 
-def _record_to_sample(rec: Any, where: str, vocab_size: int | None, max_length: int | None) -> Sample:
+def record_to_sample(rec: Any, where: str, vocab_size: int | None, max_length: int | None) -> Sample:
     if not isinstance(rec, Mapping):
         raise ValueError(f"{where}: expected an object with 'input_ids', got {type(rec).__name__}")
     ids = rec.get("input_ids")
@@ -145,10 +146,10 @@ def read_jsonl(
     path: str | os.PathLike, *, vocab_size: int | None = None, max_length: int | None = None
 ) -> TokenDataset:
     """Samples from a JSONL file; errors name the file and line."""
-    samples, lines, unread = [], [], _Unread(path)
+    samples, lines, unread = [], [], UnreadFields(path)
     for lineno, where, rec in jsonl_records(path):
         unread.add(rec, where)
-        samples.append(_record_to_sample(rec, where, vocab_size, max_length))
+        samples.append(record_to_sample(rec, where, vocab_size, max_length))
         lines.append(lineno)
     unread.warn()
     return TokenDataset(tuple(samples), str(path), tuple(lines))
@@ -163,11 +164,11 @@ def read_parquet(
     except ImportError:
         raise ImportError(f"reading {path} needs pyarrow: pip install pyarrow") from None
     rows = pq.read_table(path).to_pylist()
-    unread, samples = _Unread(path), []
+    unread, samples = UnreadFields(path), []
     for i, r in enumerate(rows):
         rec = {k: v for k, v in r.items() if v is not None}
         unread.add(rec, f"{path}: row {i}")
-        samples.append(_record_to_sample(rec, f"{path}: row {i}", vocab_size, max_length))
+        samples.append(record_to_sample(rec, f"{path}: row {i}", vocab_size, max_length))
     unread.warn()
     return TokenDataset(tuple(samples), str(path), tuple(range(len(samples))))
 

@@ -248,6 +248,8 @@ class PolicyGradient(TokenLoss):
             if self.behav_imp_weight_cap is not None:
                 w_T = torch.where(w_T <= self.behav_imp_weight_cap, w_T, torch.zeros_like(w_T))
             pg_T = pg_T * w_T
+        if "rollout_is_weights" in extras:  # truncated importance sampling against the engine's
+            pg_T = pg_T * extras["rollout_is_weights"]  # numerics (odcfn.rl: rollout_is_threshold)
         loss_T = pg_T
         if self.entropy_coeff:
             loss_T = loss_T - self.entropy_coeff * entropy_T

@@ -14,8 +14,8 @@ from fractions import Fraction
 from typing import Any
 
 from odcfn._check import ArgTypeError, check_number
+from odcfn.data.prompt import Prompt
 from odcfn.rewards.base import completion_text, ground_truth
-from odcfn.rl.prompt import Prompt
 from odcfn.rollout.base import Completion
 
 __all__ = [

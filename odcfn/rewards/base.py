@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from odcfn._check import ArgTypeError, check_int
-from odcfn.rl.prompt import Prompt
+from odcfn.data.prompt import Prompt
 from odcfn.rollout.base import Completion
 
 __all__ = [
@@ -163,13 +163,15 @@ def score(
     prompt_indices: Sequence[int] | None = None,
     decode: Callable[[list[int]], str] | None = None,
     batch_size: int | None = None,
+    first_completion: int = 0,
 ) -> torch.Tensor:
     """The reward of every completion: a float32 vector, one entry per completion, in order.
 
     ``prompts``: the prompts the completions answer. ``prompt_indices``: the prompt of each
     completion (default: each completion's own ``prompt_index``). ``decode``: token ids -> text,
     used to fill in a completion's missing ``text`` (e.g. ``tokenizer.decode``). ``batch_size``:
-    completions per call of a batched reward (default: all in one call).
+    completions per call of a batched reward (default: all in one call). ``first_completion``:
+    the position of ``completions[0]`` in a larger rollout, used only to name a bad completion.
 
     Any exception the reward raises, and any return that is not a finite real number, is a
     ``RewardError`` naming the completion, its prompt and the reward; never a silent 0.
@@ -219,15 +221,13 @@ def score(
             try:
                 v = reward_fn(prompts[i], c)
             except Exception as e:
-                raise RewardError(
-                    f"reward {name} raised on {_describe(j, i, prompts)}: {type(e).__name__}: {e}"
-                ) from e
+                where = _describe(first_completion + j, i, prompts)
+                raise RewardError(f"reward {name} raised on {where}: {type(e).__name__}: {e}") from e
             r = _as_reward(v)
             if r is None:
-                raise RewardError(
-                    f"reward {name} returned {v!r:.80} for {_describe(j, i, prompts)}: a reward must be "
-                    "a finite real number (float)"
-                )
+                where = _describe(first_completion + j, i, prompts)
+                raise RewardError(f"reward {name} returned {v!r:.80} for {where}: a reward must be a finite "
+                                  "real number (float)")
             out.append(r)
         return torch.tensor(out, dtype=torch.float32)
 
@@ -254,8 +254,9 @@ def score(
         for k, v in enumerate(vs):
             r = _as_reward(v)
             if r is None:
+                where = _describe(first_completion + a + k, idx[a + k], prompts)
                 raise RewardError(
-                    f"batched reward {name} returned {v!r:.80} for {_describe(a + k, idx[a + k], prompts)}: "
+                    f"batched reward {name} returned {v!r:.80} for {where}: "
                     "a reward must be a finite real number (float)"
                 )
             out.append(r)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import re
 
 from odcfn._check import ArgTypeError, check_number
+from odcfn.data.prompt import Prompt
 from odcfn.rewards.base import completion_text
-from odcfn.rl.prompt import Prompt
 from odcfn.rollout.base import Completion
 
 __all__ = ["MATCH_MODES", "RegexFormat"]

@@ -15,7 +15,8 @@ fp32 log-prob after temperature and before top-k / top-p, the value
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -129,9 +130,13 @@ class Engine(abc.ABC):
         the weights it was built with until the first ``update_weights``."""
 
     @abc.abstractmethod
-    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> list[Completion]:
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, *,
+                 first_index: int = 0) -> list[Completion]:
         """``sampling.n`` completions per prompt, grouped in prompt order
-        (``len(prompts) * n`` in all)."""
+        (``len(prompts) * n`` in all). ``first_index``: the position of ``prompts[0]`` for
+        seeding only (prompt i draws as position ``first_index + i``): an RL loop that shares a
+        prompt list among ranks passes each share's offset, so a seeded run draws the same
+        samples whatever the number of ranks. ``Completion.prompt_index`` stays i."""
 
     @abc.abstractmethod
     def update_weights(self, state: Any) -> None:
@@ -139,7 +144,56 @@ class Engine(abc.ABC):
 
     @abc.abstractmethod
     def close(self) -> None:
-        """Free the engine's resources; idempotent."""
+        """Free the engine's resources; idempotent. Subclasses call ``self.shutdown_background()``."""
+
+    # --- one generation in the background (asynchronous RL) ----------------------------------
+    # The engine owns the generation it is running, so the loop that started it can collect it
+    # an iteration later without keeping a handle of its own: one request at a time, named by a
+    # key so a collector asking for other prompts gets an error, never someone else's rollouts.
+
+    def submit(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, *, key: Hashable = None,
+               first_index: int = 0) -> None:
+        """Start ``generate(prompts, sampling, first_index=...)`` on a background thread;
+        ``collect(key)`` returns it."""
+        if getattr(self, "_inflight", None) is not None:
+            what = f"{self._inflight[0]!r:.60}"
+            raise RuntimeError(f"{type(self).__name__}.submit: a generation ({what}) is in flight; "
+                               "collect it first")
+        if getattr(self, "_pool", None) is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="odcfn-rollout")
+        self._inflight: tuple[Hashable, Future] | None = (key, self._pool.submit(
+            self.generate, prompts, sampling, first_index=first_index))
+
+    @property
+    def in_flight(self) -> Hashable | None:
+        """The key of the background generation not yet collected, or None."""
+        got = getattr(self, "_inflight", None)
+        return None if got is None else got[0]
+
+    def wait(self) -> None:
+        """Block until the background generation (if any) has finished; its result stays to collect.
+        Call it before ``update_weights``: weights must not change under a running generation."""
+        got = getattr(self, "_inflight", None)
+        if got is not None:
+            got[1].exception()  # waits; a failure is raised by collect
+
+    def collect(self, key: Hashable = None) -> list[Completion]:
+        """The background generation's completions (waits for it); ``key`` must match submit's."""
+        got = getattr(self, "_inflight", None)
+        if got is None:
+            raise RuntimeError(f"{type(self).__name__}.collect: no generation in flight")
+        if got[0] != key:
+            raise ValueError(f"{type(self).__name__}.collect: the generation in flight is for {got[0]!r}, "
+                             f"not {key!r}")
+        self._inflight = None
+        return got[1].result()
+
+    def shutdown_background(self) -> None:
+        pool = getattr(self, "_pool", None)
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+        self._inflight = None
 
     def __enter__(self) -> Engine:
         return self

@@ -110,7 +110,11 @@ def run_lines(cfg: SFTConfig, qcfg: Any, model: Any, data: Any) -> list[str]:
         lines.append(f"trained: every parameter (full fine-tuning: {_count(trained)}); a [lora] section "
                      "with rank trains adapters instead")
     ds, d = data.dataset, cfg.data
-    if cfg.train.task == "dpo":
+    if cfg.train.task == "rl":
+        from odcfn.sft.rl_data import rl_lines
+
+        lines += rl_lines(cfg, data)
+    elif cfg.train.task == "dpo":
         p = cfg.dpo
         ref = "no reference pass" if not p.uses_reference else "reference: the initial model" + (
             " (the base, adapters off)" if cfg.lora.rank else "")
@@ -126,10 +130,17 @@ def run_lines(cfg: SFTConfig, qcfg: Any, model: Any, data: Any) -> list[str]:
         if odd is not None:
             lines.append(f"warning: {odd}")
     else:
-        what = f"chat, tokenizer {d.tokenizer}" if d.tokenizer else "token records"
-        lines.append(f"data: {d.path} ({what}): {len(ds)} samples, {ds.num_tokens} tokens; minibatch "
+        from odcfn.data.formats import FORMATS
+
+        short = {"messages": "chat"}  # the formats' names as the opening line has always said them
+        kinds = ", ".join(dict.fromkeys(short.get(f, FORMATS[f][1]) for f in getattr(data, "formats", ())))
+        what = (kinds or "token records") + (f", tokenizer {d.tokenizer}" if d.tokenizer else "")
+        where = d.path or " + ".join(f"{s['path']} (weight {s['weight']:g})" for s in d.sources)
+        lines.append(f"data: {where} ({what}): {len(ds)} samples, {ds.num_tokens} tokens; minibatch "
                      f"{d.batch_size} samples, {data.per_epoch} steps per epoch"
-                     f"{', shuffled' if d.shuffle else ''}")
+                     f"{', shuffled' if d.shuffle else ''}{', mixed by weight' if d.sources else ''}")
+        if getattr(data, "eval", None) is not None:
+            lines.append(f"eval data: {d.eval_path}: {len(data.eval)} samples, {data.eval.num_tokens} tokens")
     t = cfg.train
     cap = t.max_tokens_per_microbatch or "one sample"
     remat = ", remat" if t.remat else ""

@@ -11,13 +11,16 @@ from pathlib import Path
 from typing import Any
 
 from odcfn._check import ArgTypeError
+from odcfn.sft.config_data import check_data_section, check_data_task
 from odcfn.sft.config_dpo import DpoSection, check_task
+from odcfn.sft.config_rl import RLSection, RolloutSection, check_rl_task
 from odcfn.sft.keys import KEYS, check_key
 from odcfn.sft.stale_train import check_config, check_model, check_train
 
 __all__ = [
     "CheckpointSection", "DataSection", "DpoSection", "LogSection", "LoraSection", "ModelSection",
-    "SFTConfig", "TrainSection", "config_from_dict", "config_from_stored", "load_config",
+    "RLSection", "RolloutSection", "SFTConfig", "TrainSection", "config_from_dict", "config_from_stored",
+    "load_config",
     "model_config", "check_inputs", "default_world_size",
 ]
 
@@ -66,15 +69,19 @@ class DataSection:
     # a minibatch without loss tokens (every sample fully masked) has no loss: an error naming
     # its step and data lines before the first step, or (true) a step without an update
     skip_empty_minibatches: bool = False
+    # instead of path: [[data.sources]] tables {path, weight}, mixed by weight (odcfn.data.mixture)
+    sources: list | None = None
+    eval_path: str | None = None  # a held-out set in the training data's format
 
     def __post_init__(self) -> None:
         _check_types(self, 'data')
+        check_data_section(self)
 
 
 @dataclass(frozen=True)
 class TrainSection:
     steps: int = 0
-    task: str = "sft"  # "dpo": preference pairs and [dpo]'s loss (odcfn.sft.config_dpo)
+    task: str = "sft"  # "dpo": pairs and [dpo]'s loss (sft.config_dpo); "rl": prompts, [rl] (sft.config_rl)
     lr: float = 1e-3
     warmup_steps: int = 0
     schedule: str = "constant"
@@ -162,12 +169,14 @@ class SFTConfig:
     log: LogSection = field(default_factory=LogSection)
     lora: LoraSection = field(default_factory=LoraSection)
     dpo: DpoSection = field(default_factory=DpoSection)
+    rollout: RolloutSection = field(default_factory=RolloutSection)
+    rl: RLSection = field(default_factory=RLSection)
 
     def __post_init__(self) -> None:
         t = self.train
         check_key("", "out_dir", self.out_dir, "str")
-        if not self.data.path:
-            raise ValueError("config: data.path is required (the JSONL training file)")
+        if not self.data.path and not self.data.sources:
+            raise ValueError("config: data.path (the training data) or [[data.sources]] is required")
         if t.steps < 1:
             raise ValueError(f"config: train.steps is required, an integer >= 1, got {t.steps!r}")
         if t.warmup_steps > t.steps:
@@ -180,6 +189,8 @@ class SFTConfig:
                 f"(threads of one process cannot be restarted alone), got backend {t.backend!r}"
             )
         check_task(self)
+        check_rl_task(self)
+        check_data_task(self)
         check_config(self)
 
     @property
@@ -199,12 +210,15 @@ _SECTIONS = {
     "log": LogSection,
     "lora": LoraSection,
     "dpo": DpoSection,
+    "rollout": RolloutSection,
+    "rl": RLSection,
 }
 _PATH_KEYS = {
     ("model", "hf_path"),
     ("data", "path"),
     ("data", "tokenizer"),
     ("data", "cache_dir"),
+    ("data", "eval_path"),
     ("checkpoint", "export_hf"),
 }
 
@@ -239,6 +253,9 @@ def config_from_dict(
         for key in section:
             if (name, key) in _PATH_KEYS and isinstance(section[key], str):
                 section[key] = str(base / section[key])
+        if name == "data" and isinstance(section.get("sources"), list):  # each source's path, likewise
+            section["sources"] = [{**s, "path": str(base / s["path"])} if isinstance(s, dict) and
+                                  isinstance(s.get("path"), str) else s for s in section["sources"]]
         kwargs[name] = cls(**section)
     return SFTConfig(**kwargs)
 
@@ -256,6 +273,8 @@ def _check_document(doc: dict[str, Any]) -> None:
             got = f"{type(doc[name]).__name__} {doc[name]!r}"
             raise ArgTypeError(f"config: [{name}] must be a table, got {got}")
     for section, key in (("data", "path"), ("train", "steps")):
+        if section == "data" and "sources" in doc.get("data", {}):
+            continue  # the sources are the data
         if key not in doc.get(section, {}):
             what = KEYS[(section, key)].doc.split(": ", 1)[1]
             raise ValueError(f"config: {section}.{key} is required ({what})")
@@ -317,9 +336,9 @@ def check_inputs(cfg: SFTConfig) -> None:
     """What the config names must exist and fit: the data file, the tokenizer and HF model
     directories, and a model that ``[model]`` describes consistently (a ValueError naming the key)."""
     d, m = cfg.data, cfg.model
-    if not Path(d.path).is_file():
-        what = "is a directory" if Path(d.path).is_dir() else "does not exist"
-        raise ValueError(f"config: data.path {d.path} {what} (the JSONL training file)")
+    from odcfn.sft.config_data import check_data_paths
+
+    check_data_paths(cfg)
     if d.tokenizer is not None and not Path(d.tokenizer).is_dir():
         raise ValueError(f"config: data.tokenizer {d.tokenizer} is not a directory (a local tokenizer "
                          "directory with tokenizer.json / tokenizer_config.json)")
@@ -343,6 +362,10 @@ def check_inputs(cfg: SFTConfig) -> None:
         except ValueError as e:
             raise ValueError(f"config: lora.targets {cfg.lora.targets}: {e}") from None
     check_model(cfg, model)
+    if cfg.train.task == "rl":  # the reward resolves, the engine is installed
+        from odcfn.sft.config_rl import check_rl_inputs
+
+        check_rl_inputs(cfg)
 
 
 def model_config(cfg: SFTConfig) -> Any:

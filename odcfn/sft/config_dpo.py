@@ -41,11 +41,11 @@ def check_task(cfg: Any) -> None:
     tokenizer and cannot truncate an answer (that would change what is preferred); an SFT run
     with a ``[dpo]`` key set would silently ignore it."""
     d, p = cfg.data, cfg.dpo
-    if cfg.train.task == "sft":
+    if cfg.train.task != "dpo":  # sft, or rl (its own checks: odcfn.sft.config_rl)
         changed = [f.name for f in fields(p) if getattr(p, f.name) != f.default]
         if changed:
-            raise ValueError(f"config: dpo.{changed[0]} is set but train.task is \"sft\", which ignores "
-                             "[dpo]; set train.task = \"dpo\" for preference optimization")
+            raise ValueError(f"config: dpo.{changed[0]} is set but train.task is \"{cfg.train.task}\", which "
+                             "ignores [dpo]; set train.task = \"dpo\" for preference optimization")
         return
     if d.tokenizer is None:
         raise ValueError("config: train.task = \"dpo\" needs data.tokenizer (a local tokenizer directory: "

@@ -5,7 +5,8 @@ and the tokenizer's files.
 What goes into ``config.json`` beyond the computation (``odcfn.models.hf_config.config_to_hf``):
 a run that started from a Hugging Face checkpoint keeps every field of that checkpoint's
 config (special token ids, maximum positions, ...) and its generation config; a fresh model
-takes the tokenizer's special token ids. ``odcfn export`` writes the same from a checkpoint
+takes the tokenizer's special token ids, and the generation config beside the tokenizer's files
+when there is one. ``odcfn export`` writes the same from a checkpoint
 directory (``export_checkpoint``), so a run under torchrun exports from its last checkpoint.
 
 A mixture trained with ``train.expert_bias_rate`` has a learned router bias that a Hugging Face
@@ -104,6 +105,9 @@ def export_params(out: str | os.PathLike, params: dict, qcfg: Any, cfg: SFTConfi
             gen = json.loads((src / "generation_config.json").read_text())
     else:
         doc = {**ours, **(_special_ids(tok_dir) if tok_dir else {})}
+    if gen is None and tok_dir is not None and (tok_dir / "generation_config.json").is_file():
+        # a tokenizer taken from a model's directory brings that model's generation settings
+        gen = json.loads((tok_dir / "generation_config.json").read_text())
     if gen is None:
         gen = {k: doc[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if doc.get(k) is not None}
     (root / "config.json").write_text(json.dumps(doc, indent=2))

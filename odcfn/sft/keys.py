@@ -19,7 +19,8 @@ __all__ = ["KEYS", "Rule", "check_key", "check_type", "describe"]
 class Rule:
     """What one key allows beyond its type: ``choices`` (a tuple, or a callable returning one,
     for lists that live elsewhere), a lower bound ``lo`` (``strict``: ``>`` instead of ``>=``),
-    an upper bound ``hi`` (``hi_strict``: ``<``); and ``doc``, its one-line meaning."""
+    an upper bound ``hi`` (``hi_strict``: ``<``); ``what``, the values in words when the type's
+    name is not enough (a table, a list of ids); and ``doc``, its one-line meaning."""
 
     doc: str
     choices: Any = None
@@ -27,6 +28,7 @@ class Rule:
     strict: bool = False
     hi: float | None = None
     hi_strict: bool = False
+    what: str | None = None  # the allowed values in words, where the type's own name says too little
 
     def allowed(self) -> tuple | None:
         return self.choices() if callable(self.choices) else self.choices
@@ -42,6 +44,24 @@ def _decay_masks() -> tuple[str, ...]:
     from odcfn.optim import DECAY_MASKS
 
     return tuple(DECAY_MASKS)
+
+
+def _estimators() -> tuple[str, ...]:
+    from odcfn.rl.config import ESTIMATORS
+
+    return ESTIMATORS
+
+
+def _kl_types() -> tuple[str, ...]:
+    from odcfn.losses import KL_TYPES
+
+    return tuple(KL_TYPES)
+
+
+def _agg_modes() -> tuple[str, ...]:
+    from odcfn.losses import AGG_MODES
+
+    return AGG_MODES
 
 
 def _dpo_losses() -> tuple[str, ...]:
@@ -75,10 +95,13 @@ KEYS: dict[tuple[str, str], Rule] = {
     ("model", "tie_embeddings"): Rule("fresh model: the head reads the embedding matrix (one parameter)"),
     ("model", "seed"): Rule("fresh model: seed of the initial weights", **_NONNEG),
     # [data]
-    ("data", "path"): Rule("REQUIRED: the JSONL training file (token records, or chat messages with "
-                           "data.tokenizer; train.task = \"dpo\": prompt/chosen/rejected pairs)"),
+    ("data", "path"): Rule("REQUIRED (or [[data.sources]]): the training data, a JSONL or parquet file, a "
+                           "folder of them or a datasets save_to_disk directory, in a format its columns "
+                           "name (docs/data.md): token records (input_ids), or with data.tokenizer TRL's "
+                           "text / messages / prompt + completion; train.task = \"dpo\": prompt + chosen + "
+                           "rejected (or chosen + rejected); \"rl\": prompt and the reward's fields"),
     ("data", "batch_size"): Rule("samples per minibatch (one optimizer step); pairs with train.task = "
-                                 "\"dpo\"", **_POS),
+                                 "\"dpo\"; prompts per iteration with \"rl\"", **_POS),
     ("data", "seed"): Rule("seed of the per-epoch shuffle", **_NONNEG),
     ("data", "shuffle"): Rule("shuffle the samples each epoch (false: file order)"),
     ("data", "max_length"): Rule("longest sample in tokens (longer ones: see long_samples); unset: no limit",
@@ -91,11 +114,19 @@ KEYS: dict[tuple[str, str], Rule] = {
                                    choices=("error", "truncate", "drop")),
     ("data", "skip_empty_minibatches"): Rule("a minibatch without loss tokens: an error naming it (false) "
                                              "or a step without an update (true)"),
+    ("data", "sources"): Rule("train.task = \"sft\", instead of data.path: several datasets mixed by "
+                              "weight, [[data.sources]] tables with path (like data.path) and weight (> 0, "
+                              "default 1: its share of every minibatch, relative to the others)",
+                              what="a list of tables {path = \"...\", weight = 1.0}"),
+    ("data", "eval_path"): Rule("a held-out set in the training data's format (sft, dpo), read and checked "
+                                "with it before the first step (it must have loss tokens)"),
     # [train]
-    ("train", "steps"): Rule("REQUIRED: optimizer steps (minibatches) of the whole run", **_POS),
-    ("train", "task"): Rule("what is trained: supervised fine-tuning, or preference optimization (DPO "
-                            "family: data.path holds prompt/chosen/rejected pairs, the loss is [dpo]'s)",
-                            choices=("sft", "dpo")),
+    ("train", "steps"): Rule("REQUIRED: optimizer steps (minibatches) of the whole run; RL iterations "
+                             "with train.task = \"rl\"", **_POS),
+    ("train", "task"): Rule("what is trained: supervised fine-tuning, preference optimization (DPO "
+                            "family: data.path holds prompt/chosen/rejected pairs, the loss is [dpo]'s), or "
+                            "RL on prompts (rollouts from [rollout], rewards and the loss from [rl])",
+                            choices=("sft", "dpo", "rl")),
     ("train", "lr"): Rule("peak learning rate", lo=0, strict=True),
     ("train", "warmup_steps"): Rule("steps of linear warmup from 0 to lr (at most train.steps)", **_NONNEG),
     ("train", "schedule"): Rule("learning rate after warmup", choices=("constant", "cosine")),
@@ -164,6 +195,57 @@ KEYS: dict[tuple[str, str], Rule] = {
     ("dpo", "simpo_gamma"): Rule("loss_type = \"simpo\": the target reward margin gamma", **_NONNEG),
     ("dpo", "sft_weight"): Rule("weight of an added NLL term on the chosen answers (TRL's rpo_alpha)",
                                 **_NONNEG),
+    # [rollout]: train.task = "rl" only (odcfn.sft.config_rl); vLLM's names for sampling
+    ("rollout", "engine"): Rule("what generates the rollouts: the embedded engine, or vLLM in the same job "
+                                "(the vllm extra)", choices=("local", "vllm")),
+    ("rollout", "max_tokens"): Rule("new tokens per completion at most", **_POS),
+    ("rollout", "temperature"): Rule("sampling temperature (0: greedy)", **_NONNEG),
+    ("rollout", "top_p"): Rule("nucleus sampling: the smallest set of tokens with this probability",
+                               lo=0, strict=True, hi=1),
+    ("rollout", "top_k"): Rule("sample among the k most likely tokens (0: no top-k)", **_NONNEG),
+    ("rollout", "stop_token_ids"): Rule("generation stops after one of these (unset: the tokenizer's "
+                                        "end-of-sequence token)", what="a list of token ids >= 0"),
+    ("rollout", "max_model_len"): Rule("prompt + completion tokens at most; a longer prompt is named "
+                                       "(data.long_samples)", lo=2),
+    ("rollout", "max_batch_tokens"): Rule("local engine: reserved tokens (prompt + new tokens) of the "
+                                          "sequences generated together", **_POS),
+    ("rollout", "engine_options"): Rule("vllm engine: keyword arguments for VLLMEngine (e.g. "
+                                        "gpu_memory_utilization)", what="a table of option names to values"),
+    # [rl]: train.task = "rl" only; verl's names (docs/rl.md)
+    ("rl", "reward"): Rule("the reward: a built-in (exact_match, regex_format) or \"module:function\" / "
+                           "\"path/to/file.py:function\", called as fn(prompt, completion) -> float"),
+    ("rl", "reward_options"): Rule("keyword arguments of a built-in reward (exact_match: answer_key, "
+                                   "extract, format_score; regex_format: pattern)",
+                                   what="a table of option names to values"),
+    ("rl", "reward_fields"): Rule("fields every prompt row must have for the reward (dotted for nested "
+                                  "objects); exact_match's ground truth is checked without it"),
+    ("rl", "estimator"): Rule("advantage estimator (verl's names)", choices=_estimators),
+    ("rl", "group_size"): Rule("completions per prompt (the group of grpo/rloo: at least 2)", **_POS),
+    ("rl", "norm_adv_by_std_in_grpo"): Rule("grpo: divide by the group's std (false: Dr. GRPO)"),
+    ("rl", "clip_ratio_low"): Rule("PPO clip: the ratio's lower bound is 1 - this", **_NONNEG),
+    ("rl", "clip_ratio_high"): Rule("PPO clip: the ratio's upper bound is 1 + this (DAPO's clip-higher: "
+                                    "above clip_ratio_low)", **_NONNEG),
+    ("rl", "clip_ratio_c"): Rule("dual clip of negative advantages", lo=1, strict=True),
+    ("rl", "kl_loss_coef"): Rule("weight of the KL to the reference (the initial model; LoRA: the base); 0: "
+                                 "no reference pass", **_NONNEG),
+    ("rl", "kl_loss_type"): Rule("the KL estimator", choices=_kl_types),
+    ("rl", "entropy_coeff"): Rule("weight of the entropy bonus", **_NONNEG),
+    ("rl", "loss_agg_mode"): Rule("how token losses are averaged over the minibatch", choices=_agg_modes),
+    ("rl", "ppo_epochs"): Rule("passes over an iteration's rollouts", **_POS),
+    ("rl", "ppo_mini_batches"): Rule("optimizer steps per pass (minibatches of whole groups)", **_POS),
+    ("rl", "use_rollout_logprobs"): Rule("take old log-probs from the engine instead of a forward pass"),
+    ("rl", "rollout_is_threshold"): Rule("truncated importance sampling against the engine's log-probs "
+                                         "(unset: off)", lo=0, strict=True),
+    ("rl", "dynamic_sampling"): Rule("DAPO: drop groups whose rewards are all equal"),
+    ("rl", "overlong_buffer_len"): Rule("DAPO's soft overlong penalty over the last N tokens of "
+                                        "rollout.max_tokens (0: off)", **_NONNEG),
+    ("rl", "overlong_penalty_factor"): Rule("the overlong penalty at rollout.max_tokens", **_NONNEG),
+    ("rl", "mask_truncated"): Rule("responses cut by max_tokens train no token"),
+    ("rl", "async_rollouts"): Rule("one-step asynchronous: the next iteration's generation overlaps this "
+                                   "update (decoupled objective)"),
+    ("rl", "max_version_lag"): Rule("async: how many trainer versions behind a rollout may be", **_POS),
+    ("rl", "seed"): Rule("seed of the sampling (each iteration's seeds derive from it and the step)",
+                         **_NONNEG),
 }
 
 # a bool is an int to Python: True must not pass for a step count
@@ -192,7 +274,9 @@ def describe(section: str, key: str, annotation: Any) -> str:
     """What ``section.key`` allows, in words: ``"a number > 0"``, ``"one of ['odc', ...]"``."""
     rule, kinds = KEYS[(section, key)], _kinds(annotation)
     choices = rule.allowed()
-    if choices is not None:
+    if rule.what is not None:
+        what = rule.what
+    elif choices is not None:
         what = f"a list of {list(choices)}" if "list" in kinds else f"one of {list(choices)}"
     else:
         what = " or ".join(_NAMES.get(k, k) for k in kinds if k != "None")

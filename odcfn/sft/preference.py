@@ -1,8 +1,9 @@
 """``odcfn train``'s preference data (``train.task = "dpo"``): TRL-format prompt/chosen/rejected
-JSONL through the local tokenizer (``odcfn.data.preference``), read and checked once before any
-rank starts like the SFT data (``odcfn.sft.prepare``), and the minibatch of every step as an
-``odcfn.preference_batch`` of ``data.batch_size`` pairs, with the reference log-probs attached
-once the reference pass (``odcfn.sft.ref_logprobs``) has filled them in."""
+rows (``odcfn.data.formats``; a file, a folder of shards or a datasets directory) through the
+local tokenizer, read and checked once before any rank starts like the SFT data
+(``odcfn.sft.prepare``), and the minibatch of every step as an ``odcfn.preference_batch`` of
+``data.batch_size`` pairs, with the reference log-probs attached once the reference
+pass (``odcfn.sft.ref_logprobs``) has filled them in."""
 
 from __future__ import annotations
 
@@ -31,12 +32,13 @@ class PreparedPairs:
     lines: tuple[int, ...]  # each pair's 1-based line in the file
     per_epoch: int
     dropped: tuple[str, ...] = ()  # file:line of each pair left out for its length
-    odd: tuple[str, ...] = ()  # "file:line why" of each pair that teaches nothing (odd_record)
     # the reference's per-token log-probs of every sample (chosen_0, rejected_0, ...); None until
     # the reference pass, and for reference-free losses
     ref: tuple[torch.Tensor, ...] | None = None
     truncated: tuple[str, ...] = ()  # never: a cut answer is refused by the config
     skip_steps: frozenset[int] = field(default_factory=frozenset)  # never: every member has an answer
+    odd: tuple[str, ...] = ()  # "file:line why" of each pair that teaches nothing (odd_record)
+    eval: tuple[tuple[Sample, Sample], ...] | None = None  # data.eval_path's pairs, read and checked
 
     @property
     def samples(self) -> tuple[Sample, ...]:
@@ -99,46 +101,52 @@ def _too_long(cfg: SFTConfig, pair: tuple[Sample, Sample]) -> str | None:
     return None
 
 
-def prepare_pairs(cfg: SFTConfig, vocab_size: int) -> PreparedPairs:
-    """Read and check every pair of ``data.path`` (file:line named for each problem)."""
-    from odcfn.data.chat import load_tokenizer
-    from odcfn.data.preference import odd_record, tokenize_pair
-    from odcfn.data.records import jsonl_records
-    from odcfn.preference import check_pairs
+def _read_pairs(cfg: SFTConfig, path: str, vocab_size: int, tok: Any) -> tuple[list, list, list[str], list]:
+    """Every pair of ``path`` that fits, its line (or row), where each pair too long was, and the
+    odd pairs (``odcfn.data.preference.odd_record``: trained, and named in the opening lines)."""
+    from odcfn.data.preference import odd_record
+    from odcfn.data.readers import iter_pairs
 
     d = cfg.data
-    tok = load_tokenizer(d.tokenizer)
     pairs, lines, long, odd = [], [], [], []
-    for lineno, where, rec in jsonl_records(d.path):
-        pair = tokenize_pair(tok, rec, where)
-        try:  # named by line now, as read_preference_jsonl does: not by a pair index mid-run
-            check_pairs(Batch(pair, pairs=True))
-        except ValueError as e:
-            raise ValueError(f"{where}: {e}") from None
+    for row, pair in iter_pairs(path, tok):
         for member, s in zip(("chosen", "rejected"), pair):
             top = int(s.tokens.max())
             if top >= vocab_size:
-                raise ValueError(f"{where} {member}: token id {top} is >= the model's vocab_size "
+                raise ValueError(f"{row.where} {member}: token id {top} is >= the model's vocab_size "
                                  f"{vocab_size} (data.tokenizer does not fit the model)")
         why = _too_long(cfg, pair)
         if why is not None:
-            long.append((where, why))
+            long.append((row.where, why))
             continue
-        strange = odd_record(rec)
-        if strange is not None:  # trained, and named in the opening lines
-            odd.append(f"{where} {strange}")
+        strange = odd_record(row.rec)
+        if strange is not None:
+            odd.append(f"{row.where} {strange}")
         pairs.append(pair)
-        lines.append(lineno)
+        lines.append(row.line)
     if long and d.long_samples == "error":
         raise ValueError(f"{long[0][0]}: {long[0][1]} ({len(long)} such pair(s): "
                          f"{_names([w for w, _ in long])}); raise the limit, or set "
                          "data.long_samples = \"drop\"")
-    dropped = [w for w, _ in long]
     if not pairs:
         what = "every pair is too long" if long else "no pairs"
-        raise ValueError(f"{d.path}: {what}: nothing to train on")
+        raise ValueError(f"{path}: {what}: nothing to train on")
+    return pairs, lines, [w for w, _ in long], odd
+
+
+def prepare_pairs(cfg: SFTConfig, vocab_size: int) -> PreparedPairs:
+    """Read and check every pair of ``data.path`` (file:line, or file: row, named for each
+    problem), and of ``data.eval_path`` when it is given."""
+    from odcfn.data.chat import load_tokenizer
+
+    d = cfg.data
+    tok = load_tokenizer(d.tokenizer)
+    pairs, lines, dropped, odd = _read_pairs(cfg, d.path, vocab_size, tok)
     per_epoch = len(pairs) // d.batch_size
     if per_epoch == 0:
         raise ValueError(f"{d.path}: {len(pairs)} pair(s), fewer than data.batch_size = {d.batch_size} "
                          "(pairs per minibatch with train.task = \"dpo\")")
-    return PreparedPairs(tuple(pairs), d.path, tuple(lines), per_epoch, tuple(dropped), odd=tuple(odd))
+    # a held-out pair always has loss tokens: an empty answer is refused by its row
+    held_out = tuple(_read_pairs(cfg, d.eval_path, vocab_size, tok)[0]) if d.eval_path else None
+    return PreparedPairs(tuple(pairs), d.path, tuple(lines), per_epoch, tuple(dropped), odd=tuple(odd),
+                         eval=held_out)

@@ -2,12 +2,17 @@
 the model's vocabulary and the length limit (``data.max_length`` and the microbatch cap), every
 minibatch of the run for loss tokens. A problem is reported with its ``file:line`` before the
 first step, not at the step that would have hit it; ``data.long_samples`` ("truncate" /
-"drop") and ``data.skip_empty_minibatches`` choose what to do instead of stopping."""
+"drop") and ``data.skip_empty_minibatches`` choose what to do instead of stopping.
+
+The data is read wherever it lives and in whichever TRL format its columns name
+(``odcfn.data.readers``); ``[[data.sources]]`` are read and fitted one by one, then mixed by
+weight (``odcfn.data.mixture``); ``data.eval_path`` is read and checked the same way (and must
+have loss tokens), kept for the evaluation."""
 
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from odcfn.batch import Sample
@@ -28,12 +33,23 @@ class PreparedData:
     truncated: tuple[str, ...] = ()  # file:line of each sample cut to the length limit
     dropped: tuple[str, ...] = ()  # file:line of each sample left out for its length
     skip_steps: frozenset[int] = field(default_factory=frozenset)  # 0-based steps without loss tokens
+    mixture: Any = None  # [[data.sources]]: an odcfn.data.mixture.Mixture over their concatenation
+    eval: TokenDataset | None = None  # data.eval_path, read and checked
+    formats: tuple[str, ...] = ()  # each source's format (odcfn.data.formats.FORMATS)
+
+    def indices(self, step: int, d: Any) -> list[int]:
+        """The dataset indices of step ``step``'s minibatch (``d``: the ``[data]`` section)."""
+        if self.mixture is not None:
+            return self.mixture.indices(step)
+        from odcfn.data.records import batch_indices
+
+        return batch_indices(self.dataset, step, d.batch_size, seed=d.seed, shuffle=d.shuffle)
 
     def batch(self, step: int, d: Any) -> Any:
         """Step ``step``'s minibatch (``d``: the ``[data]`` section): a pure function of the step."""
-        from odcfn.data.records import batch_at
+        from odcfn.batch import Batch
 
-        return batch_at(self.dataset, step, d.batch_size, seed=d.seed, shuffle=d.shuffle)
+        return Batch(tuple(self.dataset.samples[j] for j in self.indices(step, d)))
 
     def report(self) -> dict[str, Any]:
         return {
@@ -53,15 +69,12 @@ def length_limit(cfg: SFTConfig) -> tuple[int | None, str]:
     return min(limits) if limits else (None, "")
 
 
-def _read(cfg: SFTConfig, vocab_size: int) -> TokenDataset:
+def _read(cfg: SFTConfig, path: str, vocab_size: int) -> TokenDataset:
+    """Token records as they are; TRL's text formats through data.tokenizer, tokenized once and cached."""
+    from odcfn.data.readers import read_sft
+
     d = cfg.data
-    if d.tokenizer:  # chat transcripts, tokenized once and cached
-        from odcfn.data.chat import read_chat_jsonl
-
-        return read_chat_jsonl(d.path, d.tokenizer, vocab_size=vocab_size, cache_dir=d.cache_dir)
-    from odcfn.data.records import read_dataset
-
-    return read_dataset(d.path, vocab_size=vocab_size)
+    return read_sft(path, d.tokenizer, vocab_size=vocab_size, cache_dir=d.cache_dir)
 
 
 def _names(where: list[str]) -> str:
@@ -84,9 +97,8 @@ def _fit_lengths(cfg: SFTConfig, data: TokenDataset) -> tuple[TokenDataset, list
             f"({len(long)} such sample(s): {_names(where)}); raise {key}, or set "
             'data.long_samples = "truncate" or "drop"'
         )
-    lines = data.lines or tuple(range(len(data)))
     keep: list[Sample] = []
-    kept_lines: list[int] = []
+    kept: list[Any] = []  # where each kept sample came from
     for i, s in enumerate(data.samples):
         if s.length > limit:
             if policy == "drop":
@@ -94,18 +106,19 @@ def _fit_lengths(cfg: SFTConfig, data: TokenDataset) -> tuple[TokenDataset, list
             mask = None if s.loss_mask is None else s.loss_mask[:limit]
             s = Sample(s.tokens[:limit], mask)
         keep.append(s)
-        kept_lines.append(lines[i])
+        kept.append(data.origin(i))
     if not keep:
         raise ValueError(f"{data.source}: every sample is longer than {key}={limit}: nothing to train on")
-    out = TokenDataset(tuple(keep), data.source, tuple(kept_lines) if data.lines is not None else None)
+    out = TokenDataset.from_origins(tuple(keep), data.source, kept)
     return out, (where if policy == "truncate" else []), (where if policy == "drop" else [])
 
 
-def _empty_steps(cfg: SFTConfig, data: TokenDataset, per_epoch: int) -> frozenset[int]:
+def _empty_steps(cfg: SFTConfig, prepared: PreparedData) -> frozenset[int]:
     """The steps of ``[0, train.steps)`` whose minibatch has no loss token: an error naming the
     first one, or (``data.skip_empty_minibatches``) the set to skip."""
     from odcfn.data.records import epoch_order
 
+    data, per_epoch = prepared.dataset, prepared.per_epoch
     if all(s.num_loss_tokens > 0 for s in data.samples):
         return frozenset()  # the usual case: no minibatch can be empty
     d, b = cfg.data, cfg.data.batch_size
@@ -113,9 +126,12 @@ def _empty_steps(cfg: SFTConfig, data: TokenDataset, per_epoch: int) -> frozense
     order: list[int] = []
     for step in range(cfg.train.steps):
         epoch, i = divmod(step, per_epoch)
-        if i == 0 or not order:
-            order = epoch_order(len(data), epoch, d.seed, d.shuffle)
-        ids = order[i * b : (i + 1) * b]
+        if prepared.mixture is not None:
+            ids = prepared.mixture.indices(step)
+        else:  # one permutation per epoch, not one per step
+            if i == 0 or not order:
+                order = epoch_order(len(data), epoch, d.seed, d.shuffle)
+            ids = order[i * b : (i + 1) * b]
         if all(data.samples[j].num_loss_tokens == 0 for j in ids):
             if not d.skip_empty_minibatches:
                 raise ValueError(
@@ -129,21 +145,62 @@ def _empty_steps(cfg: SFTConfig, data: TokenDataset, per_epoch: int) -> frozense
 
 def prepare_data(cfg: SFTConfig, vocab_size: int) -> Any:
     """Read ``cfg.data.path`` and check all of it against ``cfg`` (see the module docstring);
-    ``train.task = "dpo"``: its preference pairs (``odcfn.sft.preference.PreparedPairs``)."""
+    ``train.task = "dpo"``: its preference pairs (``odcfn.sft.preference.PreparedPairs``);
+    ``"rl"``: its prompts (``odcfn.sft.rl_data.PreparedPrompts``)."""
     from odcfn.data.records import steps_per_epoch
 
     if cfg.train.task == "dpo":
         from odcfn.sft.preference import prepare_pairs
 
         return prepare_pairs(cfg, vocab_size)
+    if cfg.train.task == "rl":  # prompts (odcfn.sft.rl_data)
+        from odcfn.sft.rl_data import prepare_prompts
 
-    data, truncated, dropped = _fit_lengths(cfg, _read(cfg, vocab_size))
-    try:
-        per_epoch = steps_per_epoch(data, cfg.data.batch_size)
-    except ValueError as e:
-        raise ValueError(f"{cfg.data.path}: {e} (data.batch_size)") from None
-    skip = _empty_steps(cfg, data, per_epoch)
-    return PreparedData(data, per_epoch, tuple(truncated), tuple(dropped), skip)
+        return prepare_prompts(cfg, vocab_size)
+
+    from odcfn.data.readers import first_format
+
+    d = cfg.data
+    parts, truncated, dropped, formats = [], [], [], []
+    for src in d.sources or [{"path": d.path, "weight": 1.0}]:
+        data, cut, left = _fit_lengths(cfg, _read(cfg, src["path"], vocab_size))
+        parts.append(data)
+        truncated += cut
+        dropped += left
+        formats.append(first_format(src["path"]))
+    if d.sources:
+        from odcfn.data.mixture import Mixture
+
+        data = TokenDataset.from_origins(tuple(s for p in parts for s in p.samples), "data.sources",
+                                         [p.origin(i) for p in parts for i in range(len(p))])
+        mixture = Mixture([len(p) for p in parts], [s["weight"] for s in d.sources], d.batch_size,
+                          seed=d.seed, shuffle=d.shuffle)
+        per_epoch = max(1, len(data) // d.batch_size)  # nominal: a mixture repeats small sources
+    else:
+        mixture = None
+        try:
+            per_epoch = steps_per_epoch(data, d.batch_size)
+        except ValueError as e:
+            raise ValueError(f"{d.path}: {e} (data.batch_size)") from None
+    prepared = PreparedData(data, per_epoch, tuple(truncated), tuple(dropped), mixture=mixture,
+                            eval=_read_eval(cfg, vocab_size), formats=tuple(formats))
+    return replace(prepared, skip_steps=_empty_steps(cfg, prepared))
+
+
+def _read_eval(cfg: SFTConfig, vocab_size: int) -> TokenDataset | None:
+    """``data.eval_path`` read like the training data (the same length policy), with loss tokens."""
+    path = cfg.data.eval_path
+    if path is None:
+        return None
+    data, _, _ = _fit_lengths(cfg, _read(cfg, path, vocab_size))
+    if sum(s.num_loss_tokens for s in data.samples) == 0:
+        raise ValueError(
+            f"{data.where(0)}: data.eval_path {path} has no loss tokens: none of its {len(data)} rows "
+            f"({_names([data.where(i) for i in range(len(data))])}) has a target after its first token "
+            "(its 'loss_mask' / 'labels' columns are all 0), so its loss would be 0/0; give a held-out "
+            "set with targets"
+        )
+    return data
 
 
 def prepare_quietly(cfg: SFTConfig, vocab_size: int) -> Any:

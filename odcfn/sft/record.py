@@ -152,6 +152,7 @@ def data_summary(rep: dict[str, Any], cfg: SFTConfig) -> list[str]:
             shown = ", ".join(lines[:3])
             # a pair is too long by a member (data.max_length) or by its sum (the microbatch cap)
             what = "pair(s) too long for one microbatch or data.max_length" if "pairs" in rep else (
+                "prompt(s) too long for the engine or a microbatch" if "prompts" in rep else
                 f"sample(s) longer than {key}={limit}")
             out.append(f"{kind} {len(lines)} {what}: {shown}{more}")
     skipped = rep.get("skipped_steps") or []

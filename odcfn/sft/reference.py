@@ -17,6 +17,8 @@ from odcfn.sft.config import (
     LogSection,
     LoraSection,
     ModelSection,
+    RLSection,
+    RolloutSection,
     TrainSection,
 )
 from odcfn.sft.keys import KEYS, describe
@@ -25,7 +27,7 @@ __all__ = ["SECTIONS", "config_markdown", "config_toml", "defaults"]
 
 SECTIONS = {"model": ModelSection, "data": DataSection, "train": TrainSection,
             "checkpoint": CheckpointSection, "log": LogSection, "lora": LoraSection,
-            "dpo": DpoSection}
+            "dpo": DpoSection, "rollout": RolloutSection, "rl": RLSection}
 
 # defaults that TrainSection resolves when the file leaves them unset (shown as unset, with why)
 _RESOLVED = {("train", "balance"), ("train", "world_size")}
@@ -90,7 +92,10 @@ def config_markdown() -> str:
         "out; `train.warmup_steps` may not exceed `train.steps`; `train.max_restarts` needs",
         '`train.backend = "processes"`. `train.task = "dpo"` trains on preference pairs with the',
         "`[dpo]` loss (docs/preference.md) and needs `data.tokenizer`; with `train.task = \"sft\"`",
-        "the `[dpo]` keys must keep their defaults. `train.staleness` >= 1 cannot be combined with",
+        "the `[dpo]` keys must keep their defaults. `train.task = \"rl\"` trains on prompts with",
+        "rollouts from `[rollout]` and the rewards and loss of `[rl]` (`train.steps` counts iterations,",
+        "`data.batch_size` prompts each) and needs `data.tokenizer`; with another task the `[rollout]` and",
+        "`[rl]` keys must keep their defaults. `train.staleness` >= 1 cannot be combined with",
         '`train.comm = "collective"`, `train.max_grad_norm`,',
         '`train.expert_bias_rate`, `train.task = "dpo"` or `data.skip_empty_minibatches`, and each',
         "pattern of a `[train.staleness]` table must match a unit of the model (docs/staleness.md).",

@@ -33,6 +33,7 @@ __all__ = ["STRUCTURAL", "check_resume", "path_digests", "resume_conflicts", "st
 _RESUMABLE = {
     "train.steps", "train.world_size", "train.backend", "train.timeout", "train.max_restarts", "train.remat",
     "train.balance", "data.cache_dir", "model.seed",  # seed: only the initial weights, which resume replaces
+    "data.eval_path",  # what is evaluated, not what is trained
 }
 _RESUMABLE_SECTIONS = {"log", "checkpoint"}
 # the shape of the trained state: another value here is another model
@@ -43,7 +44,8 @@ STRUCTURAL = {
 }
 # paths compared by content; data.path has its own digest (the manifest's data_sha256)
 _DIGESTED = ("data.tokenizer", "model.hf_path")
-_PATHS = {"model.hf_path", "data.path", "data.tokenizer", "data.cache_dir", "checkpoint.export_hf"}
+_PATHS = {"model.hf_path", "data.path", "data.sources", "data.eval_path", "data.tokenizer", "data.cache_dir",
+          "checkpoint.export_hf"}
 _WHOLE = 64 << 20  # files up to this size are hashed whole; larger ones (weights) by name and size
 
 
@@ -88,8 +90,8 @@ def stored_config(cfg: SFTConfig) -> dict[str, Any]:
 
 
 def _same_path(key: str, was: Any, now: Any, digests: tuple[dict, dict]) -> bool:
-    if key == "data.path":
-        return True  # compared by content, data_sha256 (check_resume)
+    if key in ("data.path", "data.sources"):
+        return True  # compared by content (and the sources' weights), data_sha256 (check_resume)
     if not (isinstance(was, str) and isinstance(now, str)):
         return was == now
     then, current = digests[0].get(key), digests[1].get(key)
@@ -111,8 +113,8 @@ def resume_conflicts(
         old = stored.get(section, {})
         for key, value in values.items():
             name, was = f"{section}.{key}", old.get(key, value)
-            # a preference run's reference is its initial model: there model.seed is not resumable
-            if name in _RESUMABLE and not (name == "model.seed" and cfg.train.task == "dpo"):
+            # a preference or RL run's reference is its initial model: there model.seed is not resumable
+            if name in _RESUMABLE and not (name == "model.seed" and cfg.train.task in ("dpo", "rl")):
                 continue
             same = _same_path(name, was, value, digests) if name in _PATHS else was == value
             if not same:
@@ -126,7 +128,8 @@ def check_resume(cfg: SFTConfig, extra: dict[str, Any], data_sha256: str, where:
     digests = (extra.get("path_digests") or {}, path_digests(cfg))
     diff = resume_conflicts(extra.get("config", {}), cfg, digests)
     if extra.get("data_sha256", data_sha256) != data_sha256:
-        diff.append(f"the contents of data.path {cfg.data.path} (sha256 differs)")
+        what = f"data.path {cfg.data.path}" if cfg.data.path else "[[data.sources]] (or their weights)"
+        diff.append(f"the contents of {what} (sha256 differs)")
     model = [d for d in diff if d.split(" ", 1)[0] in STRUCTURAL]
     if model:
         raise ValueError(

@@ -50,11 +50,12 @@ def test_plain_and_conversational_pairs_train_on_the_answers_only(tok_dir, tmp_p
 
 
 @pytest.mark.parametrize("rec,msg", [
-    ({"prompt": "a", "chosen": "b"},
-     r"p.jsonl:2: expected an object with \['prompt', 'chosen', 'rejected'\]"),
-    ({"prompt": "a", "chosen": "b", "rejected": ["x"]}, "p.jsonl:2: 'rejected' must be text"),
+    ({"prompt": "a", "chosen": "b"}, "p.jsonl:2: no 'rejected' column; the file is in the preference format"),
+    ({"prompt": "a", "chosen": "b", "rejected": ["x"]},
+     "p.jsonl:2: columns mix the standard and the conversational form.*'rejected': conversational"),
     ({"prompt": [{"role": "user", "content": "a"}], "chosen": "b", "rejected": "c"},
-     "p.jsonl:2: 'chosen' must be a list of messages"),
+     "p.jsonl:2: columns mix the standard and the conversational form.*'chosen': standard"),
+    ({"prompt": "a", "chosen": "", "rejected": "c"}, "p.jsonl:2: column 'chosen' is empty"),
 ])
 def test_bad_records_are_named_by_line_and_field(tok_dir, tmp_path, rec, msg):
     path = _write(tmp_path / "p.jsonl", [{"prompt": "a", "chosen": "b", "rejected": "c"}, rec])

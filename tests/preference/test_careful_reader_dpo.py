@@ -66,18 +66,18 @@ def test_a_pair_whose_members_differ_in_prompt_is_named_by_line_before_the_refer
     members different prompts; ``odcfn train`` must name the line when it reads the file, not a
     pair index of some minibatch after the whole reference pass. Failed before: exit 2 only at
     step 1, after 2 reference passes, naming "preference pair 2 (batch samples 4, 5)"."""
-    import odcfn.data.preference as pref
+    import odcfn.data.formats as formats
 
-    real = pref.tokenize_pair
+    real = formats.tokenize_pair_row
 
-    def merging(tok, rec, where="record"):
-        c, r = real(tok, rec, where)
+    def merging(tok, fmt, rec, where):
+        c, r = real(tok, fmt, rec, where)
         if where.endswith(":3"):  # line 3: the rejected member's prompt lost its last token
             keep = torch.arange(r.length) != 1
             r = odcfn.Sample(r.tokens[keep], r.loss_mask[keep])
         return c, r
 
-    monkeypatch.setattr(pref, "tokenize_pair", merging)
+    monkeypatch.setattr(formats, "tokenize_pair_row", merging)
     cfg = _setup(tmp_path)
     assert cli.main(["train", "--config", str(cfg), "--quiet"]) == 2
     err = capsys.readouterr().err

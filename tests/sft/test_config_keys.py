@@ -15,7 +15,7 @@ from odcfn.sft.keys import KEYS
 
 SECTIONS = {"model": C.ModelSection, "data": C.DataSection, "train": C.TrainSection,
             "checkpoint": C.CheckpointSection, "log": C.LogSection, "lora": C.LoraSection,
-            "dpo": C.DpoSection}
+            "dpo": C.DpoSection, "rollout": C.RolloutSection, "rl": C.RLSection}
 
 BASE = {"out_dir": "out", "data": {"path": "train.jsonl"}, "train": {"steps": 2, "world_size": 1}}
 
@@ -59,7 +59,7 @@ def _bad_values(section: str, key: str, annotation: str) -> list:
     if rule.lo is not None:
         out.append(rule.lo if rule.strict else rule.lo - 1)
     if rule.hi is not None:
-        out.append(rule.hi)
+        out.append(rule.hi if rule.hi_strict else rule.hi + 1)
     if rule.allowed() is not None:
         out.append(["no_such_proj"] if "list" in kinds else "no-such-value")
     return out

@@ -1,5 +1,6 @@
-"""A prompt of an RL dataset: its token ids, its text when known, and the row's other fields
-(the ground truth a reward reads, for example)."""
+"""A prompt of an RL dataset (``odcfn.rl.Prompt``): its token ids, its text when known, and the
+row's other fields (the ground truth a reward reads, for example). It lives with the data, below
+the readers that make it, the engines, the rewards and the loop that read it."""
 
 from __future__ import annotations
 
