@@ -247,6 +247,9 @@ def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, StepMetrics
     before = view.counters.copy()
     ex = _StaleExecutor(model, layout, batch, view, dtype, device, cfg.loss)
     ex.riders, ex.t0 = fingerprint.encode(words, device), t0
+    # route as the synchronous step does: a fixed bias (expert_bias_rate 0, refused above when
+    # it would move) shifts the top-k choice; ranks agree on it (it is in the fingerprint)
+    ex.router_bias = state.router_bias
     ran: list[Piece] = []
     synced = False
     for piece in program:
