@@ -5,14 +5,19 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch
 
 import odcfn
 from odcfn.models import qwen_model
 from odcfn.step import stale
+from odcfn.transport.shm import ShmTransport
 from tests.moe.test_moe import _sharp
 from tests.moe.test_moe_bias import CFG as MOE
+from tests.mp_pool import mp_pool  # noqa: F401 - the session fixture
 from tests.util import make_state, tiny
 
 LR = 0.5
@@ -128,3 +133,67 @@ def test_a_replaced_optimizer_state_is_refused_under_staleness():
 def test_an_optimizer_with_another_state_layout_is_refused_under_staleness():
     with pytest.raises(Exception, match="optimizer"):
         _drained_then(lambda st: st.replace(optimizer=odcfn.adamw(1e-3)))
+
+
+# --- item 5: a rank with no work --------------------------------------------------------------------
+
+
+def test_a_rank_without_samples_stays_within_tau_in_process():
+    _, model, full = tiny()
+    tau, n = 1, 10
+    batches = [odcfn.random_batch([6], 37, seed=s) for s in range(n)]  # one sample: one rank idles
+    done = [0, 0]
+    ahead: list[int] = []
+    lock = threading.Lock()
+
+    def fn(rank, tr):
+        st = make_state(full, model, tr, optimizer=odcfn.sgd(LR), staleness=tau)
+        for j, b in enumerate(batches):
+            if rank == 1:
+                time.sleep(0.1)  # the slow rank: rank 0 may run ahead by τ, no more
+            st, _ = odcfn.train_step(st, b)
+            with lock:
+                done[rank] = j + 1
+                if rank == 0:
+                    ahead.append(done[0] - done[1])
+        stale.drain(st)
+
+    odcfn.run_local(fn, 2, timeout=30)
+    # rank 0 finishing step j needs every rank done with step j - τ - 1; rank 1 may not have
+    # returned from that step yet (one more)
+    assert max(ahead) <= tau + 2, ahead
+
+
+def idle_rank_worker(n, tau):
+    """``n`` stale steps of one-sample minibatches (one rank has no work in each), rank 1 slow."""
+    torch.set_num_threads(1)
+    _, model, full = tiny()
+    mesh = odcfn.Mesh.from_env()
+    with ShmTransport(mesh, timeout=30) as tr:
+        st = make_state(full, model, tr, optimizer=odcfn.sgd(LR), staleness=tau)
+        reported: set[int] = set()
+        try:
+            for j in range(n):
+                if mesh.rank == 1:
+                    time.sleep(0.05)
+                st, m = odcfn.train_step(st, odcfn.random_batch([6], 37, seed=j))
+                reported |= set(m.extra["reports"])
+                assert max(m.extra["versions_read"].values(), default=j) >= j - tau
+            st, late = stale.drain(st)
+        except Exception as e:  # noqa: BLE001 - returned for the test to show
+            return f"{type(e).__name__}: {e}"
+        return sorted(reported | set(late))
+
+
+def test_a_rank_without_samples_stays_within_tau_across_processes(mp_pool):  # noqa: F811
+    n = 26  # rank 0 idles in steps 18..22 (odcfn.step.stale.dealt): 5 in a row
+    outs = mp_pool.run(idle_rank_worker, 2, args=(n, 1))
+    for o in outs:
+        assert o == list(range(n)), o  # every step's figures, none overwritten before it was read
+
+
+def test_odcfn_train_refuses_fewer_samples_than_ranks():
+    from odcfn.sft.config import DataSection, SFTConfig, TrainSection
+
+    with pytest.raises(ValueError, match="data.batch_size = 1 is below train.world_size = 2"):
+        SFTConfig(data=DataSection(path="x.jsonl", batch_size=1), train=TrainSection(steps=1, world_size=2))
