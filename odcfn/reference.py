@@ -144,7 +144,7 @@ def reference_rl_loss(
 
 def replay(
     model: Model, params: PyTree, optimizer: Optimizer, batches: Sequence[Batch], record: Record,
-    *, start: int = 0, exact: bool = False, config: Any = None,
+    *, start: int = 0, exact: bool = False, config: Any = None, router_bias: Any = None,
 ) -> PyTree:
     """The params a bounded-staleness run ends with, recomputed on one process from its record.
 
@@ -162,12 +162,16 @@ def replay(
     running the plan that rank ran (``stale.record(metrics, plans=True)``) at the recorded
     versions, its pushes summed per rank and then in rank order, each owner updated on its own:
     bit-identical to a run with ``StepConfig(deterministic=True)``; ``config``: the run's
-    ``StepConfig`` (its loss and compute dtype; default ``StepConfig()``).
+    ``StepConfig`` (its loss and compute dtype; default ``StepConfig()``); ``router_bias``: a
+    mixture's fixed router bias (the run's ``TrainState.router_bias``).
     """
     if exact:
-        return replay_exact(model, params, optimizer, batches, record, start=start, config=config)
+        return replay_exact(model, params, optimizer, batches, record, start=start, config=config,
+                            router_bias=router_bias)
     if config is not None:
         raise ValueError("replay: config is read by the exact replay only (exact=True)")
+    if router_bias is not None:  # the independent replay covers dense models only (below)
+        raise ValueError("replay: router_bias is read by the exact replay only (exact=True)")
     if model.router is not None:
         raise ValueError("replay covers dense models (a mixture's aux loss is not split by rank here)")
     mesh = Mesh(1, 0)

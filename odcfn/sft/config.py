@@ -188,6 +188,13 @@ class SFTConfig:
                 f"config: train.max_restarts = {t.max_restarts} needs train.backend = \"processes\" "
                 f"(threads of one process cannot be restarted alone), got backend {t.backend!r}"
             )
+        if self.data.batch_size < t.world_size:
+            # a rank with no sample in a step only idles (it computes nothing and waits its turn)
+            raise ValueError(
+                f"config: data.batch_size = {self.data.batch_size} is below train.world_size = "
+                f"{t.world_size}: {t.world_size - self.data.batch_size} rank(s) would have no sample in "
+                "every step; use data.batch_size >= train.world_size (or fewer ranks)"
+            )
         check_task(self)
         check_rl_task(self)
         check_data_task(self)

@@ -117,8 +117,12 @@ class _Owner:
     current: tuple[dict[str, torch.Tensor], Any]
     next_step: int  # the minibatch this rank runs next
     world_size: int
-    handed: Any = None  # the params dict the last returned state holds (the caller must pass it back)
-    at_step: Any = None  # the params dict ``consistent`` gave at ``next_step`` (may be passed back too)
+    handed: Any = None  # (params, opt_state) the last returned state holds (the caller must pass it back)
+    at_step: Any = None  # (params, opt_state) ``consistent`` gave at ``next_step`` (may be passed back too)
+    # the optimizer of each step not yet applied: the one the state held when this rank ran it,
+    # so an lr schedule (or any change) passed through the state takes effect as at τ = 0
+    optimizers: dict[int, Optimizer] = field(default_factory=dict)
+    source: Any = None  # the state's optimizer ``optimizer`` was made from (for_layout)
     words: dict[int, tuple[list[int], list[str]]] = field(default_factory=dict)  # step -> fingerprint
     reported: int = 0  # the next step whose loss this rank has not reported
     last: tuple[int, float, float] | None = None  # (step, loss, grad norm) newest reported
@@ -137,7 +141,8 @@ class _Owner:
             )
         params, opt_state = self.current
         ours = trainable.split(self.model, grads)
-        new, opt_state = self.optimizer.update(ours, opt_state, trainable.split(self.model, params))
+        optimizer = self.optimizers.pop(k)
+        new, opt_state = optimizer.update(ours, opt_state, trainable.split(self.model, params))
         params = {**params, **new} if self.model.frozen else new
         self.current = (params, opt_state)
         return params
@@ -166,15 +171,27 @@ def _owner_of(state: TrainState, layout: Layout, dtype: torch.dtype, ring: int) 
     owner = view.owner
     if owner is None:
         owner = _Owner(state.model, state.optimizer.for_layout(layout), (dict(state.params), state.opt_state),
-                       state.step, state.mesh.world_size, reported=state.step)
+                       state.step, state.mesh.world_size, reported=state.step, source=state.optimizer)
         view.owner = owner
         view.start(layout, state.params, dtype, owner.apply)
     elif state.step != owner.next_step or not _ours(owner, state):
+        other = "params" if not _ours(owner, state, params_only=True) else "optimizer state"
         raise ValueError(
             f"bounded staleness: pass the TrainState the last train_step (or drain) returned, at step "
             f"{owner.next_step}; got one at step {state.step}"
-            + ("" if state.step != owner.next_step else " holding other params")
+            + ("" if state.step != owner.next_step else f" holding other {other} (the owners keep "
+               "theirs under staleness: drain, then build a new TrainState to change them)")
         )
+    if state.optimizer is not owner.source:  # a new optimizer (an lr schedule through the state)
+        new = state.optimizer.for_layout(layout)
+        had, has = sorted(owner.current[1]), sorted(new.init({}))
+        if had != has:  # the owners' state was made by another kind of optimizer
+            raise ValueError(
+                f"bounded staleness: TrainState.optimizer changed to one whose state holds {has}, the "
+                f"owners' optimizer state holds {had}: drain, then build a new TrainState with it"
+            )
+        owner.optimizer, owner.source = new, state.optimizer
+    owner.optimizers[state.step] = owner.optimizer  # before any push: step j is applied after
     return view, owner
 
 
@@ -190,8 +207,13 @@ def dealt(rank: int, step: int, world_size: int) -> int:
     return order[rank]
 
 
-def _ours(owner: _Owner, state: TrainState) -> bool:
-    return state.params is owner.handed or (owner.at_step is not None and state.params is owner.at_step)
+def _ours(owner: _Owner, state: TrainState, params_only: bool = False) -> bool:
+    """Whether ``state`` holds what this owner last handed out (its params and optimizer state
+    are the owners' own: a replaced one would be silently ignored)."""
+    def same(got: Any) -> bool:
+        return got is not None and state.params is got[0] and (params_only or state.opt_state is got[1])
+
+    return same(owner.handed) or same(owner.at_step)
 
 
 def _reports(view: Any, owner: _Owner, loss: Any, upto: int) -> dict[int, dict[str, float]]:
@@ -247,6 +269,9 @@ def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, StepMetrics
     before = view.counters.copy()
     ex = _StaleExecutor(model, layout, batch, view, dtype, device, cfg.loss)
     ex.riders, ex.t0 = fingerprint.encode(words, device), t0
+    # route as the synchronous step does: a fixed bias (expert_bias_rate 0, refused above when
+    # it would move) shifts the top-k choice; ranks agree on it (it is in the fingerprint)
+    ex.router_bias = state.router_bias
     ran: list[Piece] = []
     synced = False
     for piece in program:
@@ -279,7 +304,7 @@ def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, StepMetrics
         },
     )
     params, opt_state = owner.current
-    owner.handed = params
+    owner.handed = (params, opt_state)
     return state.replace(params=params, opt_state=opt_state, step=j + 1), metrics
 
 
@@ -298,7 +323,7 @@ def drain(state: TrainState) -> tuple[TrainState, dict[int, dict[str, float]]]:
     view.wait_applied(n)
     reports = _reports(view, owner, state.config.loss, n)
     params, opt_state = owner.current
-    owner.handed = params
+    owner.handed = (params, opt_state)
     return state.replace(params=params, opt_state=opt_state), reports
 
 
@@ -319,7 +344,7 @@ def consistent(state: TrainState, who: str = "this call") -> TrainState:
         )
     view.wait_applied(state.step)
     params, opt_state = owner.current  # nobody applies step state.step before this rank ran it
-    owner.at_step = params
+    owner.at_step = (params, opt_state)
     return state.replace(params=params, opt_state=opt_state)
 
 

@@ -82,10 +82,11 @@ def _plan(entry: Any, k: int, r: int) -> Plan:
 
 def replay_exact(model: Model, params: PyTree, optimizer: Optimizer, batches: Sequence[Batch],
                  record: Sequence[Sequence[tuple[Any, Mapping[str, int]]]], *, start: int = 0,
-                 config: StepConfig | None = None) -> PyTree:
+                 config: StepConfig | None = None, router_bias: torch.Tensor | None = None) -> PyTree:
     """The params a stale run ends with (``odcfn.reference.replay(..., exact=True)``):
     ``record[k][r] = (plan, {unit: version})`` of rank ``r`` in step ``start + k``; ``config``:
-    the run's ``StepConfig`` (its loss and compute dtype). Bit-identical to a run with
+    the run's ``StepConfig`` (its loss and compute dtype); ``router_bias``: a mixture's fixed
+    aux-loss-free bias (the run's ``TrainState.router_bias``). Bit-identical to a run with
     ``deterministic=True``; equal to any other stale run up to fp32 summation order."""
     config = StepConfig() if config is None else config
     world = {len(ranks) for ranks in record}
@@ -123,6 +124,7 @@ def replay_exact(model: Model, params: PyTree, optimizer: Optimizer, batches: Se
                 raise ValueError(f"replay: rank {r} read versions {bad} at step {k}, outside {start}..{k}")
             t = _Recorded(meshes[r], layouts[r], versions, history, [p[r] for p in parts])
             ex = _ReplayExecutor(model, layouts[r], batch, t, dtype, device, config.loss)
+            ex.router_bias = router_bias  # routes as the run did
             ex.microbatches.extend(plan.microbatches)
             ex.run_steps(plan.steps, 0, time.perf_counter(), ex.events)
         new: list[Shards] = []

@@ -38,7 +38,7 @@ from odcfn.transport.base import Done, Handle, TransportError, check_counter, su
 # local.py makes the views: its LocalWorld and LocalTransport are typed Any here, never
 # imported (local.py imports this module: that would be an import circle)
 
-__all__ = ["StaleLocal", "VersionBoard", "reuse_view"]
+__all__ = ["StaleLocal", "VersionBoard", "bound", "reuse_view"]
 
 Apply = Callable[[int, dict[str, torch.Tensor], torch.Tensor], Mapping[str, torch.Tensor]]
 _POLL_S = 0.05  # a waiter re-checks at least this often (its own completions may need applying)
@@ -65,6 +65,13 @@ class VersionBoard:
         self.shared: dict[tuple[int, int], int] = {}  # (step, counter) -> value, for fetch_add
         self.appliers: list[Apply | None] = [None] * w  # each owner's update (the step layer's)
         self.apply_locks = [threading.Lock() for _ in range(w)]
+
+
+def bound(j: int, taus: Mapping[str, int], start: int) -> int:
+    """The version every owner must have published before a rank completes minibatch ``j``:
+    what its gathers would have waited for (``j - τ`` of the least stale unit), whatever its plan
+    held, so that every rank, one with no samples included, stays within τ of its peers."""
+    return max(j - min(taus.values(), default=0), start)
 
 
 def reuse_view(view: Any, ring: int, ordered: bool, make: Callable[[], Any]) -> Any:
@@ -324,6 +331,11 @@ class StaleLocal:
         """This rank's pushes of minibatch ``j`` have landed: deposit its stats (they ride to the
         owners instead of a sync) and count it done at each owner."""
         b = self.board
+        need = bound(self.j, self.taus, b.start)
+        # the bound a gather enforces, for a rank whose plan gathered nothing (fewer samples than
+        # ranks): without it such a rank runs ahead without limit and outlaps the rings
+        self.wait(lambda: min(b.latest[o] for o in self.owners) >= need,
+                  f"version >= {need} (rank {self.rank}, minibatch {self.j}, the bound of a rank's step)")
         with self.world.cond:
             b.stats[self.j][self.rank] = stats.detach().to("cpu", torch.float64, copy=True)
             for o in self.owners:

@@ -49,6 +49,7 @@ import torch
 from odcfn.sharding import Layout
 from odcfn.transport.base import MAX_COUNTERS, Done, Handle, TransportError, check_counter, sum_squares
 from odcfn.transport.shm_sync import RangeLock, Segment, map_segments, shm_dir, wait_until
+from odcfn.transport.versions import bound
 from odcfn.transport.versions_det import rank_order_sum
 
 __all__ = ["StaleShm"]
@@ -347,6 +348,9 @@ class StaleShm:
         """This rank's pushes of minibatch ``j`` have landed (each under its lock): deposit its
         stats in its own segment, then count it done at each owner."""
         off, w, j = self.off, self.mesh.world_size, self.j
+        need = bound(j, self.taus, self.start_version)  # a rank with no samples gathered nothing
+        self.wait(lambda: min(self.latest(o) for o in self.owners) >= need,
+                  f"version >= {need} (the bound of a rank's step)")
         flat = stats.detach().to("cpu", torch.float64).reshape(-1)
         if flat.numel() + 1 > CAP:
             raise ValueError(f"bounded staleness carries at most {CAP - 1} stats per step, this step has "

@@ -63,7 +63,8 @@ def test_ranks_beyond_the_cores_are_warned_about(tmp_path, backend):
     (tmp_path / "train.jsonl").write_text('{"input_ids": [1, 2]}\n')
     (tmp_path / "run.toml").write_text(RUN)
     cfg = load_config(tmp_path / "run.toml")
-    over = replace(cfg, train=replace(cfg.train, world_size=cores() + 1, backend=backend))
+    over = replace(cfg, data=replace(cfg.data, batch_size=cores() + 1),  # a sample per rank
+                   train=replace(cfg.train, world_size=cores() + 1, backend=backend))
     warn = oversubscription(over, threads_per_rank=1)
     assert warn is not None and f"train.world_size = {cores() + 1} ranks ({backend}" in warn
     fits = replace(cfg, train=replace(cfg.train, backend=backend))
