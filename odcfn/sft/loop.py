@@ -223,7 +223,7 @@ def train_rank(cfg: SFTConfig, rank: int, transport, data: PreparedData | None =
     # last step's checkpoint, so that one is saved whatever the schedule
     snaps = Snapshots(cfg, run.data_sha, run.state.mesh, run.tier, base=cfg.model.hf_path,
                       save_last=bool(cfg.checkpoint.export_hf) and _under_torchrun())
-    log = StepLog(cfg, logger, snaps)  # under staleness: late losses, a drain before each save
+    log = StepLog(cfg, logger, snaps, run.data)  # + [eval]; under staleness: late losses, drains
     try:
         for step in range(run.start, cfg.train.steps):
             if step in run.data.skip_steps:  # no loss tokens: a step without an update

@@ -38,6 +38,7 @@ class PreparedPairs:
     truncated: tuple[str, ...] = ()  # never: a cut answer is refused by the config
     skip_steps: frozenset[int] = field(default_factory=frozenset)  # never: every member has an answer
     eval: tuple[tuple[Sample, Sample], ...] | None = None  # data.eval_path's pairs, read and checked
+    eval_ref: tuple[torch.Tensor, ...] | None = None  # their reference log-probs ([eval], odcfn.sft.evaluate)
 
     @property
     def samples(self) -> tuple[Sample, ...]:

@@ -21,6 +21,7 @@ never disagree on whether to run the (collective) pass.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -161,22 +162,29 @@ def _attach(
     key = cache_key(cfg, data, data_sha, reference_sha256(cfg, state.model, qcfg))
     lengths = [s.length for s in data.samples]
     ref, why = read_cache(path, key, lengths)
+    # one reference state for both sets, built only if a pass runs (a resume may rebuild it)
+    ref_state = functools.cache(lambda: _reference_state(cfg, state, resumed, initial))
+    from odcfn.sft.evaluate import attach_eval_reference
+
+    data, held_out = attach_eval_reference(cfg, data, key, ref_state)  # [eval]'s pairs: their own cache
     if ref is not None:
-        return replace(data, ref=ref), {"source": "cache", "passes": 0, "why": "", "path": str(path)}
+        return replace(data, ref=ref), {"source": "cache", "passes": 0, "why": "", "path": str(path),
+                                        "eval": held_out}
     t0 = time.perf_counter()
-    ref, passes = _compute(_reference_state(cfg, state, resumed, initial), data, cfg.data.batch_size)
+    ref, passes = _compute(ref_state(), data, cfg.data.batch_size)
     if state.mesh.rank == 0:  # the values are the same on every rank (the sync's sum)
         write_cache(path, key, ref)
     info = {"source": "computed", "passes": passes, "why": why, "path": str(path),
-            "seconds": time.perf_counter() - t0}
+            "seconds": time.perf_counter() - t0, "eval": held_out}
     return replace(data, ref=ref), info
 
 
 def describe(info: dict[str, Any]) -> str:
     """The run's line about its reference log-probs."""
+    held_out = f"; {info['eval']}" if info.get("eval") else ""
     if info["source"] == "none":
         return f"reference log-probs: none ({info['why']})"
     if info["source"] == "cache":
-        return f"reference log-probs: read from {info['path']} (verified; no reference pass)"
+        return f"reference log-probs: read from {info['path']} (verified; no reference pass){held_out}"
     return (f"reference log-probs: computed in {info['passes']} forward pass(es), "
-            f"{info['seconds']:.1f}s, cached in {info['path']} (cache: {info['why']})")
+            f"{info['seconds']:.1f}s, cached in {info['path']} (cache: {info['why']}){held_out}")
