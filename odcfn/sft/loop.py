@@ -261,15 +261,14 @@ def process_worker(cfg: SFTConfig) -> dict[str, Any]:
     """Entry point of one rank under ``odcfn.launch`` or ``torchrun``."""
     import torch
 
-    import odcfn
-    from odcfn.kernels.shm import ShmTransport
     from odcfn.sft.lock import RankLock
+    from odcfn.sft.multinode import job_mesh, job_transport
 
     torch.set_num_threads(1)
-    mesh = odcfn.Mesh.from_env()
+    mesh = job_mesh()  # one node: full sharding on /dev/shm; several: hybrid (docs/multinode.md)
     if mesh.world_size != cfg.train.world_size:
         cfg = replace(cfg, train=replace(cfg.train, world_size=mesh.world_size))
-    with RankLock(cfg.out_dir, mesh.rank), ShmTransport(mesh, timeout=cfg.train.timeout) as tr:
+    with RankLock(cfg.out_dir, mesh.rank), job_transport(mesh, cfg.train.timeout) as tr:
         return train_rank(cfg, mesh.rank, tr)  # RankLock: out_dir stays in use while this rank lives
 
 
