@@ -104,11 +104,14 @@ class Logger:
         self.file.close()
         self.trackers.close()
         if self.trackers.names and self.n:  # what logging cost, against the steps it logged
-            t, back = self.step_time, self.trackers.seconds["backends"]
+            t, sec = self.step_time, self.trackers.seconds
             print(f"odcfn train: logging ({', '.join(['jsonl', *self.trackers.names])}): "
                   f"{1e3 * self.spent / self.n:.3f} ms per step on the training thread "
-                  f"({100 * self.spent / t if t else 0:.3f}% of step time), backends "
-                  f"{1e3 * back / self.n:.2f} ms per step in the background", file=sys.stderr, flush=True)
+                  f"({100 * self.spent / t if t else 0:.3f}% of step time); backends "
+                  f"{1e3 * sec['backends'] / self.n:.2f} ms CPU per step in the background ("
+                  + ", ".join(f"{k} {1e3 * sec.get(k, 0.0) / self.n:.2f}" for k in self.trackers.names)
+                  + f"), opened in "
+                  f"{sec['open']:.1f}s, closed in {sec['close']:.1f}s", file=sys.stderr, flush=True)
 
 
 def prune(root: Path, keep: int | None, current: int) -> None:

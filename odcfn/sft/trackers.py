@@ -20,10 +20,11 @@ opens new ones. Where each writes:
   file store is deprecated); experiment ``MLFLOW_EXPERIMENT_NAME`` or "odcfn"; the config as
   params ``section.key``.
 
-The backends run on one background thread fed by a queue, so a step pays only for the JSONL line
-and an enqueue; ``Trackers.seconds`` is the time spent on each side (``odcfn.sft.record`` reports
-it against the step time at the end of the run). A backend that fails at run time is named once
-on stderr and dropped; the JSONL log goes on.
+The backends run on one background thread fed by a queue, written every ``FLUSH_SECONDS`` with
+what arrived meanwhile, so a step pays only for the JSONL line and an enqueue;
+``Trackers.seconds`` is the time spent on each side, the background's in CPU time
+(``odcfn.sft.record`` reports it against the step time at the end of the run). A backend that
+fails at run time is named once on stderr and dropped; the JSONL log goes on.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ __all__ = ["BACKENDS", "IDS_NAME", "Trackers", "check_installed", "wanted"]
 
 BACKENDS = ("jsonl", "tensorboard", "wandb", "trackio", "mlflow")
 IDS_NAME = "trackers.json"
+FLUSH_SECONDS = 2.0  # the backends are written at most this often (close writes what is left)
 # the modules each backend imports (all must be found), and its extra
 _MODULES = {"tensorboard": ("tensorboard", "torch.utils.tensorboard"), "wandb": ("wandb",),
             "trackio": ("trackio",), "mlflow": ("mlflow", "sqlalchemy", "alembic")}
@@ -95,9 +97,10 @@ class _TensorBoard:
         if fresh:
             self.w.add_text("config", "```\n" + json.dumps(config, indent=1) + "\n```", 0)
 
-    def log(self, step: int, metrics: dict[str, float]) -> None:
-        for k, v in metrics.items():
-            self.w.add_scalar(k, v, step)
+    def log(self, lines: list[tuple[int, dict[str, float]]]) -> None:
+        for step, metrics in lines:
+            for k, v in metrics.items():
+                self.w.add_scalar(k, v, step)
 
     def close(self) -> None:
         self.w.close()
@@ -117,8 +120,9 @@ class _Wandb:
                               dir=str(out), mode=mode, config=config if fresh else None,
                               settings=wandb.Settings(console="off", x_disable_stats=True, silent=True))
 
-    def log(self, step: int, metrics: dict[str, float]) -> None:
-        self.run.log(metrics, step=step)
+    def log(self, lines: list[tuple[int, dict[str, float]]]) -> None:
+        for step, metrics in lines:
+            self.run.log(metrics, step=step)
 
     def close(self) -> None:
         self.run.finish()
@@ -137,8 +141,9 @@ class _Trackio:
         self.run = trackio.init(project=mine["project"], name=mine["name"], resume="allow",
                                 config=config, auto_log_cpu=False, auto_log_gpu=False)
 
-    def log(self, step: int, metrics: dict[str, float]) -> None:
-        self.run.log(metrics, step=step)
+    def log(self, lines: list[tuple[int, dict[str, float]]]) -> None:
+        for step, metrics in lines:
+            self.run.log(metrics, step=step)
 
     def close(self) -> None:
         self.run.finish()
@@ -164,12 +169,13 @@ class _Mlflow:
             self.client.update_run(mine["run_id"], status="RUNNING")
         self.run_id = mine["run_id"]
 
-    def log(self, step: int, metrics: dict[str, float]) -> None:
+    def log(self, lines: list[tuple[int, dict[str, float]]]) -> None:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        batch = [Metric(k, float(v), now, step) for k, v in metrics.items()]
-        self.client.log_batch(self.run_id, metrics=batch)
+        batch = [Metric(k, float(v), now, step) for step, metrics in lines for k, v in metrics.items()]
+        for at in range(0, len(batch), 1000):  # one transaction per 1000 values (MLflow's batch limit)
+            self.client.log_batch(self.run_id, metrics=batch[at:at + 1000])
 
     def close(self) -> None:
         self.client.set_terminated(self.run_id)
@@ -185,7 +191,8 @@ class Trackers:
     def __init__(self, cfg: Any, start: int) -> None:
         check_installed(cfg.log)  # a config built without load_config: the same refusal
         self.names = wanted(cfg.log)
-        self.seconds = {"caller": 0.0, "backends": 0.0}
+        # the training thread's enqueues, the background's per-line work, opening and closing
+        self.seconds = {"caller": 0.0, "backends": 0.0, "open": 0.0, "close": 0.0}
         self.backends: dict[str, Any] = {}
         self.queue: queue.Queue = queue.Queue()
         self.thread: threading.Thread | None = None
@@ -200,11 +207,13 @@ class Trackers:
             except ValueError:
                 print(f"odcfn train: {path} is unreadable; the backends start new runs", file=sys.stderr)
         config = asdict(cfg)
+        t0 = time.perf_counter()
         for name in self.names:
             self.backends[name] = _OPEN[name](out, ids, config, fresh=start == 0 or not ids.get(name))
         tmp = path.with_name(f".{path.name}.tmp")
         tmp.write_text(json.dumps(ids, indent=1) + "\n")
         os.replace(tmp, path)
+        self.seconds["open"] = time.perf_counter() - t0
         self.thread = threading.Thread(target=self._work, name="odcfn-trackers", daemon=True)
         self.thread.start()
 
@@ -218,19 +227,35 @@ class Trackers:
         self.seconds["caller"] += time.perf_counter() - t0
 
     def _work(self) -> None:
-        while True:
-            item = self.queue.get()
-            if item is None:
-                return
-            t0 = time.perf_counter()
-            for name, b in list(self.backends.items()):
+        done = False
+        while not done:
+            # what arrives within FLUSH_SECONDS goes out together: a dashboard needs no faster
+            # updates, and a store's cost is per write (MLflow: one sqlite transaction per batch)
+            lines = [self.queue.get()]
+            deadline = time.monotonic() + FLUSH_SECONDS
+            while lines[-1] is not None and deadline > time.monotonic():
                 try:
-                    b.log(*item)
-                except Exception as e:  # a dashboard's failure must not end the training
-                    print(f"odcfn train: log backend {name} failed ({type(e).__name__}: {e}); "
-                          "dropping it (metrics.jsonl goes on)", file=sys.stderr, flush=True)
-                    del self.backends[name]
-            self.seconds["backends"] += time.perf_counter() - t0
+                    lines.append(self.queue.get(timeout=max(0.0, deadline - time.monotonic())))
+                except queue.Empty:
+                    break
+            done = lines[-1] is None
+            self._write([x for x in lines if x is not None])
+
+    def _write(self, lines: list[tuple[int, dict[str, float]]]) -> None:
+        if not lines:
+            return
+        # CPU time, not wall time: waiting for the GIL or a core is the training's time, not ours
+        t0 = time.thread_time()
+        for name, b in list(self.backends.items()):
+            t1 = time.thread_time()
+            try:
+                b.log(lines)
+                self.seconds[name] = self.seconds.get(name, 0.0) + time.thread_time() - t1
+            except Exception as e:  # a dashboard's failure must not end the training
+                print(f"odcfn train: log backend {name} failed ({type(e).__name__}: {e}); "
+                      "dropping it (metrics.jsonl goes on)", file=sys.stderr, flush=True)
+                del self.backends[name]
+        self.seconds["backends"] += time.thread_time() - t0
 
     def close(self) -> None:
         """Write what is queued and close every backend."""
@@ -242,4 +267,4 @@ class Trackers:
         t0 = time.perf_counter()
         for b in self.backends.values():
             b.close()
-        self.seconds["backends"] += time.perf_counter() - t0
+        self.seconds["close"] = time.perf_counter() - t0
