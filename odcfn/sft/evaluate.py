@@ -111,7 +111,7 @@ def attach_eval_reference(
     ``key``: the training set's cache key, whose data entries are replaced by the held-out set's."""
     from odcfn.data.sources import source_sha256
     from odcfn.sft.preference import PreparedPairs
-    from odcfn.sft.ref_logprobs import _compute, read_cache, write_cache
+    from odcfn.sft.ref_logprobs import read_cache, reference_pass, write_cache
 
     if not cfg.eval.every or data.eval is None:
         return data, ""
@@ -122,7 +122,7 @@ def attach_eval_reference(
     if ref is not None:
         return replace(data, eval_ref=ref), f"held-out set's read from {path}"
     state = ref_state()
-    ref, passes = _compute(state, held_out, cfg.data.batch_size)
+    ref, passes = reference_pass(state, held_out, cfg.data.batch_size)
     if state.mesh.rank == 0:
         write_cache(path, key, ref)
     return replace(data, eval_ref=ref), f"held-out set's computed in {passes} pass(es) ({why})"

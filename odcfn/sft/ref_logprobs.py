@@ -36,7 +36,8 @@ import torch
 from odcfn.sft.config import SFTConfig
 from odcfn.sft.preference import PreparedPairs
 
-__all__ = ["CACHE_NAME", "attach_reference", "cache_key", "read_cache", "reference_sha256", "write_cache"]
+__all__ = ["CACHE_NAME", "attach_reference", "cache_key", "read_cache", "reference_pass", "reference_sha256",
+           "write_cache"]
 
 CACHE_NAME = "reference_logprobs.safetensors"
 _FORMAT = "1"
@@ -111,7 +112,9 @@ def write_cache(path: Path, key: dict[str, str], values: tuple[torch.Tensor, ...
     os.replace(tmp, path)
 
 
-def _compute(ref_state: Any, data: PreparedPairs, per_pass: int) -> tuple[tuple[torch.Tensor, ...], int]:
+def reference_pass(
+    ref_state: Any, data: PreparedPairs, per_pass: int
+) -> tuple[tuple[torch.Tensor, ...], int]:
     """Every sample's reference log-probs, ``per_pass`` pairs per ``odcfn.log_probs`` call."""
     import odcfn
     from odcfn.batch import Batch
@@ -171,7 +174,7 @@ def _attach(
         return replace(data, ref=ref), {"source": "cache", "passes": 0, "why": "", "path": str(path),
                                         "eval": held_out}
     t0 = time.perf_counter()
-    ref, passes = _compute(ref_state(), data, cfg.data.batch_size)
+    ref, passes = reference_pass(ref_state(), data, cfg.data.batch_size)
     if state.mesh.rank == 0:  # the values are the same on every rank (the sync's sum)
         write_cache(path, key, ref)
     info = {"source": "computed", "passes": passes, "why": why, "path": str(path),
