@@ -80,10 +80,10 @@ def ipc_probe_main(rank: int, world: int, port: int, dev_kind: str, own_gpu: boo
             os.environ["CUDA_VISIBLE_DEVICES"] = str(rank)
         torch.set_num_threads(1)
         import odcfn
-        from odcfn.kernels.collective import TorchCollectives
-        from odcfn.kernels.cuda_ipc import cuda_ipc_transport
         from odcfn.models import QwenConfig, qwen_model
         from odcfn.sharding import make_layout
+        from odcfn.transport.collective import TorchCollectives
+        from odcfn.transport.gpu.cuda_ipc import cuda_ipc_transport
 
         device = torch.device("cuda", 0) if dev_kind == "cuda" else torch.device("cpu")
         store = _init(rank, world, port, "gloo")  # nccl refuses two ranks on one GPU
@@ -122,8 +122,8 @@ def nvshmem_probe_main(rank: int, world: int, port: int, q) -> None:
         os.environ.setdefault("NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME", "lo")  # one node: loopback
         os.environ.setdefault("NVSHMEM_REMOTE_TRANSPORT", "none")
         import odcfn
-        from odcfn.kernels import _gpu_nvshmem_device as K
-        from odcfn.kernels.nvshmem import NvshmemFabric, _launch
+        from odcfn.transport.gpu import _nvshmem_device as K
+        from odcfn.transport.gpu.nvshmem import NvshmemFabric, _launch
 
         device = torch.device("cuda", 0)
         torch.cuda.set_device(device)

@@ -125,9 +125,9 @@ def ipc_rank_main(rank: int, world: int, port: int, dev_kind: str, backend: str,
     try:
         torch.set_num_threads(1)
         import odcfn
-        from odcfn.kernels.collective import TorchCollectives
-        from odcfn.kernels.cuda_ipc import cuda_ipc_transport
         from odcfn.models import QwenConfig, init_params, qwen_model
+        from odcfn.transport.collective import TorchCollectives
+        from odcfn.transport.gpu.cuda_ipc import cuda_ipc_transport
 
         device = _device(rank, dev_kind)
         store = _init(rank, world, port, backend)
@@ -176,9 +176,9 @@ def ipc_rank_main(rank: int, world: int, port: int, dev_kind: str, backend: str,
 def _transport_bandwidth(mesh, store, coll, device) -> dict:
     """One step of a bf16 model over device buffers, every unit gathered once and scattered
     once, per scatter mode: seconds and peer bytes per rank (the parent turns them into GB/s)."""
-    from odcfn.kernels.cuda_ipc import cuda_ipc_transport
     from odcfn.models import QwenConfig, qwen_model
     from odcfn.sharding import make_layout
+    from odcfn.transport.gpu.cuda_ipc import cuda_ipc_transport
 
     big = device.type == "cuda"
     cfg = QwenConfig(
@@ -229,7 +229,7 @@ def nvshmem_rank_main(rank: int, world: int, port: int, q) -> None:
         os.environ.setdefault("NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME", "lo")
         os.environ.setdefault("NVSHMEM_REMOTE_TRANSPORT", "none")
         import odcfn
-        from odcfn.kernels.collective import TorchCollectives
+        from odcfn.transport.collective import TorchCollectives
 
         ndev = torch.cuda.device_count()
         device = _device(rank, "cuda")
@@ -248,8 +248,8 @@ def nvshmem_rank_main(rank: int, world: int, port: int, q) -> None:
 
 
 def _nvshmem_kernels(mesh, device) -> dict:
-    from odcfn.kernels import _gpu_nvshmem_device as K
-    from odcfn.kernels.nvshmem import NvshmemFabric, _launch
+    from odcfn.transport.gpu import _nvshmem_device as K
+    from odcfn.transport.gpu.nvshmem import NvshmemFabric, _launch
 
     out: dict[str, bool] = {}
     fab = NvshmemFabric(mesh, device)
@@ -290,8 +290,8 @@ def _nvshmem_kernels(mesh, device) -> dict:
 
 def _nvshmem_grads(mesh, store, coll) -> dict:
     import odcfn
-    from odcfn.kernels.nvshmem import nvshmem_transport
     from odcfn.models import QwenConfig, init_params, qwen_model
+    from odcfn.transport.gpu.nvshmem import nvshmem_transport
 
     cfg = QwenConfig(**_CFG)
     model, full = qwen_model(cfg), init_params(cfg, seed=3)

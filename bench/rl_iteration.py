@@ -22,8 +22,8 @@ def worker(a: argparse.Namespace) -> dict:
     import torch
 
     import odcfn
-    from odcfn.kernels.shm import ShmTransport
     from odcfn.models import QwenConfig, init_params, qwen_model
+    from odcfn.transport.shm import ShmTransport
 
     torch.set_num_threads(1)
     cfg = QwenConfig(vocab_size=8192, d_model=a.d_model, n_layers=4, n_heads=8, n_kv_heads=4,

@@ -6,7 +6,7 @@ pushes, ``--rounds`` times, a slice of ones into every owner (itself included), 
 
 - ``plain``:  writer does ``acc[chunk].add_(data)`` with no lock: the baseline that loses updates.
 - ``lock``:   writer-side accumulate under a per-(owner, chunk) OFD byte-range lock (kernel lock,
-  released if the holder dies) - what ``odcfn.kernels.shm`` does.
+  released if the holder dies) - what ``odcfn.transport.shm`` does.
 - ``thread``: the paper's design: writer copies the chunk into one of ``--slots`` bounded landing
   slots it has in the owner's segment and raises a flag; an accumulate thread in the owner polls
   the flags, adds the landed chunk, and acknowledges so the slot can be reused.
@@ -30,7 +30,7 @@ import uuid
 import numpy as np
 import torch
 
-from odcfn.kernels.shm_sync import RangeLock, Segment, shm_dir
+from odcfn.transport.shm_sync import RangeLock, Segment, shm_dir
 
 
 def _layout(p: int, numel: int, chunk: int, slots: int) -> tuple[int, int, int]:
@@ -162,9 +162,9 @@ def transport_worker(numel: int, reps: int) -> dict:
     """Median seconds per op on the real transports: ShmTransport's one-sided gather and locked
     scatter-accumulate vs the gloo all-gather / reduce-scatter of the same unit."""
     import odcfn
-    from odcfn.kernels.shm import ShmTransport
     from odcfn.model import Model, Unit
     from odcfn.sharding import make_layout
+    from odcfn.transport.shm import ShmTransport
 
     torch.set_num_threads(1)
     mesh = odcfn.Mesh.from_env()

@@ -30,10 +30,10 @@ def worker(steps: int, spr: int, slowdown: float) -> list[dict]:
     import torch.distributed as dist
 
     import odcfn
-    from odcfn.bench.slow import slow_model
     from odcfn.bench.workload import Workload, make_batch
-    from odcfn.kernels.shm import ShmTransport
     from odcfn.models import init_params, qwen_model
+    from odcfn.models.slow import slow_model
+    from odcfn.transport.shm import ShmTransport
 
     torch.set_num_threads(1)
     mesh = odcfn.Mesh.from_env()

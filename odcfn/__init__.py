@@ -3,7 +3,20 @@
 from odcfn import lora, losses, preference, trainable
 from odcfn.batch import Batch, Microbatch, Sample, pack, random_batch
 from odcfn.checkpoint.state_io import load, save
-from odcfn.kernels import (
+from odcfn.launch import LaunchError, launch
+from odcfn.model import Model, Unit, check_params, reference_loss
+from odcfn.optim import Optimizer, adamw, clip_scale, sgd
+from odcfn.preference import preference_batch, with_ref_logprobs
+from odcfn.preference.lora import lora_reference
+from odcfn.reference import reference_value_and_grad
+from odcfn.schedule import POLICIES, Plan, ScheduleOptions, WorkStealing, compile_plan, get_balancer
+from odcfn.schedule.measure import calibrate
+from odcfn.sharding import Layout, Mesh, make_layout, shard, unshard
+from odcfn.step.logprobs import gather_params, log_probs
+from odcfn.step.state import StepConfig, StepMetrics, TrainState
+from odcfn.step.train import grad_step, train_step
+from odcfn.trace import Event, bubble_rate, chrome_trace, plot_timeline, save_chrome_trace
+from odcfn.transport import (
     CollectiveTransport,
     Counters,
     LocalWorld,
@@ -12,19 +25,6 @@ from odcfn.kernels import (
     TransportError,
     run_local,
 )
-from odcfn.launch import LaunchError, launch
-from odcfn.measure import calibrate
-from odcfn.model import Model, Unit, check_params, reference_loss
-from odcfn.optim import Optimizer, adamw, clip_scale, sgd
-from odcfn.preference import preference_batch, with_ref_logprobs
-from odcfn.preference_lora import lora_reference
-from odcfn.reference import reference_value_and_grad
-from odcfn.schedule import POLICIES, Plan, ScheduleOptions, WorkStealing, compile_plan, get_balancer
-from odcfn.sharding import Layout, Mesh, make_layout, shard, unshard
-from odcfn.step.logprobs import gather_params, log_probs
-from odcfn.step.state import StepConfig, StepMetrics, TrainState
-from odcfn.step.train import grad_step, train_step
-from odcfn.trace import Event, bubble_rate, chrome_trace, plot_timeline, save_chrome_trace
 from odcfn.tree import tree_allclose, tree_assert_allclose, tree_map
 
 __version__ = "0.1.0"

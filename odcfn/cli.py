@@ -27,7 +27,8 @@ EPILOG = "Run `odcfn COMMAND --help` for a command's options. Exit status 2 mean
 
 # subcommand -> (module with `add_arguments(parser)` and `main(args) -> int`, help)
 COMMANDS = {
-    "demo": ("odcfn.demo", "train a small model on 2 local ranks: collective FSDP vs ODC, side by side"),
+    "demo": ("odcfn.bench.demo",
+             "train a small model on 2 local ranks: collective FSDP vs ODC, side by side"),
     "train": ("odcfn.sft.loop", "supervised fine-tuning from a config file (odcfn train --init DIR for one)"),
     "export": ("odcfn.sft.export", "write an odcfn train checkpoint as a Hugging Face model directory"),
     "bench": ("odcfn.bench", "benchmarks: ODC vs collective vs torch FSDP2, primitives, stragglers"),

@@ -55,7 +55,7 @@ def test_no_test_skips_on_a_missing_import():
 
 def test_the_check_sees_each_way_of_skipping():
     cases = {
-        'import pytest\nshm = pytest.importorskip("odcfn.kernels.shm")\n': "importorskip",
+        'import pytest\nshm = pytest.importorskip("odcfn.transport.shm")\n': "importorskip",
         'from pytest import importorskip\nimportorskip("transformers")\n': "importorskip",
         "def f():\n    try:\n        import peft\n    except ImportError:\n        pytest.skip('no peft')\n":
             "except ImportError",

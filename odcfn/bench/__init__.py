@@ -18,7 +18,7 @@ from pathlib import Path
 SCHEMA = "odcfn.bench/1"
 SECTIONS = (
     "end_to_end", "balanced", "fsdp2", "primitives", "simulator", "straggler", "rl", "lora", "recovery",
-    "moe", "preference", "staleness",
+    "moe", "preference", "staleness", "rl-loop",
 )
 STRAGGLER_SLOWDOWN = 1.5
 
@@ -94,6 +94,7 @@ def main(args: argparse.Namespace) -> int:
     from odcfn.bench import moe_section as MS
     from odcfn.bench import preference_section as PS
     from odcfn.bench import recovery, summary
+    from odcfn.bench import rl_loop as RLL
     from odcfn.bench import rl_section as RL
     from odcfn.bench import sections as S
     from odcfn.bench import staleness_section as SS
@@ -155,6 +156,7 @@ def main(args: argparse.Namespace) -> int:
         "moe": lambda: MS.section(ctx, args.quick, args.moe_shape),
         "preference": lambda: PS.section(ctx, 2 if args.quick else 3, (8,) if args.quick else (8, 64, 1024)),
         "staleness": lambda: SS.section(ctx, args.quick),
+        "rl-loop": lambda: RLL.section(ctx, args.quick),
     }
     # the simulator replays end_to_end's plans, so it runs after it
     for name in sorted(sections, key=lambda s: s == "simulator"):
@@ -174,7 +176,8 @@ def main(args: argparse.Namespace) -> int:
         print(text)
     else:
         print(summary.render(report) + LS.render(report.get("lora")) + MS.render(report.get("moe"))
-              + PS.render(report.get("preference")) + SS.render(report.get("staleness")))
+              + PS.render(report.get("preference")) + SS.render(report.get("staleness"))
+              + RLL.render(report.get("rl-loop")))
     # a section that crashed (not one skipped for want of processes) fails the command
     return 1 if any(isinstance(report.get(n), dict) and "error" in report[n] for n in sections) else 0
 

@@ -76,13 +76,13 @@ def fsdp2_worker(spec: Fsdp2Spec) -> list[dict]:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from odcfn.kernels.shm import ShmTransport
     from odcfn.models import init_params, qwen_model
     from odcfn.optim import adamw
     from odcfn.schedule.balance import get_balancer
     from odcfn.sharding import Mesh
     from odcfn.step.state import StepConfig, TrainState
     from odcfn.step.train import train_step
+    from odcfn.transport.shm import ShmTransport
 
     torch.set_num_threads(1)
     w = spec.workload

@@ -152,9 +152,9 @@ def lora_fsdp2_worker(spec: LoraFsdp2Spec) -> list[dict]:
 
     import odcfn
     from odcfn.bench.workload import make_batch
-    from odcfn.kernels.shm import ShmTransport
     from odcfn.models import init_params, qwen_model
     from odcfn.schedule.balance import get_balancer
+    from odcfn.transport.shm import ShmTransport
 
     torch.set_num_threads(1)
     w = spec.workload

@@ -84,8 +84,8 @@ def lora_worker(spec: LoraBenchSpec, ckpt_root: str) -> dict:
 
     import odcfn
     from odcfn.bench.workload import make_batch
-    from odcfn.kernels.shm import ShmTransport
     from odcfn.models import init_params, qwen_model
+    from odcfn.transport.shm import ShmTransport
 
     torch.set_num_threads(1)
     w = spec.workload

@@ -119,9 +119,9 @@ def moe_fsdp2_worker(spec: MoeFsdp2Spec) -> list[dict]:
     from odcfn.bench.fsdp2 import fsdp2_step
     from odcfn.bench.lora_section import PeakSampler, pss
     from odcfn.bench.workload import make_batch
-    from odcfn.kernels.shm import ShmTransport
     from odcfn.models import init_params, qwen_model
     from odcfn.schedule.balance import get_balancer
+    from odcfn.transport.shm import ShmTransport
 
     torch.set_num_threads(1)
     w = spec.workload

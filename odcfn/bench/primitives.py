@@ -61,8 +61,8 @@ def primitives_worker(spec: PrimSpec) -> dict[str, dict[int, float]]:
     """One launched rank: seconds per call of each primitive at each size."""
     import torch.distributed as dist
 
-    from odcfn.kernels.shm import ShmTransport
     from odcfn.sharding import Mesh, make_layout
+    from odcfn.transport.shm import ShmTransport
 
     torch.set_num_threads(1)
     mesh = Mesh.from_env()

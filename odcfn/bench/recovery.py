@@ -35,7 +35,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-__all__ = ["node_worker", "section"]
+__all__ = ["section"]
 
 
 def _save_worker(model_cfg: Any, lengths: list[int], rounds: int, shm_root: str, where: str) -> dict:
@@ -44,8 +44,8 @@ def _save_worker(model_cfg: Any, lengths: list[int], rounds: int, shm_root: str,
     import odcfn
     from odcfn.checkpoint.async_save import AsyncSaver
     from odcfn.checkpoint.memory_tier import MemoryTier
-    from odcfn.kernels.shm import ShmTransport
     from odcfn.models import init_params, qwen_model
+    from odcfn.transport.shm import ShmTransport
 
     torch.set_num_threads(1)
     mesh = odcfn.Mesh.from_env()
@@ -195,33 +195,12 @@ def _recovery_run(root: Path, memory: bool, steps: int, kill_after: int, disk_ev
     }
 
 
-def node_worker(doc: dict, snapshots: str, lose: tuple[int, ...] = (), secret: str | None = None) -> dict:
-    """One rank of a job of one-rank simulated nodes (whatever the launcher said), each node
-    with its own snapshot directory under ``snapshots``; the nodes in ``lose`` come back from
-    the first restart without their memory (a rebooted or new machine). ``secret``: the job's
-    ``ODCFN_JOB_SECRET`` where the launcher sets none (the tests' worker pool)."""
-    from odcfn.sft.config import config_from_dict
-    from odcfn.sft.loop import process_worker
-
-    rank = int(os.environ["RANK"])
-    os.environ.update({"LOCAL_WORLD_SIZE": "1", "LOCAL_RANK": "0", "GROUP_RANK": str(rank)})
-    if secret is not None:
-        os.environ["ODCFN_JOB_SECRET"] = secret
-    mine = Path(snapshots) / f"node{rank}"
-    os.environ["ODCFN_SNAPSHOT_DIR"] = str(mine)
-    if rank in lose and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "1":
-        shutil.rmtree(mine, ignore_errors=True)
-    mine.mkdir(parents=True, exist_ok=True)
-    out = process_worker(config_from_dict(doc))
-    out.pop("shards", None)
-    return out
-
-
 def _node_recovery_run(root: Path, steps: int, kill_after: int, disk_every: int) -> dict:
     """Two simulated nodes, the memory tier every step; rank 1 (node 1) kills itself at the
     start of step ``kill_after + 1`` and its node restarts with an empty snapshot directory, so
     its files come back from node 0's copy. Timed from the last step logged before the kill."""
     from odcfn.launch import launch
+    from odcfn.sft.simulated_nodes import node_worker
 
     doc = _recovery_job(root, steps, disk_every, memory=True)
     env = {"ODCFN_TEST_KILL_AT": f"step:{kill_after + 1}:1", "OMP_NUM_THREADS": "1"}

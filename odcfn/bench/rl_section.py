@@ -45,8 +45,8 @@ def _logprob_loop(w, steps: int, warmup: int, cost, mesh, transport, barrier) ->
 def _logprob_process_worker(w, steps: int, warmup: int, cost) -> list[dict]:
     import torch.distributed as dist
 
-    from odcfn.kernels.shm import ShmTransport
     from odcfn.sharding import Mesh
+    from odcfn.transport.shm import ShmTransport
 
     torch.set_num_threads(1)
     mesh = Mesh.from_env()
@@ -65,8 +65,8 @@ def log_prob_cost(w, steps: int, warmup: int, cost, backend: str) -> dict:
 
         per_rank = launch(_logprob_process_worker, W, args=(w, steps, warmup, cost), timeout=1200.0)
     else:
-        from odcfn.kernels.local import run_local
         from odcfn.sharding import Mesh
+        from odcfn.transport.local import run_local
 
         b = threading.Barrier(W)
         per_rank = run_local(

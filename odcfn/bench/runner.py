@@ -86,7 +86,7 @@ class _Progress:
 def _rank_loop(spec: RunSpec, mesh: Mesh, transport, barrier: Callable[[], None]) -> list[dict]:
     """One rank's side of a run: returns one record per (minibatch, policy). ``transport``: one
     transport for every policy, or a function of the policy's name returning its transport."""
-    from odcfn.bench.slow import slow_model
+    from odcfn.models.slow import slow_model
     from odcfn.step import train
     from odcfn.step.state import StepConfig, TrainState
 
@@ -149,7 +149,7 @@ def process_worker(spec: RunSpec) -> list[dict]:
     """Entry point of one launched rank (also runs unchanged under torchrun)."""
     import torch.distributed as dist
 
-    from odcfn.kernels.shm import ShmTransport
+    from odcfn.transport.shm import ShmTransport
 
     torch.set_num_threads(spec.threads_per_rank)
     mesh = Mesh.from_env()
@@ -182,7 +182,7 @@ def run(spec: RunSpec, backend: str = "auto") -> list[list[dict]]:
         from odcfn.launch import launch
 
         return launch(process_worker, W, args=(spec,), timeout=spec.timeout * 10)
-    from odcfn.kernels.local import run_local
+    from odcfn.transport.local import run_local
 
     b = threading.Barrier(W)
     # W threads share this process: give each rank its share of the intra-op threads

@@ -66,14 +66,14 @@ def balanced(ctx: Context) -> dict:
 def straggler(ctx: Context, factor: float) -> dict:
     W = ctx.workload.world_size
     slow = (1.0,) * (W - 1) + (factor,)
-    ctx.log(f"   rank {W - 1} emulates a {factor}x slower device (odcfn.bench.slow_model): each unit's "
+    ctx.log(f"   rank {W - 1} emulates a {factor}x slower device (odcfn.models.slow.slow_model): each unit's "
             f"forward and backward take {factor:g}x as long")
     res, per_rank = compare_policies(ctx, ctx.workload, E2E, slow)
     ctx.straggler_records = (per_rank, slow)
     res["slowdown_per_rank"] = list(slow)
-    res["emulation"] = (f"rank {W - 1} runs odcfn.bench.slow_model(model, {factor:g}): every unit's forward "
-                        "and backward sleeps (factor - 1) x its own time inside the step, so the slow "
-                        "device's time is compute (busy), as in the simulator")
+    res["emulation"] = (f"rank {W - 1} runs odcfn.models.slow.slow_model(model, {factor:g}): "
+                        "every unit's forward and backward sleeps (factor - 1) x its own time inside the "
+                        "step, so the slow device's time is compute (busy), as in the simulator")
     return res
 
 

@@ -1,7 +1,7 @@
 """The simulator's prediction for the plans a benchmark ran vs the step times measured there,
 and its extrapolation of the same workload to more devices.
 
-Compute cost: ``odcfn.measure.measure_unit_times`` on this machine (one thread, like a
+Compute cost: ``odcfn.schedule.measure.measure_unit_times`` on this machine (one thread, like a
 rank), fitted to ``a*s^2 + b*s``, with per-unit shares and the forward fraction from the same
 measurement. Communication: the measured primitive bandwidths when the primitives section ran
 (shm for ODC plans, gloo for collective plans), else DESIGN.md's figures for this machine.
@@ -30,9 +30,9 @@ def calibrate_cost(w: Workload, lengths: Sequence[int] | None = None, repeats: i
     record). Default lengths: 1/8, 1/4 and 1/2 of the cap (the workload's typical range)."""
     import torch
 
-    from odcfn.measure import measure_unit_times
     from odcfn.models import init_params, qwen_model
     from odcfn.schedule.cost import fit_quadratic
+    from odcfn.schedule.measure import measure_unit_times
     from odcfn.schedule.simulate import Workload as SimWorkload
     from odcfn.sharding import Mesh, make_layout
 

@@ -124,12 +124,12 @@ def _eval_loss(state: Any, batch: Any) -> float:
 def _run(spec: StaleSpec, mesh: Any, model: Any, slow: Any, full: Any, batches: list, noisy: list[int],
          tau: int, held_out: Any) -> dict:
     """One run on a fresh transport; this rank's figures."""
-    from odcfn.kernels.shm import ShmTransport
     from odcfn.optim import adamw
     from odcfn.sharding import shard
     from odcfn.step import stale
     from odcfn.step.state import StepConfig, TrainState
     from odcfn.step.train import train_step
+    from odcfn.transport.shm import ShmTransport
 
     w = spec.workload
     config = StepConfig(comm="odc", balance="lb_mini", cost=spec.cost, staleness=tau,
@@ -168,8 +168,8 @@ def _run(spec: StaleSpec, mesh: Any, model: Any, slow: Any, full: Any, batches: 
 def stale_worker(spec: StaleSpec, progress: bool = False) -> dict:
     """Entry point of one launched rank: every (repeat, variant, τ) run of ``run_order``, after
     one short untimed run per τ (first-use costs: allocator, kernels, segment mapping)."""
-    from odcfn.bench.slow import slow_model
     from odcfn.models import init_params, qwen_model
+    from odcfn.models.slow import slow_model
     from odcfn.sharding import Mesh
 
     torch.set_num_threads(spec.threads_per_rank)

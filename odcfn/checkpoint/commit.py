@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from odcfn.kernels.shm_sync import pid_alive
+from odcfn.transport.shm_sync import pid_alive
 
 __all__ = ["CheckpointError", "Staging", "fsync_path", "list_quietly"]
 

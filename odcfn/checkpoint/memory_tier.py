@@ -40,8 +40,8 @@ import torch
 from odcfn.checkpoint.commit import CheckpointError, fsync_path, list_quietly
 from odcfn.checkpoint.sharded import MANIFEST, read_manifest, write_shards
 from odcfn.checkpoint.verify import check_files, files_read, matches
-from odcfn.kernels.base import world_group
-from odcfn.kernels.shm_sync import shm_dir
+from odcfn.transport.base import world_group
+from odcfn.transport.shm_sync import shm_dir
 
 __all__ = ["MemoryTier", "committed", "newest_verified", "remove_stale", "verify_all"]
 

@@ -35,8 +35,8 @@ from typing import Any
 import torch
 
 from odcfn.checkpoint.commit import CheckpointError, fsync_path
-from odcfn.kernels.base import TransportError, world_group
-from odcfn.kernels.rdzv import seal, unseal
+from odcfn.transport.base import TransportError, world_group
+from odcfn.transport.rdzv import seal, unseal
 
 __all__ = ["Inbox", "advertised_host", "exchange_addresses", "send_files"]
 

@@ -52,8 +52,8 @@ from odcfn.checkpoint.memory_tier import MemoryTier, committed, held, newest_ver
 from odcfn.checkpoint.neighbour import Inbox, advertised_host, exchange_addresses, recv_dir, send_files
 from odcfn.checkpoint.skeleton import nodes
 from odcfn.checkpoint.verify import rank_file, sha256
-from odcfn.kernels.base import world_group
-from odcfn.kernels.rdzv import SECRET_ENV
+from odcfn.transport.base import world_group
+from odcfn.transport.rdzv import SECRET_ENV
 
 __all__ = ["NodeTier"]
 

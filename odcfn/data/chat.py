@@ -48,7 +48,7 @@ CACHE_VERSION = 2  # 2: templates with {% generation %} marks train what they ma
 # One reader at a time per process: ranks that are threads of one process must not import
 # transformers concurrently (a half-initialised module reads as "not installed") nor tokenize
 # the same file twice (the second one finds the first one's cache).
-_LOCK = threading.RLock()
+CACHE_LOCK = threading.RLock()
 _SHARD_SAMPLES = 4096
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
@@ -61,7 +61,7 @@ def load_tokenizer(directory: str | os.PathLike) -> Any:
     root = Path(directory)
     if not root.is_dir():
         raise FileNotFoundError(f"tokenizer directory {root} does not exist")
-    with _LOCK:
+    with CACHE_LOCK:
         try:
             from transformers import AutoTokenizer
         except ImportError as e:
@@ -157,7 +157,7 @@ def chat_cache_key(path: str | os.PathLike, tokenizer_dir: str | os.PathLike, to
     return h.hexdigest()[:32]
 
 
-def _write_cache(final: Path, samples: list[Sample], lines: list[int], meta: dict | None = None) -> None:
+def write_cache(final: Path, samples: list[Sample], lines: list[int], meta: dict | None = None) -> None:
     """Shards + manifest (with ``meta``) into a private directory, renamed into place in one step:
     concurrent writers (ranks) never see a half cache, and the first rename wins."""
     from safetensors.torch import save_file
@@ -187,7 +187,7 @@ def _write_cache(final: Path, samples: list[Sample], lines: list[int], meta: dic
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _read_cache(final: Path) -> tuple[list[Sample], list[int]] | None:
+def read_cache(final: Path) -> tuple[list[Sample], list[int]] | None:
     from safetensors.torch import load_file
 
     manifest = final / "manifest.json"
@@ -215,7 +215,7 @@ def read_chat_jsonl(
     """Chat transcripts as a ``TokenDataset``; errors name ``file:line`` and the field. The token
     ids are cached under ``cache_dir`` (default: ``<path>.odcfn-cache`` beside the data).
     Thread-safe: concurrent callers in one process tokenize once."""
-    with _LOCK:
+    with CACHE_LOCK:
         return _read_chat_jsonl(path, tokenizer_dir, vocab_size, max_length, cache_dir)
 
 
@@ -226,7 +226,7 @@ def _read_chat_jsonl(path, tokenizer_dir, vocab_size, max_length, cache_dir) -> 
     tok = load_tokenizer(tokenizer_dir)
     root = Path(cache_dir) if cache_dir is not None else Path(f"{path}.odcfn-cache")
     final = root / chat_cache_key(path, tokenizer_dir, tok)
-    cached = _read_cache(final)
+    cached = read_cache(final)
     if cached is not None:
         samples, lines = cached
     else:
@@ -236,7 +236,7 @@ def _read_chat_jsonl(path, tokenizer_dir, vocab_size, max_length, cache_dir) -> 
             lines.append(lineno)
         if samples:
             root.mkdir(parents=True, exist_ok=True)
-            _write_cache(final, samples, lines)
+            write_cache(final, samples, lines)
     for s, lineno in zip(samples, lines):  # limits are checked on every read: not in the key
         where = f"{path}:{lineno}"
         if vocab_size is not None and int(s.tokens.max()) >= vocab_size:

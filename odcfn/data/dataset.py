@@ -35,10 +35,10 @@ class TokenDataset:
         """Sample ``i``'s origin as ``file:line`` (``file: row r`` for parquet)."""
         if self.lines is None:
             return f"{self.source or 'dataset'}[{i}]"
-        if self.files:
-            from odcfn.data.sources import row_where
-
-            return row_where(*self.origin(i))  # type: ignore[misc]
+        if self.files:  # as odcfn.data.sources.row_where names rows (not imported: it reads records)
+            file, line = self.origin(i)  # type: ignore[misc]
+            jsonl = str(file).lower().endswith((".jsonl", ".json"))
+            return f"{file}:{line}" if jsonl else f"{file}: row {line}"
         if self.source.lower().endswith((".parquet", ".pq")):
             return f"{self.source}: row {self.lines[i]}"
         return f"{self.source}:{self.lines[i]}"

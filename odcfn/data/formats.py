@@ -120,7 +120,10 @@ def form_of(rec: Mapping[str, Any], fmt: str, where: str) -> str:
         else:
             raise ValueError(f"{where}: column {c!r} must be text or a list of chat messages, got "
                              f"{type(v).__name__}")
-        if c in _ANSWERS and not (v.strip() if isinstance(v, str) else v):
+        # an explicit-prompt pair's empty answer still prefers or rejects the end of the answer (the
+        # EOS / end of turn): named as odd when read (odcfn.data.preference.odd_record), not refused
+        empty_ok = fmt == "preference" and c in ("chosen", "rejected")
+        if c in _ANSWERS and not empty_ok and not (v.strip() if isinstance(v, str) else v):
             raise ValueError(f"{where}: column {c!r} is empty: nothing to train on")
     if len(set(forms.values())) > 1:
         raise ValueError(f"{where}: columns mix the standard and the conversational form ("

@@ -25,7 +25,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from odcfn.rollout.prompt import Prompt
+from odcfn.data.prompt import Prompt
 
 __all__ = ["PromptDataset", "get_field", "prompt_records", "read_prompts", "tokenize_prompt"]
 

@@ -64,19 +64,22 @@ def _rel(src: Source, file: str) -> str:
 
 def _tokenize(src: Source, fmt: str, rows: Iterator[Row], tok: Any) -> tuple[list, list, list]:
     from odcfn.data.formats import tokenize_sft_row
-    from odcfn.data.records import _record_to_sample
+    from odcfn.data.records import UnreadFields, record_to_sample
 
     samples, lines, files = [], [], []
+    unread = UnreadFields(src.path)  # token records: per-token extras refused, other fields named once
     for row in rows:
         if not isinstance(row.rec, dict):
             raise ValueError(f"{row.where}: expected an object with the columns of the first row")
         if fmt == "tokens":  # limits are checked below, with the tokenized formats'
-            samples.append(_record_to_sample(row.rec, row.where, None, None))
+            unread.add(row.rec, row.where)
+            samples.append(record_to_sample(row.rec, row.where, None, None))
         else:
             samples.append(tokenize_sft_row(tok, fmt, row.rec, row.where))
         if not files or files[-1][1] != row.file:
             files.append((len(lines), row.file))
         lines.append(row.line)
+    unread.warn()
     return samples, lines, files
 
 
@@ -90,14 +93,14 @@ def read_sft(
 ) -> TokenDataset:
     """Every row of ``path`` as a supervised fine-tuning sample; errors name ``file:line`` (or
     ``file: row i``) and the column."""
-    from odcfn.data.chat import _LOCK
+    from odcfn.data.chat import CACHE_LOCK
 
-    with _LOCK:  # ranks that are threads of one process tokenize once (the second reads the cache)
+    with CACHE_LOCK:  # ranks that are threads of one process tokenize once (the second reads the cache)
         return _read_sft(resolve(path), tokenizer_dir, vocab_size, max_length, cache_dir)
 
 
 def _read_sft(src: Source, tokenizer_dir, vocab_size, max_length, cache_dir) -> TokenDataset:
-    from odcfn.data.chat import _read_cache, _write_cache, load_tokenizer
+    from odcfn.data.chat import load_tokenizer, read_cache, write_cache
 
     fmt, rows = _rows(src, "sft")
     tok = None
@@ -113,7 +116,7 @@ def _read_sft(src: Source, tokenizer_dir, vocab_size, max_length, cache_dir) -> 
         tok = load_tokenizer(tokenizer_dir) if fmt == "messages" else _plain_tokenizer(tokenizer_dir)
         root = Path(cache_dir) if cache_dir is not None else Path(f"{src.path}.odcfn-cache")
         final = root / _key(src, tokenizer_dir, tok, fmt)
-        cached = _read_cache(final)
+        cached = read_cache(final)
         if cached is not None:
             samples, lines = cached
             meta = json.loads((final / "manifest.json").read_text())
@@ -122,7 +125,7 @@ def _read_sft(src: Source, tokenizer_dir, vocab_size, max_length, cache_dir) -> 
             samples, lines, files = _tokenize(src, fmt, rows, tok)
             root.mkdir(parents=True, exist_ok=True)
             meta = {"files": [[s, _rel(src, f)] for s, f in files], "format": fmt}
-            _write_cache(final, samples, lines, meta)
+            write_cache(final, samples, lines, meta)
     data = TokenDataset(tuple(samples), src.path, tuple(lines), tuple(files))
     for i, s in enumerate(data.samples):  # limits are checked on every read: not in the key
         top = int(s.tokens.max())

@@ -9,6 +9,13 @@ One sample per JSONL line (or parquet row)::
 Hugging Face style ``labels`` column (``-100`` = ignored) is accepted instead. Neither: every
 token after the first is a target.
 
+Those three are every field a token record is read for. Per-token extras (``Sample.extras``:
+routing replay's ``routed_experts``, a policy-gradient loss's ``advantages`` / ``old_logprobs`` /
+``prox_logprobs`` / ``ref_logprobs``) are not read from data files: they come from the code that
+builds the samples (the RL loop, the rollout engine). A record that carries one is refused, naming
+its line (it was meant to count); any other field (an id, a source) is named once per file in a
+warning, with how many lines have it and the first, and otherwise ignored.
+
 Minibatches are a pure function of ``(dataset, step)``: epoch ``step // steps_per_epoch`` is a
 permutation seeded by ``(seed, epoch)``. Resuming at step ``k`` therefore needs nothing but
 ``k``, and every rank computes the same minibatch (and so the same balance) without talking.
@@ -20,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -32,6 +40,7 @@ from odcfn.data.dataset import TokenDataset
 
 __all__ = [
     "TokenDataset",
+    "UnreadFields",
     "batch_at",
     "batch_indices",
     "epoch_order",
@@ -45,9 +54,42 @@ __all__ = [
 ]
 
 IGNORE_INDEX = -100
+FIELDS = ("input_ids", "loss_mask", "labels")  # what a token record is read for
+# the library's per-token extras (Sample.extras), which data files do not carry: refused by name
+EXTRA_FIELDS = ("routed_experts", "advantages", "old_logprobs", "prox_logprobs", "ref_logprobs")
 
 
-def _record_to_sample(rec: Any, where: str, vocab_size: int | None, max_length: int | None) -> Sample:
+class UnreadFields:
+    """The unknown fields of one file's records: how many records have each, and the first."""
+
+    def __init__(self, path: Any) -> None:
+        self.path, self.seen = path, {}  # field -> [count, first where]
+
+    def add(self, rec: Any, where: str) -> None:
+        if not isinstance(rec, Mapping):
+            return
+        for k in rec:
+            if k in EXTRA_FIELDS:
+                raise ValueError(
+                    f"{where}: field {k!r} is a per-token extra (odcfn.Sample extras[{k!r}]), which token "
+                    "data files do not carry: a record is read for input_ids, loss_mask or labels only. "
+                    "Build the samples in code to use it (odcfn.Sample(tokens, loss_mask, extras={...})), "
+                    "or drop the field"
+                )
+            if k not in FIELDS:
+                self.seen.setdefault(k, [0, where])[0] += 1
+
+    def warn(self) -> None:
+        """One warning naming every unknown field (none: nothing said)."""
+        if not self.seen:
+            return
+        named = ", ".join(f"{k!r} ({n} line{'s' if n != 1 else ''}, first {w})"
+                          for k, (n, w) in self.seen.items())
+        warnings.warn(f"{self.path}: fields not read: {named}; a token record is read for input_ids, "
+                      "loss_mask or labels only (docs/sft.md)", UserWarning, stacklevel=3)
+
+
+def record_to_sample(rec: Any, where: str, vocab_size: int | None, max_length: int | None) -> Sample:
     if not isinstance(rec, Mapping):
         raise ValueError(f"{where}: expected an object with 'input_ids', got {type(rec).__name__}")
     ids = rec.get("input_ids")
@@ -104,10 +146,12 @@ def read_jsonl(
     path: str | os.PathLike, *, vocab_size: int | None = None, max_length: int | None = None
 ) -> TokenDataset:
     """Samples from a JSONL file; errors name the file and line."""
-    samples, lines = [], []
+    samples, lines, unread = [], [], UnreadFields(path)
     for lineno, where, rec in jsonl_records(path):
-        samples.append(_record_to_sample(rec, where, vocab_size, max_length))
+        unread.add(rec, where)
+        samples.append(record_to_sample(rec, where, vocab_size, max_length))
         lines.append(lineno)
+    unread.warn()
     return TokenDataset(tuple(samples), str(path), tuple(lines))
 
 
@@ -120,12 +164,12 @@ def read_parquet(
     except ImportError:
         raise ImportError(f"reading {path} needs pyarrow: pip install pyarrow") from None
     rows = pq.read_table(path).to_pylist()
-    samples = [
-        _record_to_sample(
-            {k: v for k, v in r.items() if v is not None}, f"{path}: row {i}", vocab_size, max_length
-        )
-        for i, r in enumerate(rows)
-    ]
+    unread, samples = UnreadFields(path), []
+    for i, r in enumerate(rows):
+        rec = {k: v for k, v in r.items() if v is not None}
+        unread.add(rec, f"{path}: row {i}")
+        samples.append(record_to_sample(rec, f"{path}: row {i}", vocab_size, max_length))
+    unread.warn()
     return TokenDataset(tuple(samples), str(path), tuple(range(len(samples))))
 
 

@@ -132,20 +132,23 @@ def iter_rows(path: str | os.PathLike | Source) -> Iterator[Row]:
 
 
 def source_sha256(path: str | os.PathLike) -> str:
-    """A digest of what ``path`` holds (for caches and resume checks): a file's bytes, or every
-    data file of a folder or ``datasets`` directory with its relative name."""
+    """A digest of what ``path`` holds (for caches and resume checks): a file's bytes (the plain
+    sha256 of the file, as earlier runs recorded it), or every data file of a folder or
+    ``datasets`` directory with its relative name."""
     src = resolve(path)
     if src.kind in ("jsonl", "parquet"):
-        from odcfn.checkpoint.verify import sha256
-
-        return sha256(Path(src.path))
+        return _update(hashlib.sha256(), Path(src.path)).hexdigest()
     root = Path(src.path)
     files = src.files if src.kind == "folder" else sorted(p for p in root.rglob("*") if p.is_file())
     h = hashlib.sha256(f"odcfn-source-{src.kind}".encode())
     for f in map(Path, files):
         h.update(f.relative_to(root).as_posix().encode() + b"\0")
-        with open(f, "rb") as fh:
-            while chunk := fh.read(1 << 22):
-                h.update(chunk)
-        h.update(b"\0")
+        _update(h, f).update(b"\0")
     return h.hexdigest()
+
+
+def _update(h: Any, path: Path) -> Any:
+    with open(path, "rb") as fh:
+        while chunk := fh.read(1 << 22):
+            h.update(chunk)
+    return h

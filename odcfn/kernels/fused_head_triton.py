@@ -48,7 +48,7 @@ _NEG = tl.constexpr(-1.0e30)
 # tiles for the compiled kernels, by (kernel, 16-bit inputs?). 16-bit: a 64 x 128 fp32 logit tile
 # on tensor cores (the backward holds dz beside it, so thinner D pieces and 8 warps); fp32 dots
 # run on FMA units and hold their operands in registers: smaller tiles. Chosen so ptxas spills
-# little on sm_90 (tests/test_fused_head_triton.py reports it); not tuned on hardware yet.
+# little on sm_90 (tests/kernels/test_fused_head_triton.py reports it); not tuned on hardware yet.
 GPU_BLOCKS = {
     ("fwd", True): {"block_t": 64, "block_v": 128, "block_d": 64, "num_warps": 4},
     ("bwd", True): {"block_t": 64, "block_v": 128, "block_d": 32, "num_warps": 8},

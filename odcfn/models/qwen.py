@@ -13,6 +13,7 @@ Attention runs per sample (causal inside it, never across samples), so its cost 
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from functools import partial
 
@@ -118,6 +119,12 @@ class QwenMoeConfig(QwenConfig):
         layers = tuple(self.mlp_only_layers)
         for i in layers:
             check_int(i, "QwenMoeConfig.mlp_only_layers[*]", at_least=0)
+        missing = sorted({i for i in layers if i >= self.n_layers})
+        if missing:  # named, not refused: transformers reads such a config.json the same way
+            warnings.warn(f"QwenMoeConfig.mlp_only_layers names layer(s) {missing} that the model lacks: "
+                          f"it has {self.n_layers} layers (0..{self.n_layers - 1}), so those entries keep no "
+                          "layer dense (a typo, or a config meant for a deeper model?)",
+                          UserWarning, stacklevel=3)
         object.__setattr__(self, "mlp_only_layers", layers)
         coef = self.router_aux_loss_coef
         if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not (0 <= coef < math.inf):

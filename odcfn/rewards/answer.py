@@ -14,9 +14,9 @@ from fractions import Fraction
 from typing import Any
 
 from odcfn._check import ArgTypeError, check_number
+from odcfn.data.prompt import Prompt
 from odcfn.rewards.base import completion_text, ground_truth
 from odcfn.rollout.base import Completion
-from odcfn.rollout.prompt import Prompt
 
 __all__ = [
     "EXTRACT_MODES",

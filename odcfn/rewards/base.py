@@ -25,8 +25,8 @@ from typing import Any
 import torch
 
 from odcfn._check import ArgTypeError, check_int
+from odcfn.data.prompt import Prompt
 from odcfn.rollout.base import Completion
-from odcfn.rollout.prompt import Prompt
 
 __all__ = [
     "GROUND_TRUTH_KEYS",

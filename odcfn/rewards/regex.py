@@ -5,9 +5,9 @@ from __future__ import annotations
 import re
 
 from odcfn._check import ArgTypeError, check_number
+from odcfn.data.prompt import Prompt
 from odcfn.rewards.base import completion_text
 from odcfn.rollout.base import Completion
-from odcfn.rollout.prompt import Prompt
 
 __all__ = ["MATCH_MODES", "RegexFormat"]
 

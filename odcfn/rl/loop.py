@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from odcfn.batch import Batch, Sample
+from odcfn.data.prompt import Prompt
 from odcfn.rewards import resolve as resolve_reward
 from odcfn.rewards import score
 from odcfn.rl import metrics as rl_metrics
@@ -33,7 +34,6 @@ from odcfn.rl.advantages import advantages as compute_advantages
 from odcfn.rl.config import RLConfig
 from odcfn.rl.exchange import Local, Shared, share, share_range
 from odcfn.rollout.base import Completion, Engine, SamplingParams
-from odcfn.rollout.prompt import Prompt
 from odcfn.step import fingerprint
 from odcfn.step.logprobs import log_probs
 from odcfn.step.state import StepMetrics, TrainState
@@ -195,7 +195,7 @@ def _is_lora(state: TrainState) -> bool:
 
 
 def _lora_reference(state: TrainState) -> TrainState:
-    from odcfn.preference_lora import lora_reference
+    from odcfn.preference.lora import lora_reference
 
     return lora_reference(state)
 

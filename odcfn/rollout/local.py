@@ -131,6 +131,10 @@ class LocalEngine(Engine):
             # raised on every rank alike, before the collective gather
             raise ValueError("update_weights: the state's model is not the engine's "
                              f"({base.config_key!r} vs {self.base.config_key!r})")
+        # the old weights go before the new ones arrive, so a sync never holds two full copies
+        # (odcfn bench --only rl-loop measures it); a failed gather leaves an engine that refuses
+        # to generate rather than one with stale weights
+        self._weights = None
         # the dtype train_step publishes (the default): no second publication of the shards
         full = odcfn.lora.gather_merged(state) if lora else odcfn.gather_params(state)
         self._load(full, state.router_bias, merged=True)

@@ -3,7 +3,7 @@
 A cost model is a frozen, callable dataclass ``cost(length) -> float``; the cost of a packed
 microbatch is the sum over its samples (attention never crosses samples, so the quadratic term is
 ``sum(s_i^2)``, not ``(sum s_i)^2``). Units are whatever the model was built in: tokens, FLOPs, or
-seconds after ``odcfn.measure.calibrate``/``scaled``. Balancers only compare costs, the simulator
+seconds after ``odcfn.schedule.measure.calibrate``/``scaled``. Balancers only compare costs, the simulator
 reads them as seconds.
 """
 

@@ -9,7 +9,7 @@ all-gathers and reduce-scatters on separate streams):
 - ``Forward``/``Backward`` of a unit start when the compute clock is free and the unit's latest
   gather has landed; they take ``cost(microbatch) * unit share * (fwd_fraction | 1 -
   fwd_fraction)`` (backward of a remat unit adds its forward again). A rank slowed by ``F``
-  computes ``F x`` as long (busy time), as ``odcfn.bench.slow_model`` makes a runtime rank do.
+  computes ``F x`` as long (busy time), as ``odcfn.models.slow.slow_model`` makes a runtime rank do.
 - ``AllGather``/``ReduceScatter``: a collective cannot start before every rank of the shard group
   has issued it (max of arrivals); it then occupies every member's stream for the same time.
 - ``Sync``: every rank's pushes must have landed; ends ``2 log2(W)`` latencies after the last

@@ -99,7 +99,7 @@ class Workload:
         """An ``odcfn.Model``'s units, each moving ``param_bytes`` per parameter when gathered
         (``grad_bytes`` when scattered) and, unless ``weights`` says otherwise, taking compute in
         proportion to its parameter count (embedding lookups cost no matmul: pass measured
-        ``weights``, e.g. from ``odcfn.measure.measure_unit_times``, for real shares)."""
+        ``weights``, e.g. from ``odcfn.schedule.measure.measure_unit_times``, for real shares)."""
         from odcfn.tree import tree_leaves
 
         numel = {u.name: float(sum(math.prod(s) for s in tree_leaves(u.shapes))) for u in model.units}

@@ -1,6 +1,7 @@
 """The first lines of every ``odcfn train`` run: what will run, before it runs. A user who left out
 ``lora.rank``, named the wrong data file or asked for 16 ranks on 2 cores sees it here, not after
-an hour: the model (family, sizes, parameters, tied or not), what is trained (LoRA or every
+an hour: the model (family, sizes, parameters, tied or not; a mixture's experts, routing and
+balancing), what is trained (LoRA or every
 parameter), the data (file, samples, tokens), ranks and backend, and checkpointing."""
 
 from __future__ import annotations
@@ -55,6 +56,29 @@ def oversubscription(cfg: SFTConfig, threads_per_rank: int | None = None) -> str
             f"{n} core(s): they oversubscribe the cores and only time-slice; use train.world_size <= {n}")
 
 
+def _experts(cfg: SFTConfig, qcfg: Any) -> list[str]:
+    """A mixture of experts' line: which layers are sparse, the experts, routing and balancing
+    (the model line's ``d_ff`` is then the dense layers' only)."""
+    from odcfn.models import QwenMoeConfig
+    from odcfn.models.moe import sparse_layers
+
+    if not isinstance(qcfg, QwenMoeConfig):
+        return []
+    sparse = list(sparse_layers(qcfg))
+    dense = [i for i in range(qcfg.n_layers) if i not in sparse]
+    shared = (f", a shared expert of {qcfg.shared_expert_intermediate_size}"
+              if qcfg.shared_expert_intermediate_size else "")
+    on = qcfg.output_router_logits and qcfg.router_aux_loss_coef
+    aux = f"aux loss coef {qcfg.router_aux_loss_coef:g}" if on else "no aux loss (output_router_logits off)"
+    rate = cfg.train.expert_bias_rate
+    bias = f"expert_bias_rate {rate:g} (aux-loss-free balancing)" if rate else "no router bias"
+    return [f"experts: mixture of experts, {qcfg.num_experts} experts of moe_intermediate_size "
+            f"{qcfg.moe_intermediate_size}, top-{qcfg.num_experts_per_tok} per token"
+            f"{' (normalised)' if qcfg.norm_topk_prob else ''}{shared}, in sparse layers {sparse} of "
+            f"{qcfg.n_layers} (dense: {dense}{f', d_ff {qcfg.d_ff}' if dense else ''}); {aux}; {bias}; "
+            f"{_count(qcfg.active_params)} parameters active per token"]
+
+
 def run_lines(cfg: SFTConfig, qcfg: Any, model: Any, data: Any) -> list[str]:
     """The run's opening lines (printed before any rank starts)."""
     from odcfn.models.hf_config import model_type
@@ -67,11 +91,14 @@ def run_lines(cfg: SFTConfig, qcfg: Any, model: Any, data: Any) -> list[str]:
     # the base's parameters: LoRA's adapter units ("lora.<unit>") are counted as trained below
     base = _numel(model, {u.name for u in model.units if not u.name.startswith("lora.")})
     head_dim = qcfg.head_dim or qcfg.d_model // qcfg.n_heads
+    moe = _experts(cfg, qcfg)
+    ff = "a mixture of experts (below)" if moe else f"d_ff {qcfg.d_ff}"
     lines = [
-        f"model: {family} ({source}): {qcfg.n_layers} layers, d_model {qcfg.d_model}, d_ff {qcfg.d_ff}, "
+        f"model: {family} ({source}): {qcfg.n_layers} layers, d_model {qcfg.d_model}, {ff}, "
         f"{qcfg.n_heads} heads / {qcfg.n_kv_heads} kv heads of {head_dim}, vocab {qcfg.vocab_size}, "
         f"{'tied' if qcfg.tie_embeddings else 'untied'} embeddings; {_count(base)} parameters",
     ]
+    lines += moe
     frozen = set(model.frozen)
     trained = _numel(model, {u.name for u in model.units if u.name not in frozen})
     if cfg.lora.rank:
@@ -97,6 +124,11 @@ def run_lines(cfg: SFTConfig, qcfg: Any, model: Any, data: Any) -> list[str]:
         lines.append(f"data: {d.path} (preference pairs, tokenizer {d.tokenizer}): {len(ds) // 2} pairs, "
                      f"{ds.num_tokens} tokens; minibatch {d.batch_size} pairs, {data.per_epoch} steps "
                      f"per epoch{', shuffled' if d.shuffle else ''}")
+        from odcfn.data.preference import warn_odd
+
+        odd = warn_odd(list(getattr(data, "odd", ())))
+        if odd is not None:
+            lines.append(f"warning: {odd}")
     else:
         from odcfn.data.formats import FORMATS
 

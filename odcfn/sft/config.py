@@ -126,6 +126,8 @@ class CheckpointSection:
     keep: int | None = 3
     resume: bool = True
     resume_anyway: bool = False  # resume although the stored run's config differs
+    # train.task = "dpo": resume although the reference's weights changed (recomputed from them)
+    recompute_reference: bool = False
     export_hf: str | None = None
     async_save: bool = True  # disk checkpoints written in the background (the step waits for a copy)
     memory_every: int = 0  # a /dev/shm snapshot every N steps (0: off); restarts resume from it

@@ -7,7 +7,7 @@ pass's sync sums the log-probs); rank 0 writes them into that step's metrics lin
   (the training loss's definition over the whole held-out set, not a mean of per-pass means).
 - DPO: from every member's sequence log-prob sum (and the reference's, cached beside the training
   set's, ``reference_logprobs_eval.safetensors``), the loss's own per-pair terms
-  (``odcfn.losses_dpo.DPO.pair_losses``): ``eval/loss`` = the mean pair loss (+ ``sft_weight`` x
+  (``odcfn.losses.DPO.pair_losses``): ``eval/loss`` = the mean pair loss (+ ``sft_weight`` x
   the chosen answers' token-mean NLL) and TRL's figures as ``eval/rewards/chosen``,
   ``eval/rewards/rejected``, ``eval/rewards/accuracies``, ``eval/rewards/margins``,
   ``eval/logps/chosen``, ``eval/logps/rejected``, ``eval/nll_loss``.
@@ -18,18 +18,15 @@ Every name carries ``eval/`` in every backend; ``eval/seconds`` is the evaluatio
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import replace
-from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from odcfn.batch import Batch, Sample
 
-__all__ = ["EVAL_CACHE_NAME", "Evaluator", "attach_eval_reference", "dpo_eval", "sft_eval"]
+__all__ = ["Evaluator", "dpo_eval", "sft_eval"]
 
-EVAL_CACHE_NAME = "reference_logprobs_eval.safetensors"
 
 
 def _targets(s: Sample) -> torch.Tensor:
@@ -101,28 +98,3 @@ class Evaluator:
         else:
             out = sft_eval(state, self.data.eval.samples, self.per_pass)
         return {**out, "eval/seconds": time.perf_counter() - t0}
-
-
-def attach_eval_reference(
-    cfg: Any, data: Any, key: dict[str, str], ref_state: Callable[[], Any],
-) -> tuple[Any, str]:
-    """``data`` (``PreparedPairs``) with the reference log-probs of its held-out pairs, read from
-    their cache or computed with ``ref_state()`` (called only then) and cached; and what was done.
-    ``key``: the training set's cache key, whose data entries are replaced by the held-out set's."""
-    from odcfn.data.sources import source_sha256
-    from odcfn.sft.preference import PreparedPairs
-    from odcfn.sft.ref_logprobs import read_cache, reference_pass, write_cache
-
-    if not cfg.eval.every or data.eval is None:
-        return data, ""
-    held_out = PreparedPairs(data.eval, cfg.data.eval_path, (), 1)
-    key = {**key, "data_sha256": source_sha256(cfg.data.eval_path), "tokens_sha256": held_out.tokens_sha256()}
-    path = Path(cfg.out_dir) / EVAL_CACHE_NAME
-    ref, why = read_cache(path, key, [s.length for s in held_out.samples])
-    if ref is not None:
-        return replace(data, eval_ref=ref), f"held-out set's read from {path}"
-    state = ref_state()
-    ref, passes = reference_pass(state, held_out, cfg.data.batch_size)
-    if state.mesh.rank == 0:
-        write_cache(path, key, ref)
-    return replace(data, eval_ref=ref), f"held-out set's computed in {passes} pass(es) ({why})"

@@ -7,7 +7,12 @@ a run that started from a Hugging Face checkpoint keeps every field of that chec
 config (special token ids, maximum positions, ...) and its generation config; a fresh model
 takes the tokenizer's special token ids, and the generation config beside the tokenizer's files
 when there is one. ``odcfn export`` writes the same from a checkpoint
-directory (``export_checkpoint``), so a run under torchrun exports from its last checkpoint."""
+directory (``export_checkpoint``), so a run under torchrun exports from its last checkpoint.
+
+A mixture trained with ``train.expert_bias_rate`` has a learned router bias that a Hugging Face
+Qwen-MoE router cannot hold: the export routes by the router weights alone, unlike the trained
+model. It is said loudly (a warning on stderr naming the layers and the bias's size and range)
+and written down in the export's ``README.md``, with the values, for whoever serves the model."""
 
 from __future__ import annotations
 
@@ -15,12 +20,14 @@ import argparse
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
 from odcfn.sft.config import SFTConfig, config_from_stored, model_config
 
-__all__ = ["add_arguments", "export_checkpoint", "export_params", "find_checkpoint", "main"]
+__all__ = ["add_arguments", "export_checkpoint", "export_params", "find_checkpoint", "main",
+           "note_router_bias"]
 
 
 def _tokenizer_dir(cfg: SFTConfig) -> Path | None:
@@ -42,8 +49,42 @@ def _special_ids(tok_dir: Path) -> dict[str, Any]:
     return {k: getattr(tok, k) for k in ("bos_token_id", "eos_token_id") if getattr(tok, k, None) is not None}
 
 
-def export_params(out: str | os.PathLike, params: dict, qcfg: Any, cfg: SFTConfig, *, dtype=None) -> Path:
-    """Write the unsharded ``params`` of the run ``cfg`` as a Hugging Face model directory."""
+def note_router_bias(root: Path, bias: Any, qcfg: Any) -> None:
+    """Say that ``bias`` (sparse layers x E, the state's ``router_bias``) is not in the export at
+    ``root``: a warning on stderr and a section of ``root/README.md``. Nothing for no bias or an
+    all-zero one (it changes no choice)."""
+    import torch
+
+    from odcfn.models.moe import sparse_layers
+
+    if bias is None:
+        return
+    b = torch.as_tensor(bias, dtype=torch.float64)
+    if not bool(b.abs().max() > 0):
+        return
+    units = [f"layers.{i}" for i in sparse_layers(qcfg)]
+    gates = ", ".join(f"model.{u}.mlp.gate" for u in units)
+    size = f"{b.shape[0]} x {b.shape[1]} (sparse layers x experts)"
+    span = f"values in [{float(b.min()):.4g}, {float(b.max()):.4g}]"
+    print(f"odcfn export: WARNING: the trained router bias is not exported: {gates} were trained with a "
+          f"per-expert bias of {size}, {span} (train.expert_bias_rate), which a Hugging Face Qwen-MoE "
+          f"router cannot hold, so {root} routes tokens by the router weights alone, unlike the trained "
+          "model; its README.md records the values", file=sys.stderr, flush=True)
+    rows = "\n".join(f"{u}: {json.dumps([round(float(x), 8) for x in row])}" for u, row in zip(units, b))
+    text = (f"## Router bias not exported\n\nThe trained model's routers ({', '.join(units)}) add a learned "
+            f"per-expert bias ({size}, {span}; odcfn's aux-loss-free balancing, train.expert_bias_rate) to "
+            "their scores when choosing the top-k experts. A Hugging Face Qwen-MoE router has no such bias, "
+            "so this model routes by the router weights alone and can choose other experts than the "
+            "trained one. The bias, per sparse layer:\n\n```\n" + rows + "\n```\n")
+    readme = root / "README.md"
+    before = readme.read_text() + "\n" if readme.is_file() else ""
+    readme.write_text(before + text)
+
+
+def export_params(out: str | os.PathLike, params: dict, qcfg: Any, cfg: SFTConfig, *, dtype=None,
+                  router_bias: Any = None) -> Path:
+    """Write the unsharded ``params`` of the run ``cfg`` as a Hugging Face model directory
+    (``router_bias``: the trained state's, named as not exported: ``note_router_bias``)."""
     from odcfn.data.chat import TOKENIZER_FILES
     from odcfn.models.hf import to_hf
 
@@ -75,6 +116,7 @@ def export_params(out: str | os.PathLike, params: dict, qcfg: Any, cfg: SFTConfi
         for name in TOKENIZER_FILES:  # copyfile: the new files get ordinary permissions
             if (tok_dir / name).is_file():
                 shutil.copyfile(tok_dir / name, root / name)
+    note_router_bias(root, router_bias, qcfg)
     return root
 
 
@@ -107,10 +149,12 @@ def export_checkpoint(
 
     import odcfn
     from odcfn.checkpoint.sharded import read_manifest, read_shards
+    from odcfn.checkpoint.state_io import ROUTER_BIAS
     from odcfn.models import qwen_model
 
     ck = find_checkpoint(path)
-    stored = read_manifest(ck).get("extra", {}).get("config")
+    extra = read_manifest(ck).get("extra", {})
+    stored, bias = extra.get("config"), extra.get(ROUTER_BIAS)
     if not isinstance(stored, dict):
         raise ValueError(f"{ck}: the checkpoint has no odcfn train config (was it written by odcfn train?)")
     cfg = config_from_stored(stored)
@@ -122,15 +166,17 @@ def export_checkpoint(
 
         qcfg, lmodel, full = lora_params(ck, cfg)
         if adapter:
-            return write_adapter(out, lmodel, full, cfg, dtype=dtype)
-        return export_params(out, lora.merge(lmodel, full), qcfg, cfg, dtype=dtype)
+            root = write_adapter(out, lmodel, full, cfg, dtype=dtype)
+            note_router_bias(root, bias, qcfg)
+            return root
+        return export_params(out, lora.merge(lmodel, full), qcfg, cfg, dtype=dtype, router_bias=bias)
     if adapter:
         raise ValueError(f"odcfn export --adapter: {ck} is not of a LoRA run (its config has no lora.rank)")
     qcfg = model_config(cfg)
     model = qwen_model(qcfg)
     mesh = odcfn.Mesh(1)  # resharded onto one rank: the full parameters
     params = odcfn.unshard([read_shards(ck, model=model, mesh=mesh)[0]], model, mesh)
-    return export_params(out, params, qcfg, cfg, dtype=dtype)
+    return export_params(out, params, qcfg, cfg, dtype=dtype, router_bias=bias)
 
 
 # --- command line ------------------------------------------------------------------------------

@@ -71,7 +71,7 @@ def _agg_modes() -> tuple[str, ...]:
 
 
 def _dpo_losses() -> tuple[str, ...]:
-    from odcfn.losses_dpo import DPO_LOSS_TYPES
+    from odcfn.losses.preference import DPO_LOSS_TYPES
 
     return DPO_LOSS_TYPES
 
@@ -171,6 +171,9 @@ KEYS: dict[tuple[str, str], Rule] = {
     ("checkpoint", "resume"): Rule("resume from the newest checkpoint in out_dir (false: start over, "
                                    "deleting them)"),
     ("checkpoint", "resume_anyway"): Rule("resume although the stored run's config or data differ"),
+    ("checkpoint", "recompute_reference"): Rule("train.task = \"dpo\": resume although the reference's "
+                                                "weights (model.hf_path) differ from the run's start, "
+                                                "recomputing its log-probs from them"),
     ("checkpoint", "export_hf"): Rule("after the run, write the final weights as a Hugging Face model here"),
     ("checkpoint", "async_save"): Rule("write disk checkpoints in the background (the step waits for a "
                                        "copy)"),

@@ -2,45 +2,75 @@
 runs, so a second run into the same directory stops before it touches a checkpoint or a log,
 with an error that names the run holding it.
 
-The lock is an advisory ``flock`` on that file, held by the launcher's process: the kernel drops
-it when that process exits in any way (``kill -9`` included), so the lock of a dead run is
-simply taken over; the pid/host written inside only say who holds it.
+The lock is an advisory open-file-description (OFD) ``fcntl`` lock on that file, held by the
+launcher's process: the kernel drops it when that process exits in any way (``kill -9``
+included), so the lock of a dead run is simply taken over; the pid/host written inside only say
+who holds it. OFD locks rather than ``flock`` because they can be *tested* without being taken
+(``F_OFD_GETLK``): the run lock's look at the rank locks must never hold one, even for a moment,
+or a rank taking its own lock at that moment is refused as another run's (issue 40).
 
 The run is more than its launcher: with ``train.backend = "processes"`` (and under torchrun)
 every rank process holds its own ``.odcfn-run.lock.rank<R>`` (``RankLock``) for as long as it
 lives. A new run takes the directory only when the launcher's lock *and* every rank's lock are
 free, so ranks that outlived a killed launcher keep the directory theirs (they die with it,
-``odcfn.orphan``: the new run waits up to ``wait_ranks`` seconds for that before refusing).
+``odcfn.launch.orphan``: the new run waits up to ``wait_ranks`` seconds for that before refusing).
 The kernel keeps these locks too: no pid bookkeeping that a recycled pid could fool."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import socket
+import struct
 import time
 from pathlib import Path
 
 __all__ = ["LOCK_NAME", "RankLock", "RunDirLocked", "RunLock"]
 
 LOCK_NAME = ".odcfn-run.lock"
+_FLOCK = "hhqqi4x"  # Linux's struct flock (x86-64, aarch64): type, whence, start, len, pid
 
 
 class RunDirLocked(RuntimeError):
     """Another live run holds the output directory."""
 
 
+def _whole_file(fd: int, cmd: int, kind: int) -> int:
+    """``fcntl(fd, cmd)`` with a lock of ``kind`` over the whole file; the lock type it returns."""
+    import fcntl
+
+    out = fcntl.fcntl(fd, cmd, struct.pack(_FLOCK, kind, os.SEEK_SET, 0, 0, 0))
+    return struct.unpack(_FLOCK, out)[0]
+
+
 def _try_lock(path: Path) -> int | None:
-    """An fd holding ``path``'s exclusive flock, or None if another process holds it."""
+    """An fd holding ``path``'s exclusive OFD lock, or None if another holder has it."""
     import fcntl
 
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
+        _whole_file(fd, fcntl.F_OFD_SETLK, fcntl.F_WRLCK)
+    except OSError as e:
         os.close(fd)
-        return None
+        if e.errno in (errno.EAGAIN, errno.EACCES):
+            return None
+        raise
     return fd
+
+
+def _is_locked(path: Path) -> bool:
+    """Whether some holder has ``path``'s lock; tested without taking it (``F_OFD_GETLK``)."""
+    import fcntl
+
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        return _whole_file(fd, fcntl.F_OFD_GETLK, fcntl.F_WRLCK) != fcntl.F_UNLCK
+    finally:
+        os.close(fd)
 
 
 def _record(fd: int, **more: object) -> None:
@@ -63,9 +93,7 @@ def _held_rank_locks(root: Path) -> list[Path]:
     """Rank locks held by a process of another run (or whose holder has not said yet)."""
     held, job = [], _job()
     for path in sorted(root.glob(f"{LOCK_NAME}.rank*")):
-        fd = _try_lock(path)
-        if fd is not None:
-            os.close(fd)
+        if not _is_locked(path):
             continue
         try:
             mine = job is not None and json.loads(path.read_bytes()[:4096] or b"{}").get("job") == job
@@ -111,7 +139,7 @@ class RunLock:
 
     def release(self) -> None:
         if self._fd is not None:
-            os.close(self._fd)  # closing drops the flock; the file stays (harmless)
+            os.close(self._fd)  # closing drops the lock; the file stays (harmless)
             self._fd = None
 
     def __enter__(self) -> RunLock:

@@ -23,23 +23,20 @@ pass before the first step (``odcfn.sft.ref_logprobs``).
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
-from odcfn.sft.config import SFTConfig, TrainSection, config_from_dict, load_config, model_config
-from odcfn.sft.config_rl import task_loss
+from odcfn.sft.config import SFTConfig, config_from_dict, load_config
 from odcfn.sft.example import write_example
 from odcfn.sft.prepare import PreparedData, prepare_data
 from odcfn.sft.record import Logger, already_done, data_summary, step_record
-from odcfn.sft.restart import Snapshots, clear_for_fresh_start, open_memory_tier, resume_point
-from odcfn.sft.resume_check import check_resume
-from odcfn.sft.stale_train import active, check_model
+from odcfn.sft.restart import Snapshots
+from odcfn.sft.setup import build_model, lr_now, setup, with_lora
+from odcfn.sft.stale_train import check_model
 from odcfn.sft.steplog import StepLog
-from odcfn.step.stale_config import max_staleness
 
 __all__ = [
     "SFTConfig", "add_arguments", "config_from_dict", "load_config", "main", "process_worker", "run",
@@ -48,163 +45,6 @@ __all__ = [
 
 
 # --- one rank ----------------------------------------------------------------------------------
-
-
-def _lr_fn(t: TrainSection):
-    def lr(step: int) -> float:  # step is 1-based (the optimizer's count after this update)
-        if t.warmup_steps and step <= t.warmup_steps:
-            return t.lr * step / t.warmup_steps
-        if t.schedule == "cosine":
-            span = max(1, t.steps - t.warmup_steps)
-            return 0.5 * t.lr * (1 + math.cos(math.pi * min(1.0, (step - t.warmup_steps) / span)))
-        return t.lr
-
-    return lr
-
-
-def _build_model(cfg: SFTConfig, mesh=None):
-    """``(QwenConfig, Model, this rank's initial shards or None)``: shards only when ``mesh`` is
-    given. An HF checkpoint is read shard-wise: no rank ever holds the full weights."""
-    from odcfn.models import init_params, qwen_model
-    from odcfn.sharding import shard
-
-    if cfg.model.hf_path and mesh is not None:
-        from odcfn.models.hf import shard_from_hf
-
-        qcfg, shards = shard_from_hf(cfg.model.hf_path, mesh)
-        return qcfg, qwen_model(qcfg), shards
-    qcfg = model_config(cfg)
-    if cfg.checkpoint.export_hf:  # refuse an unexportable model before training, not after
-        from odcfn.models.hf_config import model_type
-
-        model_type(qcfg)
-    model = qwen_model(qcfg)
-    return qcfg, model, None if mesh is None else shard(init_params(qcfg, seed=cfg.model.seed), model, mesh)
-
-
-def _with_lora(cfg: SFTConfig, model, shards, mesh):
-    """``[lora]``: the LoRA model over the base and this rank's shards of it (None stays None)."""
-    if not cfg.lora.rank:
-        return model, shards
-    from odcfn import lora
-
-    c = cfg.lora
-    kw = dict(rank=c.rank, alpha=c.alpha, targets=tuple(c.targets), dropout=c.dropout,
-              use_rslora=c.use_rslora, seed=c.seed)
-    if shards is None:
-        return lora.apply(model, {}, **kw)[0], None
-    return lora.apply_to_shards(model, shards, mesh, **kw)
-
-
-@dataclass
-class _Run:
-    """What one rank's loop runs with, built once by ``_setup``."""
-
-    state: Any  # odcfn.TrainState
-    data: PreparedData
-    lr: Any  # step -> learning rate
-    data_sha: str
-    start: int
-    resumed: str | None
-    tier: Any  # the memory tier (sft/restart.py)
-    reference: dict[str, Any] | None = None  # train.task = "dpo": where its reference log-probs came from
-
-
-def _setup(cfg: SFTConfig, rank: int, transport, data: PreparedData | None = None) -> _Run:
-    """The rank's state (fresh, or resumed from the newest verified checkpoint), its data and
-    schedule; refuses a resume whose config or data differ from the checkpoint's."""
-    import torch
-
-    import odcfn
-    from odcfn.checkpoint.frozen import load_parts
-    from odcfn.checkpoint.sharded import read_manifest
-    from odcfn.checkpoint.state_io import ROUTER_BIAS
-    from odcfn.sft.config_data import data_sha256
-
-    t = cfg.train
-    mesh = transport.mesh  # the transport's view of the job (ranks_per_node, sharding) wins
-    if mesh.world_size != t.world_size or mesh.rank != rank:
-        raise ValueError(f"transport serves {mesh}, but the config asks for rank {rank} of {t.world_size}")
-    tier = open_memory_tier(cfg, mesh, getattr(transport, "collectives", None))
-    ck = resume_point(cfg, tier)  # the newest verified snapshot, memory tier or disk
-    # LoRA: the frozen base comes from [model] whether or not a checkpoint holds the adapters
-    qcfg, model, initial = _build_model(cfg, None if ck is not None and not cfg.lora.rank else mesh)
-    model, initial = _with_lora(cfg, model, initial, mesh)
-    check_model(cfg, model)  # staleness patterns, expert_bias_rate: before any step communicates
-    if data is None:  # a rank of torchrun or of the processes backend: its own (cached) read
-        data = prepare_data(cfg, qcfg.vocab_size)
-    lr = _lr_fn(t)
-    make_opt = odcfn.adamw if t.optimizer == "adamw" else odcfn.sgd
-    optimizer = make_opt(lr, weight_decay=t.weight_decay, weight_decay_mask=t.weight_decay_mask)
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[t.compute_dtype]
-    step_config = odcfn.StepConfig(
-        comm=t.comm, balance=t.balance, max_tokens_per_microbatch=t.max_tokens_per_microbatch,
-        compute_dtype=dtype, max_grad_norm=t.max_grad_norm, deterministic=t.deterministic, remat=t.remat,
-        staleness=t.staleness, expert_bias_rate=t.expert_bias_rate,
-        # the loop never reuses a state: update in place (no second copy of it); stale owners
-        # keep older versions readable by peers, so never in place there
-        donate=not active(t),
-        loss=task_loss(cfg),  # None: cross-entropy (SFT); [dpo]'s or [rl]'s
-    )
-    start, resumed, bias = 0, None, None
-    data_sha = data_sha256(cfg)  # data.path's bytes, or the mixture's sources (sft/config_data.py)
-    if ck is not None:
-        extra = read_manifest(ck).get("extra", {})
-        check_resume(cfg, extra, data_sha, str(ck))
-        # the state is built from the checkpoint's shards: a resumed rank never initialises
-        # (or holds) fresh weights
-        t_load = time.perf_counter()
-        params, opt_state, start = load_parts(ck, model, mesh, initial, cfg.model.hf_path)
-        resumed = str(ck)
-        if t.expert_bias_rate and extra.get(ROUTER_BIAS) is not None:  # balancing continues where it was
-            bias = torch.tensor(extra[ROUTER_BIAS], dtype=torch.float32)
-        if rank == 0:  # a restart's trace in the job's log (recovery time, lost work)
-            print(f"odcfn train: resuming at step {start} from {ck} (read in "
-                  f"{time.perf_counter() - t_load:.2f}s)", file=sys.stderr, flush=True)
-            _say_schedule_change(extra.get("config", {}), cfg, start)
-    else:
-        params, opt_state = initial, None
-    state = odcfn.TrainState.create(
-        params=params, model=model, optimizer=optimizer, transport=transport, config=step_config,
-        opt_state=opt_state, step=start, router_bias=bias,
-    )
-    # Everything past the step we start from is stale: a fresh run's predecessors, or the
-    # uncommitted remains of an interrupted save (whose rank files would otherwise pass for
-    # this run's), in both tiers. Safe without a barrier: no rank saves before the first
-    # step's sync.
-    clear_for_fresh_start(cfg, start, tier, rank)
-    reference = None  # train.task = "dpo": the reference pass, or its cache (sft/ref_logprobs.py)
-    if t.task == "dpo":
-        from odcfn.sft.ref_logprobs import attach_reference
-
-        data, reference = attach_reference(cfg, state, data, data_sha, qcfg, resumed=ck is not None,
-                                           initial=lambda: _build_model(cfg, mesh)[2])
-    return _Run(state, data, lr, data_sha, start, resumed, tier, reference)
-
-
-def _say_schedule_change(stored: dict[str, Any], cfg: SFTConfig, start: int) -> None:
-    """A resume with another ``train.steps`` stretches (or shrinks) a decaying schedule: say so."""
-    was = stored.get("train", {}).get("steps")
-    t = cfg.train
-    if not isinstance(was, int) or was == t.steps:
-        return
-    if t.schedule == "constant":
-        what = "the learning rate stays constant, so only the run's length changes"
-    else:
-        old = _lr_fn(replace(t, steps=was))(start + 1)
-        what = (
-            f"the {t.schedule} schedule now decays over {t.steps} steps instead of {was}: the "
-            f"learning rate at step {start + 1} is {_lr_fn(t)(start + 1):.3g} (it would have been {old:.3g})"
-        )
-    print(f"odcfn train: train.steps {was} -> {t.steps} on resume from step {start}; {what}", flush=True)
-
-
-def _lr_now(run: _Run, step: int) -> float:
-    """The rate of the update just made: the optimizer counts updates, skipped steps are none."""
-    # a stale owner's optimizer state may trail the step (and no step is skipped there)
-    count = run.state.opt_state.get("count") if isinstance(run.state.opt_state, dict) else None
-    count = None if max_staleness(run.state.config.staleness) else count
-    return run.lr(count if isinstance(count, int) else step + 1)
 
 
 def train_rank(cfg: SFTConfig, rank: int, transport, data: PreparedData | None = None) -> dict[str, Any]:
@@ -217,12 +57,13 @@ def train_rank(cfg: SFTConfig, rank: int, transport, data: PreparedData | None =
     import odcfn
     from odcfn.checkpoint.kill_point import kill_point
 
-    run = _setup(cfg, rank, transport, data)
+    run = setup(cfg, rank, transport, data)
     logger = Logger(cfg, run.start) if rank == 0 else None
     # disk and memory tiers (sft/restart.py); under torchrun the HF export is written from the
     # last step's checkpoint, so that one is saved whatever the schedule
     snaps = Snapshots(cfg, run.data_sha, run.state.mesh, run.tier, base=cfg.model.hf_path,
-                      save_last=bool(cfg.checkpoint.export_hf) and _under_torchrun())
+                      save_last=bool(cfg.checkpoint.export_hf) and _under_torchrun(),
+                      reference=(run.reference or {}).get("sha256"))
     log = StepLog(cfg, logger, snaps, run.data)  # + [eval]; under staleness: late losses, drains
     try:
         for step in range(run.start, cfg.train.steps):
@@ -233,7 +74,8 @@ def train_rank(cfg: SFTConfig, rank: int, transport, data: PreparedData | None =
             batch = run.data.batch(step, cfg.data)  # a pure function of the step (pairs too)
             kill_point("step", step + 1, rank)  # tests only (ODCFN_TEST_KILL_AT)
             run.state, m = odcfn.train_step(run.state, batch)
-            rec = step_record(m, step + 1, step // run.data.per_epoch, _lr_now(run, step))
+            rec = step_record(m, step + 1, step // run.data.per_epoch, lr_now(run, step),
+                              run.state.router_bias)
             run.state = log.after_step(run.state, m, rec)
         snaps.finish(run.state)
     finally:
@@ -254,6 +96,8 @@ def train_rank(cfg: SFTConfig, rank: int, transport, data: PreparedData | None =
         # numpy: torch would send tensors to the launcher as shared-memory handles that die
         # with this rank's process
         out["shards"] = {k: v.detach().numpy().copy() for k, v in run.state.params.items()}
+        bias = run.state.router_bias  # not exportable: named by the export (note_router_bias)
+        out["router_bias"] = None if bias is None else bias.detach().cpu().double().tolist()
     return out
 
 
@@ -298,8 +142,8 @@ def _run_locked(cfg: SFTConfig) -> list[dict[str, Any]]:
         if cfg.checkpoint.export_hf:  # this rank saved the last step's checkpoint with the others
             export_checkpoint(cfg.checkpoint_dir / f"step-{cfg.train.steps:08d}", cfg.checkpoint.export_hf)
         return results
-    qcfg, model, _ = _build_model(cfg)
-    model = _with_lora(cfg, model, None, None)[0]
+    qcfg, model, _ = build_model(cfg)
+    model = with_lora(cfg, model, None, None)[0]
     check_model(cfg, model)  # a config built without load_config: named before any rank starts
     data = prepare_data(cfg, qcfg.vocab_size)  # every problem named before a rank starts
     from odcfn.sft.announce import run_lines
@@ -322,7 +166,7 @@ def _run_locked(cfg: SFTConfig) -> list[dict[str, Any]]:
         shards = [{k: torch.from_numpy(v) for k, v in r.pop("shards").items()} for r in results]
         full = odcfn.unshard(shards, model, odcfn.Mesh(W))
         full = odcfn.lora.merge(model, full) if cfg.lora.rank else full
-        export_params(cfg.checkpoint.export_hf, full, qcfg, cfg)
+        export_params(cfg.checkpoint.export_hf, full, qcfg, cfg, router_bias=results[0].get("router_bias"))
     return results
 
 
@@ -342,6 +186,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="start from scratch: delete out_dir's checkpoints and restart its metrics log")
     parser.add_argument("--resume-anyway", action="store_true", help="resume though hyperparameters or "
                         "data changed (each change is printed); another model is refused still")
+    parser.add_argument("--recompute-reference", action="store_true", help="train.task = \"dpo\": resume "
+                        "although the reference weights at model.hf_path changed since the run started "
+                        "(the reference log-probs are recomputed from them; refused otherwise)")
     parser.add_argument("--quiet", action="store_true", help="no per-step progress lines")
     parser.add_argument("--force", action="store_true", help="--init: overwrite DIR's run.toml/train.jsonl")
 
@@ -365,6 +212,8 @@ def main(args: argparse.Namespace) -> int:
     if args.no_resume or args.resume_anyway:
         ckpt = replace(ckpt, resume=ckpt.resume and not args.no_resume,
                        resume_anyway=ckpt.resume_anyway or args.resume_anyway)
+    if getattr(args, "recompute_reference", False):
+        ckpt = replace(ckpt, recompute_reference=True)
     if args.quiet:
         log = replace(log, progress=False)
     cfg = replace(

@@ -34,12 +34,12 @@ def job_mesh() -> Any:
 def job_transport(mesh: Any, timeout: float) -> Any:
     """The transport for ``mesh`` (a context manager: closing it frees its shared memory)."""
     if mesh.num_nodes == 1:
-        from odcfn.kernels.shm import ShmTransport
+        from odcfn.transport.shm import ShmTransport
 
         return ShmTransport(mesh, timeout=timeout)
     import torch.distributed as dist
 
-    from odcfn.kernels.cuda_ipc import cuda_ipc_transport
+    from odcfn.transport.gpu.cuda_ipc import cuda_ipc_transport
 
     for key in ("MASTER_ADDR", "MASTER_PORT"):
         if key not in os.environ:

@@ -37,6 +37,7 @@ class PreparedPairs:
     ref: tuple[torch.Tensor, ...] | None = None
     truncated: tuple[str, ...] = ()  # never: a cut answer is refused by the config
     skip_steps: frozenset[int] = field(default_factory=frozenset)  # never: every member has an answer
+    odd: tuple[str, ...] = ()  # "file:line why" of each pair that teaches nothing (odd_record)
     eval: tuple[tuple[Sample, Sample], ...] | None = None  # data.eval_path's pairs, read and checked
     eval_ref: tuple[torch.Tensor, ...] | None = None  # their reference log-probs ([eval], odcfn.sft.evaluate)
 
@@ -69,11 +70,14 @@ class PreparedPairs:
 
     def batch(self, step: int, d: Any) -> Batch:
         """Step ``step``'s minibatch (``d``: the ``[data]`` section)."""
-        import odcfn
+        from odcfn.preference import with_ref_logprobs
 
         ids = self.indices(step, d.batch_size, d.seed, d.shuffle)
         ref = None if self.ref is None else [self.ref[2 * k + m] for k in ids for m in (0, 1)]
-        return odcfn.preference_batch([self.pairs[k] for k in ids], ref_logprobs=ref)
+        # preference_batch's checks ran when the file was read (prepare_pairs), and odd pairs were
+        # named once in the opening lines: not again by every rank at every step
+        batch = Batch(tuple(s for k in ids for s in self.pairs[k]), pairs=True)
+        return batch if ref is None else with_ref_logprobs(batch, ref)
 
     def report(self) -> dict[str, Any]:
         return {"samples": 2 * len(self.pairs), "pairs": len(self.pairs), "truncated": [],
@@ -98,12 +102,14 @@ def _too_long(cfg: SFTConfig, pair: tuple[Sample, Sample]) -> str | None:
     return None
 
 
-def _read_pairs(cfg: SFTConfig, path: str, vocab_size: int, tok: Any) -> tuple[list, list, list[str]]:
-    """Every pair of ``path`` that fits, its line (or row), and where each pair too long was."""
+def _read_pairs(cfg: SFTConfig, path: str, vocab_size: int, tok: Any) -> tuple[list, list, list[str], list]:
+    """Every pair of ``path`` that fits, its line (or row), where each pair too long was, and the
+    odd pairs (``odcfn.data.preference.odd_record``: trained, and named in the opening lines)."""
+    from odcfn.data.preference import odd_record
     from odcfn.data.readers import iter_pairs
 
     d = cfg.data
-    pairs, lines, long = [], [], []
+    pairs, lines, long, odd = [], [], [], []
     for row, pair in iter_pairs(path, tok):
         for member, s in zip(("chosen", "rejected"), pair):
             top = int(s.tokens.max())
@@ -114,6 +120,9 @@ def _read_pairs(cfg: SFTConfig, path: str, vocab_size: int, tok: Any) -> tuple[l
         if why is not None:
             long.append((row.where, why))
             continue
+        strange = odd_record(row.rec)
+        if strange is not None:
+            odd.append(f"{row.where} {strange}")
         pairs.append(pair)
         lines.append(row.line)
     if long and d.long_samples == "error":
@@ -123,7 +132,7 @@ def _read_pairs(cfg: SFTConfig, path: str, vocab_size: int, tok: Any) -> tuple[l
     if not pairs:
         what = "every pair is too long" if long else "no pairs"
         raise ValueError(f"{path}: {what}: nothing to train on")
-    return pairs, lines, [w for w, _ in long]
+    return pairs, lines, [w for w, _ in long], odd
 
 
 def prepare_pairs(cfg: SFTConfig, vocab_size: int) -> PreparedPairs:
@@ -133,11 +142,12 @@ def prepare_pairs(cfg: SFTConfig, vocab_size: int) -> PreparedPairs:
 
     d = cfg.data
     tok = load_tokenizer(d.tokenizer)
-    pairs, lines, dropped = _read_pairs(cfg, d.path, vocab_size, tok)
+    pairs, lines, dropped, odd = _read_pairs(cfg, d.path, vocab_size, tok)
     per_epoch = len(pairs) // d.batch_size
     if per_epoch == 0:
         raise ValueError(f"{d.path}: {len(pairs)} pair(s), fewer than data.batch_size = {d.batch_size} "
                          "(pairs per minibatch with train.task = \"dpo\")")
     # a held-out pair always has loss tokens: an empty answer is refused by its row
     held_out = tuple(_read_pairs(cfg, d.eval_path, vocab_size, tok)[0]) if d.eval_path else None
-    return PreparedPairs(tuple(pairs), d.path, tuple(lines), per_epoch, tuple(dropped), eval=held_out)
+    return PreparedPairs(tuple(pairs), d.path, tuple(lines), per_epoch, tuple(dropped), odd=tuple(odd),
+                         eval=held_out)

@@ -11,6 +11,7 @@ have loss tokens), kept for the evaluation."""
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -18,7 +19,7 @@ from odcfn.batch import Sample
 from odcfn.data.dataset import TokenDataset
 from odcfn.sft.config import SFTConfig
 
-__all__ = ["PreparedData", "length_limit", "prepare_data"]
+__all__ = ["PreparedData", "length_limit", "prepare_data", "prepare_quietly"]
 
 _SHOW = 5  # data lines named in a message
 
@@ -200,3 +201,12 @@ def _read_eval(cfg: SFTConfig, vocab_size: int) -> TokenDataset | None:
             "set with targets"
         )
     return data
+
+
+def prepare_quietly(cfg: SFTConfig, vocab_size: int) -> Any:
+    """``prepare_data`` without its warnings (fields not read, ...): for a rank process whose data
+    the launcher, or torchrun's rank 0, read and named once already. Only in a process of its own:
+    the filter is process-wide (threads ranks take the launcher's data and read nothing)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return prepare_data(cfg, vocab_size)

@@ -16,7 +16,7 @@ from odcfn.sft.config import SFTConfig
 from odcfn.step.state import StepMetrics
 from odcfn.trace import COMPUTE_KINDS
 
-__all__ = ["LOSS_FIGURES", "Logger", "already_done", "data_summary", "prune", "step_record"]
+__all__ = ["LOSS_FIGURES", "Logger", "already_done", "data_summary", "moe_figures", "prune", "step_record"]
 
 LOSS_FIGURES = frozenset(("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
                            "logps/chosen", "logps/rejected", "nll_loss"))
@@ -24,8 +24,22 @@ LOSS_FIGURES = frozenset(("rewards/chosen", "rewards/rejected", "rewards/accurac
 _STALE_FIGURES = ("staleness_max", "staleness_mean", "version_wait_s")
 
 
-def step_record(m: StepMetrics, step: int, epoch: int, lr: float) -> dict[str, Any]:
-    """One metrics line: ``step`` is 1-based (the number of updates done)."""
+def moe_figures(extra: Any, router_bias: Any = None) -> dict[str, float]:
+    """A mixture's figures of a step, as JSON numbers: each sparse layer's expert load as max over
+    mean of its tokens per expert (``moe/load_max_over_mean/<unit>``, 1.0 is even), the aux loss
+    (``moe/aux_loss``, part of ``loss``; when on) and the range of the aux-loss-free balancing
+    bias after the step (``moe/router_bias_min`` / ``_max``; with ``train.expert_bias_rate``)."""
+    out = {k: float(v) for k, v in extra.items()
+           if k.startswith("moe/load_max_over_mean/") or k == "moe/aux_loss"}
+    if router_bias is not None:
+        out["moe/router_bias_min"] = float(router_bias.min())
+        out["moe/router_bias_max"] = float(router_bias.max())
+    return out
+
+
+def step_record(m: StepMetrics, step: int, epoch: int, lr: float, router_bias: Any = None) -> dict[str, Any]:
+    """One metrics line: ``step`` is 1-based (the number of updates done); ``router_bias``: the
+    state's after the step (a mixture with aux-loss-free balancing)."""
     busy = sum(e.duration for e in m.events if e.kind in COMPUTE_KINDS)
     return {
         "step": step,
@@ -49,6 +63,7 @@ def step_record(m: StepMetrics, step: int, epoch: int, lr: float) -> dict[str, A
         # a preference loss's figures as TRL names them (rewards/..., logps/..., nll_loss)
         **{k: float(v) for k, v in m.extra.items() if k in LOSS_FIGURES},
         **{k: m.extra[k] for k in _STALE_FIGURES if k in m.extra},
+        **moe_figures(m.extra, router_bias),  # a mixture of experts: its loads, aux loss and bias
     }
 
 

@@ -14,6 +14,13 @@ same state with its adapters zero (``odcfn.lora_reference``: the base, no second
 fine-tuning run resumed without a valid cache rebuilds its initial params for the pass and drops
 them before the first step.
 
+The reference's digest is recorded in every checkpoint (``reference_sha256``, from the run's
+start). A resume whose reference now hashes otherwise (the weights at ``model.hf_path`` were
+replaced: the resume check compares files over 64 MiB by size only) is refused before any pass,
+whether or not the cache survived: recomputing would change the objective mid-run. With
+``checkpoint.recompute_reference`` (``--recompute-reference``) it recomputes from the new weights,
+says so, and records the new digest.
+
 Every rank decides alone whether the cache serves, from the same file; only rank 0 writes it,
 after the pass's last sync, which no rank passes before every rank has decided: so the ranks
 never disagree on whether to run the (collective) pass.
@@ -25,6 +32,7 @@ import functools
 import hashlib
 import json
 import os
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -36,10 +44,11 @@ import torch
 from odcfn.sft.config import SFTConfig
 from odcfn.sft.preference import PreparedPairs
 
-__all__ = ["CACHE_NAME", "attach_reference", "cache_key", "read_cache", "reference_pass", "reference_sha256",
-           "write_cache"]
+__all__ = ["CACHE_NAME", "EVAL_CACHE_NAME", "REFERENCE_SHA", "attach_eval_reference", "attach_reference",
+           "cache_key", "check_reference", "read_cache", "reference_pass", "reference_sha256", "write_cache"]
 
 CACHE_NAME = "reference_logprobs.safetensors"
+REFERENCE_SHA = "reference_sha256"  # the checkpoint manifest's extra entry: the run's reference
 _FORMAT = "1"
 
 
@@ -141,15 +150,40 @@ def _reference_state(cfg: SFTConfig, state: Any, resumed: bool, initial: Callabl
                                    transport=state.transport, config=state.config)
 
 
+def check_reference(cfg: SFTConfig, recorded: tuple[str, str | None] | None, now: str) -> str | None:
+    """Refuse a resume whose reference differs from the one its run started with
+    (``recorded``: the checkpoint and its ``reference_sha256``; None for a fresh run, and a
+    checkpoint written before the record has none); a note to print when
+    ``checkpoint.recompute_reference`` lets it through, else None. The same files on every rank:
+    every rank decides alike."""
+    if recorded is None or recorded[1] is None or recorded[1] == now:
+        return None
+    where, was = recorded
+    what = (f"the weights at model.hf_path {cfg.model.hf_path}" if cfg.model.hf_path
+            else f"the initial model of model.seed {cfg.model.seed}")
+    change = f"reference sha256 {was[:12]}... -> {now[:12]}..."
+    if not cfg.checkpoint.recompute_reference:
+        raise ValueError(
+            f"odcfn train: {where} was trained against another reference: {what} differ from those the run "
+            f"started from ({change}). A preference loss measures the policy against that start, so resuming "
+            "against other weights changes the objective mid-run. Restore the original weights, use "
+            "--no-resume to start over, or --recompute-reference (checkpoint.recompute_reference) to "
+            "resume against reference log-probs recomputed from these"
+        )
+    return (f"warning: resuming {where} against a new reference (checkpoint.recompute_reference): {what} "
+            f"changed since the run started ({change}); its log-probs are recomputed from them")
+
+
 def attach_reference(
     cfg: SFTConfig, state: Any, data: PreparedPairs, data_sha: str, qcfg: Any, *, resumed: bool,
-    initial: Callable[[], Any],
+    initial: Callable[[], Any], recorded: tuple[str, str | None] | None = None,
 ) -> tuple[PreparedPairs, dict[str, Any]]:
     """``data`` with the reference log-probs (cached, or computed and cached), and what was
-    done: ``{"source": "cache" | "computed" | "none", "passes": n, "why": ...}``. ``initial``:
-    this rank's initial shards (only called for a resumed full fine-tuning run that must
-    recompute)."""
-    data, info = _attach(cfg, state, data, data_sha, qcfg, resumed, initial)
+    done: ``{"source": "cache" | "computed" | "none", "passes": n, "why": ..., "sha256": the
+    reference's digest}``. ``initial``: this rank's initial shards (only called for a resumed
+    full fine-tuning run that must recompute); ``recorded``: the resumed checkpoint and the
+    reference digest it recorded (``check_reference``)."""
+    data, info = _attach(cfg, state, data, data_sha, qcfg, resumed, initial, recorded)
     if state.mesh.rank == 0:
         print(f"odcfn train: {describe(info)}", flush=True)
     return data, info
@@ -157,28 +191,30 @@ def attach_reference(
 
 def _attach(
     cfg: SFTConfig, state: Any, data: PreparedPairs, data_sha: str, qcfg: Any, resumed: bool,
-    initial: Callable[[], Any],
+    initial: Callable[[], Any], recorded: tuple[str, str | None] | None,
 ) -> tuple[PreparedPairs, dict[str, Any]]:
     if not cfg.dpo.uses_reference:
         return data, {"source": "none", "passes": 0, "why": "reference-free loss"}
     path = Path(cfg.out_dir) / CACHE_NAME
-    key = cache_key(cfg, data, data_sha, reference_sha256(cfg, state.model, qcfg))
+    ref_sha = reference_sha256(cfg, state.model, qcfg)  # hashed in full: not by size, as the resume check
+    note = check_reference(cfg, recorded, ref_sha)  # before the cache: a valid one of new weights too
+    if note is not None and state.mesh.rank == 0:
+        print(f"odcfn train: {note}", file=sys.stderr, flush=True)
+    key = cache_key(cfg, data, data_sha, ref_sha)
     lengths = [s.length for s in data.samples]
     ref, why = read_cache(path, key, lengths)
     # one reference state for both sets, built only if a pass runs (a resume may rebuild it)
     ref_state = functools.cache(lambda: _reference_state(cfg, state, resumed, initial))
-    from odcfn.sft.evaluate import attach_eval_reference
-
     data, held_out = attach_eval_reference(cfg, data, key, ref_state)  # [eval]'s pairs: their own cache
     if ref is not None:
         return replace(data, ref=ref), {"source": "cache", "passes": 0, "why": "", "path": str(path),
-                                        "eval": held_out}
+                                        "eval": held_out, "sha256": ref_sha}
     t0 = time.perf_counter()
     ref, passes = reference_pass(ref_state(), data, cfg.data.batch_size)
     if state.mesh.rank == 0:  # the values are the same on every rank (the sync's sum)
         write_cache(path, key, ref)
     info = {"source": "computed", "passes": passes, "why": why, "path": str(path),
-            "seconds": time.perf_counter() - t0, "eval": held_out}
+            "seconds": time.perf_counter() - t0, "eval": held_out, "sha256": ref_sha}
     return replace(data, ref=ref), info
 
 
@@ -191,3 +227,30 @@ def describe(info: dict[str, Any]) -> str:
         return f"reference log-probs: read from {info['path']} (verified; no reference pass){held_out}"
     return (f"reference log-probs: computed in {info['passes']} forward pass(es), "
             f"{info['seconds']:.1f}s, cached in {info['path']} (cache: {info['why']}){held_out}")
+
+
+EVAL_CACHE_NAME = "reference_logprobs_eval.safetensors"  # [eval]'s held-out pairs
+
+
+def attach_eval_reference(
+    cfg: Any, data: Any, key: dict[str, str], ref_state: Callable[[], Any],
+) -> tuple[Any, str]:
+    """``data`` (``PreparedPairs``) with the reference log-probs of its held-out pairs, read from
+    their cache or computed with ``ref_state()`` (called only then) and cached; and what was done.
+    ``key``: the training set's cache key, whose data entries are replaced by the held-out set's."""
+    from odcfn.data.sources import source_sha256
+    from odcfn.sft.preference import PreparedPairs
+
+    if not cfg.eval.every or data.eval is None:
+        return data, ""
+    held_out = PreparedPairs(data.eval, cfg.data.eval_path, (), 1)
+    key = {**key, "data_sha256": source_sha256(cfg.data.eval_path), "tokens_sha256": held_out.tokens_sha256()}
+    path = Path(cfg.out_dir) / EVAL_CACHE_NAME
+    ref, why = read_cache(path, key, [s.length for s in held_out.samples])
+    if ref is not None:
+        return replace(data, eval_ref=ref), f"held-out set's read from {path}"
+    state = ref_state()
+    ref, passes = reference_pass(state, held_out, cfg.data.batch_size)
+    if state.mesh.rank == 0:
+        write_cache(path, key, ref)
+    return replace(data, eval_ref=ref), f"held-out set's computed in {passes} pass(es) ({why})"

@@ -67,21 +67,25 @@ class Snapshots:
 
     def __init__(
         self, cfg: SFTConfig, data_sha: str, mesh: Any, tier: MemoryTier | NodeTier, *,
-        base: str | None = None, save_last: bool = False,
+        base: str | None = None, save_last: bool = False, reference: str | None = None,
     ) -> None:
         """``tier``: the run's memory tier (``open_memory_tier``); ``base``: where a LoRA run's
         frozen base comes from (recorded, verified on resume); ``save_last``: write a disk
-        checkpoint after the last step whatever ``every`` says."""
+        checkpoint after the last step whatever ``every`` says; ``reference``: a preference run's
+        reference digest, recorded so that a resume can tell whether its base changed."""
         self.cfg, self.data_sha, self.rank = cfg, data_sha, mesh.rank
-        self.base, self.save_last = base, save_last
+        self.base, self.save_last, self.reference = base, save_last, reference
         self.disk, self.memory = AsyncSaver(), AsyncSaver()
         self.tier = tier if cfg.checkpoint.memory_every else None
         # absolute paths and what they hold: a resume from another directory compares contents
         self.config, self.digests = stored_config(cfg), path_digests(cfg)
 
     def _extra(self, done: int) -> dict[str, Any]:
-        return {"config": self.config, "data_sha256": self.data_sha, "data_step": done,
-                "path_digests": self.digests}
+        extra = {"config": self.config, "data_sha256": self.data_sha, "data_step": done,
+                 "path_digests": self.digests}
+        if self.reference is not None:
+            extra["reference_sha256"] = self.reference  # odcfn.sft.ref_logprobs.REFERENCE_SHA
+        return extra
 
     def _disk_due(self, done: int) -> bool:
         # the last step is always saved (every = 0: only it), so a finished run can be exported

@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from odcfn.data.prompt import Prompt
 from odcfn.data.prompts import PromptDataset
-from odcfn.rollout.prompt import Prompt
 
 __all__ = ["PreparedPrompts", "prepare_prompts", "rl_lines"]
 

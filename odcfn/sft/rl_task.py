@@ -1,6 +1,6 @@
 """``odcfn train`` with ``train.task = "rl"``: iterations of ``odcfn.rl.step`` on one rank.
 
-Each rank builds the run's state as SFT does (``odcfn.sft.loop._setup``: fresh or resumed,
+Each rank builds the run's state as SFT does (``odcfn.sft.setup.setup``: fresh or resumed,
 LoRA, MoE, staleness, the policy-gradient loss), its own rollout engine (``[rollout]``) loaded
 from that state (``update_weights``: every rank, no file in between), and for a KL term with
 full fine-tuning a frozen reference state holding the initial weights (LoRA's reference is its
@@ -34,9 +34,9 @@ from pathlib import Path
 from typing import Any
 
 from odcfn.sft.config import SFTConfig, model_config
-from odcfn.sft.loop import _build_model, _lr_now, _setup
 from odcfn.sft.record import Logger
 from odcfn.sft.restart import Snapshots
+from odcfn.sft.setup import build_model, lr_now, setup
 from odcfn.sft.stale_train import active
 
 __all__ = ["RLLogger", "RLSnapshots", "train_rl_rank"]
@@ -119,7 +119,7 @@ def _reference(cfg: SFTConfig, state: Any) -> Any:
 
     if not cfg.rl.kl_loss_coef or cfg.lora.rank:
         return None
-    initial = _build_model(cfg, state.mesh)[2]  # the same initial weights, resumed or not
+    initial = build_model(cfg, state.mesh)[2]  # the same initial weights, resumed or not
     return odcfn.TrainState.create(params=initial, model=state.model, optimizer=odcfn.sgd(0.0),
                                    transport=state.transport, config=replace(state.config, donate=False))
 
@@ -131,7 +131,7 @@ def train_rl_rank(cfg: SFTConfig, rank: int, transport: Any, data: Any = None) -
     from odcfn.data.chat import load_tokenizer
     from odcfn.sft.config_rl import make_engine, resolve_reward, rl_config
 
-    run = _setup(cfg, rank, transport, data)
+    run = setup(cfg, rank, transport, data)
     start = _resumed_iteration(run.resumed)
     tok = load_tokenizer(cfg.data.tokenizer)
     config = rl_config(cfg, resolve_reward(cfg), tok.eos_token_id)
@@ -153,7 +153,7 @@ def train_rl_rank(cfg: SFTConfig, rank: int, transport: Any, data: Any = None) -
             last = m.extra
             if logger is not None:
                 logger.log({"step": it + 1, "epoch": it // run.data.per_epoch, "trainer_step": run.state.step,
-                            "lr": _lr_now(run, max(0, run.state.step - 1)), **m.extra})
+                            "lr": lr_now(run, max(0, run.state.step - 1)), **m.extra})
             run.state = snaps.after_iteration(run.state, it + 1)
         snaps.finish(run.state)
     finally:

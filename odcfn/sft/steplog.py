@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from odcfn.sft.evaluate import Evaluator
-from odcfn.sft.record import LOSS_FIGURES
+from odcfn.sft.record import LOSS_FIGURES, moe_figures
 from odcfn.sft.stale_train import active
 from odcfn.step import stale
 
@@ -59,6 +59,7 @@ class StepLog:
             rec = self.pending[k + 1]
             rec["loss"], rec["grad_norm"] = fig["loss"], fig["grad_norm"]
             rec.update({n: float(v) for n, v in fig.items() if n in self.figures})
+            rec.update(moe_figures(fig))  # a mixture's loads arrive with the step's figures too
             rec["complete"] = True
         while self.pending:
             first = min(self.pending)

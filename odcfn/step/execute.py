@@ -18,7 +18,6 @@ from typing import Any
 import torch
 
 from odcfn.batch import Batch, Microbatch, pack
-from odcfn.kernels.base import Handle, Transport, sum_squares
 from odcfn.kernels.grad_sink import flat_views, seed
 from odcfn.model import Model, unit_inputs
 from odcfn.schedule.plan import (
@@ -37,6 +36,7 @@ from odcfn.sharding import Layout
 from odcfn.step.experts import expert_source
 from odcfn.step.ordered_push import OrderedPusher
 from odcfn.trace import Event
+from odcfn.transport.base import Handle, Transport, sum_squares
 from odcfn.tree import tree_unflatten
 
 __all__ = ["Executor"]
@@ -67,7 +67,7 @@ class Executor:
         self.t, self.dtype, self.device = transport, compute_dtype, device
         chain = model.chain  # the forward's units: all but a mixture's experts (Unit.experts)
         self.rank, self.last = transport.mesh.rank, chain[-1]
-        # progress that peers waiting on this rank can see (odcfn.kernels.heartbeat); optional
+        # progress that peers waiting on this rank can see (odcfn.transport.heartbeat); optional
         self.beat = getattr(transport, "beat", None) or (lambda: None)
         self.riders: torch.Tensor | None = None
         self.units = {u.name: u for u in model.units}
@@ -91,6 +91,8 @@ class Executor:
         self.logs: dict[int, Any] = {}
         self.loads = None if self.router is None else torch.zeros(
             self.router.num_layers, self.router.num_experts, dtype=torch.float64)
+        # the aux loss's share of loss_sum, summed in the same sync: a figure of its own
+        self.aux = None if self.router is None else torch.zeros(1, dtype=torch.float64, device=device)
         self.events: list[Event] = []
         self.t0 = time.perf_counter()
         self.mb_pushed: set[str] = set()  # the routed experts the current Backward pushed
@@ -212,7 +214,9 @@ class Executor:
             self.loss_sum += y.detach().double()
             log = self.logs.get(mb)
             if log is not None:  # the microbatch's aux loss (its gradient rides the routers' graphs)
-                self.loss_sum[0] += log.aux_loss().to(self.loss_sum.device)
+                aux = log.aux_loss().to(self.loss_sum.device)
+                self.loss_sum[0] += aux
+                self.aux += aux
                 for layer, load in log.loads.items():
                     self.loads[layer] += load
         else:
@@ -372,10 +376,11 @@ class Executor:
         norm2 = sum_squares(grads.values()).to(self.device)
         # after the replica all-reduce every replica holds the same shard: count it once
         norm2 = norm2 / len(self.t.mesh.replica_group)
-        s = self.loss_sum.reshape(-1)  # [loss sum, grad-norm^2, the loss's metric sums, expert loads, riders]
+        # [loss sum, grad-norm^2, the loss's metric sums, expert loads, aux loss, riders]
+        s = self.loss_sum.reshape(-1)
         stats = torch.cat([s[:1], norm2.reshape(1), s[1:]])
         if self.loads is not None:
-            stats = torch.cat([stats, self.loads.reshape(-1).to(stats.device)])
+            stats = torch.cat([stats, self.loads.reshape(-1).to(stats.device), self.aux.to(stats.device)])
         if self.riders is not None:  # e.g. the minibatch fingerprint: same sync, no extra trip
             stats = torch.cat([stats, self.riders.to(stats.device, torch.float64)])
         return self.t.sync(stats)

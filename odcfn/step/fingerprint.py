@@ -3,11 +3,13 @@
 Every rank must pass the same global batch and config to ``train_step``; a rank that does not
 would train on silently (each reporting its own loss). So each rank hashes what it was given
 into a few small words — the sample lengths and loss-token count, the token ids and loss masks,
-the step config, the layout and model — and appends each word ``f`` and its square ``f²`` to
-the stats of the sync it already makes (no extra round trip). After the sum over W ranks,
-``W·Σf² == (Σf)²`` holds exactly when every rank had the same ``f`` (Cauchy-Schwarz), so every
-rank sees the same verdict and raises the same error before the optimizer step. Words have 20
-bits so that the sums stay exact integers in float64 for up to 8192 ranks.
+the step config, the layout and model, the per-token extras' names and each extra's values (one
+word per extra, in name order, so the error names the extra that differs) — and appends each
+word ``f`` and its square ``f²`` to the stats of the sync it already makes (no extra round
+trip). After the sum over W ranks, ``W·Σf² == (Σf)²`` holds exactly when every rank had the
+same ``f`` (Cauchy-Schwarz), so every rank sees the same verdict and raises the same error
+before the optimizer step. Words have 20 bits so that the sums stay exact integers in float64
+for up to 8192 ranks.
 """
 
 from __future__ import annotations
@@ -20,12 +22,17 @@ import torch
 
 from odcfn.batch import Batch
 
-__all__ = ["BITS", "GATHER_WHAT", "WHAT", "check_agreement", "encode", "gather_words", "layout_key",
-           "minibatch_words", "stable_repr"]
+__all__ = ["BITS", "EXTRA_SLOTS", "GATHER_WHAT", "WHAT", "check_agreement", "encode", "extra_slots",
+           "gather_words", "layout_key", "minibatch_words", "stable_repr"]
 
 BITS = 20
+# extras with a word of their own, in name order (a batch with more shares the last one): the
+# word count must not depend on the batch, since the words of all ranks are summed position by
+# position
+EXTRA_SLOTS = 6
 WHAT = ("the sample lengths / loss-token count", "the token ids / loss masks", "the step config",
-        "the parameter layout / model config")
+        "the parameter layout / model config", "the per-token extras' names / dtypes / shapes",
+        *("the values of a per-token extra",) * EXTRA_SLOTS)
 GATHER_WHAT = ("the request (dst / units)", "the parameter layout / model config / step")
 _MAX_WORLD = 1 << 13  # W * (2^20)^2 <= 2^53: exact in float64
 
@@ -36,6 +43,10 @@ def stable_repr(x: Any) -> str:
         return repr(x)
     if isinstance(x, (list, tuple)):
         return f"{type(x).__name__}({', '.join(stable_repr(v) for v in x)})"
+    if isinstance(x, (set, frozenset)):  # by contents: ScheduleOptions.remat / frozen / passthrough
+        return f"{type(x).__name__}({', '.join(sorted(stable_repr(v) for v in x))})"
+    if isinstance(x, torch.Tensor):  # by values: a digest of dtype, shape and bytes
+        return f"tensor({x.dtype}, {tuple(x.shape)}, {_tensor_digest(x)})"
     if isinstance(x, dict):
         items = sorted(x.items(), key=str)
         return "{" + ", ".join(f"{stable_repr(k)}: {stable_repr(v)}" for k, v in items) + "}"
@@ -45,6 +56,11 @@ def stable_repr(x: Any) -> str:
     if hasattr(x, "func") and hasattr(x, "args"):  # functools.partial
         return f"partial({stable_repr(x.func)}, {stable_repr(x.args)}, {stable_repr(x.keywords)})"
     return f"{getattr(type(x), '__module__', '')}.{getattr(x, '__qualname__', type(x).__qualname__)}"
+
+
+def _tensor_digest(v: torch.Tensor) -> str:
+    raw = v.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)  # any dtype, as bytes
+    return hashlib.blake2b(raw.numpy().tobytes(), digest_size=8).hexdigest()
 
 
 def _word(*parts: bytes | str) -> int:
@@ -65,6 +81,15 @@ def _extra_bytes(key: str, v: torch.Tensor) -> bytes:
     return head + raw.numpy().tobytes()
 
 
+def extra_slots(batch: Batch) -> list[list[str]]:
+    """The extras' names word by word: ``EXTRA_SLOTS`` lists in name order (every sample of a
+    batch carries the same extras), empty when the batch has fewer, the rest in the last."""
+    names = sorted(batch.samples[0].extras) if batch.samples else []
+    slots: list[list[str]] = [[n] for n in names[: EXTRA_SLOTS - 1]]
+    slots.append(names[EXTRA_SLOTS - 1 :])
+    return slots + [[] for _ in range(EXTRA_SLOTS - len(slots))]
+
+
 def minibatch_words(batch: Batch, config: Any, layout_key: str) -> list[int]:
     """This rank's fingerprint words, in the order of ``WHAT``."""
     tokens = hashlib.blake2b(digest_size=16)
@@ -72,13 +97,23 @@ def minibatch_words(batch: Batch, config: Any, layout_key: str) -> list[int]:
         tokens.update(s.tokens.to("cpu", torch.int64).contiguous().numpy().tobytes())
         mask = s.loss_mask
         tokens.update(b"-" if mask is None else mask.to("cpu", torch.uint8).contiguous().numpy().tobytes())
-        for k in sorted(s.extras):  # RL rollout data (advantages, routed experts) must agree too
-            tokens.update(_extra_bytes(k, s.extras[k]))
+    # RL rollout data (advantages, routed experts) must agree too: the names, dtypes and shapes
+    # in one word, each extra's values in its own, so that a difference is named
+    shapes = [f"{k}|{v.dtype}|{tuple(v.shape)}" for s in batch.samples for k, v in sorted(s.extras.items())]
+    values = []
+    for names in extra_slots(batch):
+        h = hashlib.blake2b(digest_size=16)
+        for s in batch.samples:
+            for k in names:
+                h.update(_extra_bytes(k, s.extras[k]))
+        values.append(_word(h.digest()))
     return [
         _word(repr(tuple(batch.lengths)), str(batch.num_loss_tokens)),
         _word(tokens.digest()),
         _word(stable_repr(config)),
         _word(layout_key),
+        _word(repr(shapes)),
+        *values,
     ]
 
 

@@ -21,9 +21,9 @@ import time
 
 import torch
 
-from odcfn.kernels.base import Transport, TransportError
 from odcfn.kernels.fused_head import atomic_backward
 from odcfn.sharding import Layout
+from odcfn.transport.base import Transport, TransportError
 
 __all__ = ["WINDOW_BYTES", "OrderedPusher", "check_counters", "check_head"]
 

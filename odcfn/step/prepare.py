@@ -11,7 +11,6 @@ from typing import Any
 import torch
 
 from odcfn.batch import Batch, check_token_range
-from odcfn.kernels.base import supports_odc
 from odcfn.model import Model
 from odcfn.moe.router import check_routing
 from odcfn.schedule.plan import ScheduleOptions
@@ -20,6 +19,7 @@ from odcfn.sharding import Layout, make_layout
 from odcfn.sharding.layout import check_shards
 from odcfn.step import fingerprint
 from odcfn.step.state import TrainState, check_fields
+from odcfn.transport.base import supports_odc
 
 __all__ = ["check_inputs", "minibatch_fingerprint", "recording", "schedule_options"]
 
@@ -104,4 +104,9 @@ def minibatch_fingerprint(
     lengths = repr(batch.lengths) if len(batch) <= 16 else f"{batch.lengths[:16]}... ({len(batch)} samples)"
     detail = [f"lengths {lengths}, {batch.num_loss_tokens} loss tokens", f"token hash {words[1]:05x}",
               fingerprint.stable_repr(config)[:300], key[:300]]
+    first = batch.samples[0].extras if batch.samples else {}
+    kinds = [f"{k}: {v.dtype} x {tuple(v.shape[1:])}" for k, v in sorted(first.items())]
+    detail.append(f"extras {kinds}"[:300])
+    detail += [", ".join(f"extras[{k!r}]" for k in names) + f", hash {w:05x}" if names else "no extra"
+               for names, w in zip(fingerprint.extra_slots(batch), words[5:])]
     return words, detail

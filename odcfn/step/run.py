@@ -11,7 +11,6 @@ from typing import Any
 import torch
 
 from odcfn.batch import Batch
-from odcfn.kernels.base import Transport
 from odcfn.model import Model
 from odcfn.schedule.plan import Plan
 from odcfn.schedule.program import Piece, assemble_plan
@@ -19,6 +18,7 @@ from odcfn.sharding import Layout
 from odcfn.step.execute import Executor
 from odcfn.step.ordered_push import OrderedPusher
 from odcfn.trace import Event
+from odcfn.transport.base import Transport
 
 __all__ = ["ExecResult", "execute"]
 
@@ -31,6 +31,7 @@ class ExecResult:
     riders: torch.Tensor | None = None  # the summed extra stats the caller had ride the sync
     loss_metrics: tuple[float, ...] = ()  # a loss object's metric sums, in its metric_names order
     expert_loads: torch.Tensor | None = None  # a mixture's tokens per expert, sparse layers x E, summed
+    aux_loss: float | None = None  # a mixture's load-balancing loss, the part of loss_sum it makes
 
 
 
@@ -77,8 +78,9 @@ def execute(
     plan = assemble_plan(ex.rank, comm, model.unit_names, ran)
     m = len(loss.metric_names)
     extra = tuple(float(x) for x in stats[2:2 + m])
-    n = 0 if ex.loads is None else ex.loads.numel()
-    loads = None if ex.loads is None else stats[2 + m:2 + m + n].reshape(ex.loads.shape).cpu()
+    n = 0 if ex.loads is None else ex.loads.numel() + 1  # the loads, then the aux loss
+    loads = None if ex.loads is None else stats[2 + m:1 + m + n].reshape(ex.loads.shape).cpu()
+    aux = None if ex.loads is None else float(stats[1 + m + n])
     norm = float(stats[1].clamp_min(0).sqrt())
-    result = ExecResult(float(stats[0]), norm, events, stats[2 + m + n:], extra, loads)
+    result = ExecResult(float(stats[0]), norm, events, stats[2 + m + n:], extra, loads, aux)
     return result, plan

@@ -21,11 +21,11 @@ from collections.abc import Iterable, Mapping
 import torch
 
 from odcfn.batch import Batch
-from odcfn.kernels.base import world_group
 from odcfn.step import stale
 from odcfn.step.state import TrainState
 from odcfn.step.train import grad_step
 from odcfn.trainable import trainable_names
+from odcfn.transport.base import world_group
 
 __all__ = ["hybrid", "measure"]
 

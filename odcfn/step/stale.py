@@ -3,7 +3,7 @@
 The synchronous step ends in one global sync and every rank updates what it owns. Here a rank
 runs minibatch ``j`` against parameter versions ``>= j - τ(unit)``, pushes its gradients into
 the owners' accumulator slot for ``j``, deposits its stats and returns without waiting for
-anyone (``odcfn.kernels.versions``). Each owner applies step ``k`` (this module's ``_Owner.apply``:
+anyone (``odcfn.transport.versions``). Each owner applies step ``k`` (this module's ``_Owner.apply``:
 the optimizer on its shards) once every rank's pushes for ``k`` have reached it, at its next wait
 or step boundary, and publishes version ``k + 1``.
 
@@ -37,6 +37,7 @@ from odcfn.schedule.policy import prepare_program
 from odcfn.schedule.program import Piece, assemble_plan
 from odcfn.sharding import Layout
 from odcfn.step import fingerprint
+from odcfn.step.agree import check_trained_units
 from odcfn.step.execute import Executor
 from odcfn.step.experts import expert_load_metrics
 from odcfn.step.ordered_push import check_head
@@ -92,7 +93,7 @@ def check(state: TrainState) -> dict[str, int]:
             "bias update needs the minibatch's summed expert loads, which no rank waits for under staleness"
         )
     if cfg.deterministic:
-        # each owner sums a step's pushes in rank order (odcfn.kernels.versions_det): the transport
+        # each owner sums a step's pushes in rank order (odcfn.transport.versions_det): the transport
         # must keep one buffer per rank, and the head's own gradient must be reproducible
         if not getattr(tr, "ordered_versions", False):
             raise TypeError(
@@ -112,7 +113,7 @@ class _Owner:
     model: Model
     optimizer: Optimizer
     # (params, optimizer state) of the newest applied version, swapped as one: a peer's thread may
-    # apply this owner's step (odcfn.kernels.versions) while this rank reads it
+    # apply this owner's step (odcfn.transport.versions) while this rank reads it
     current: tuple[dict[str, torch.Tensor], Any]
     next_step: int  # the minibatch this rank runs next
     world_size: int
@@ -228,6 +229,7 @@ def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, StepMetrics
         object.__setattr__(batch, "step", state.step)
     dtype = cfg.compute_dtype or model.dtype
     device = next(iter(state.params.values())).device
+    check_trained_units(state.transport, layout, mesh)  # before any push (odcfn.step.agree)
     view, owner = _owner_of(state, layout, dtype, max(taus.values()) + 1)
     j = state.step
     view.service()  # whatever completed since this rank's last step

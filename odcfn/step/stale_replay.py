@@ -29,14 +29,14 @@ import torch
 
 from odcfn import trainable
 from odcfn.batch import Batch
-from odcfn.kernels.base import Done, Handle
-from odcfn.kernels.versions_det import accumulate, rank_order_sum
 from odcfn.model import Model
 from odcfn.optim import Optimizer
 from odcfn.schedule.plan import Plan
 from odcfn.sharding import Layout, Mesh, make_layout, shard, unshard
 from odcfn.step.execute import Executor
 from odcfn.step.state import StepConfig
+from odcfn.transport.base import Done, Handle
+from odcfn.transport.versions_det import accumulate, rank_order_sum
 from odcfn.tree import PyTree
 
 __all__ = ["replay_exact"]

@@ -17,7 +17,6 @@ from typing import Any
 import torch
 
 from odcfn._check import check_int, check_number
-from odcfn.kernels.base import Counters, Transport
 from odcfn.losses import check_loss, cross_entropy
 from odcfn.model import Model, check_params
 from odcfn.optim import Optimizer
@@ -29,6 +28,7 @@ from odcfn.sharding.layout import check_shards
 from odcfn.step.stale_config import Staleness, check_staleness, max_staleness
 from odcfn.trace import Event
 from odcfn.trainable import freeze, split
+from odcfn.transport.base import Counters, Transport
 from odcfn.tree import register_dataclass, tree_flatten_with_path
 
 __all__ = [

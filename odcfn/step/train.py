@@ -25,6 +25,7 @@ from odcfn.optim import clip_scale
 from odcfn.schedule.policy import prepare_program, resolve_policy
 from odcfn.sharding import Layout
 from odcfn.step import fingerprint, stale
+from odcfn.step.agree import check_trained_units
 from odcfn.step.experts import expert_load_metrics
 from odcfn.step.ordered_push import check_counters, check_head
 from odcfn.step.prepare import (
@@ -71,6 +72,7 @@ def _grads(state: TrainState, batch: Batch) -> tuple[dict[str, torch.Tensor], St
     dtype = cfg.compute_dtype or model.dtype
     words, detail = minibatch_fingerprint(state, batch, layout, seen[-1] if seen else None)
     before = transport.counters.copy()
+    check_trained_units(transport, layout, mesh)  # before the first push into a missing accumulator
     transport.begin_step(layout, state.params, dtype)
     result, plan = execute(
         program, model=model, layout=layout, batch=batch, transport=transport,
@@ -102,6 +104,8 @@ def _grads(state: TrainState, batch: Batch) -> tuple[dict[str, torch.Tensor], St
         metrics.extra["skipped_nonfinite"] = True
     if result.expert_loads is not None:
         metrics.extra.update(expert_load_metrics(model, result.expert_loads))
+        if model.router.aux_coef:  # included in metrics.loss; off (0) unless output_router_logits
+            metrics.extra["moe/aux_loss"] = result.aux_loss
     return transport.grad_shards(), metrics, layout
 
 
