@@ -62,11 +62,11 @@ def _vm_size() -> int:
         return int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
 
 
-class _Peak:
+class PeakRSS:
     """Resident-set high water mark over a block: a 2 ms sampler thread, and ``ru_maxrss`` when
     the block raised the process's all-time peak (exact then)."""
 
-    def __enter__(self) -> _Peak:
+    def __enter__(self) -> PeakRSS:
         self.base, self.peak, self._stop = _rss(), _rss(), False
         self._max0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         self._t = threading.Thread(target=self._sample, daemon=True)
@@ -174,7 +174,7 @@ def child(spec: dict) -> dict:
     times = []
     try:
         for _ in range(spec.get("steps", 1)):
-            with _Peak() as p:
+            with PeakRSS() as p:
                 t0 = time.perf_counter()
                 step()
                 times.append(time.perf_counter() - t0)

@@ -229,7 +229,7 @@ def iteration_part(spec: LoopSpec, tr: Any, barrier: Callable[[], None], log: Ca
 
 def _sync_once(what: str, state: Any, engine: Any, hf: Any, watch: bool) -> dict:
     import odcfn
-    from odcfn.bench.memory import _Peak
+    from odcfn.bench.memory import PeakRSS
     from odcfn.models.hf_names import hf_state_dict
 
     rank = state.mesh.rank
@@ -250,7 +250,7 @@ def _sync_once(what: str, state: Any, engine: Any, hf: Any, watch: bool) -> dict
         return {"wall_s": time.perf_counter() - t0}
     tracker = LiveBytes(old)
     del old  # the tracker holds them weakly: the engine's old weights may go once replaced
-    with _Peak() as rss, tracker as live:
+    with PeakRSS() as rss, tracker as live:
         fn()
     return {"live_peak_bytes": live.peak, "live_after_bytes": live.current,
             "rss_peak_bytes": rss.peak - rss.base}
