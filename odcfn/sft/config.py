@@ -13,12 +13,14 @@ from typing import Any
 from odcfn._check import ArgTypeError
 from odcfn.sft.config_data import check_data_section, check_data_task
 from odcfn.sft.config_dpo import DpoSection, check_task
+from odcfn.sft.config_eval import EvalSection, check_eval
 from odcfn.sft.config_rl import RLSection, RolloutSection, check_rl_task
 from odcfn.sft.keys import KEYS, check_key
 from odcfn.sft.stale_train import check_config, check_model, check_train
 
 __all__ = [
-    "CheckpointSection", "DataSection", "DpoSection", "LogSection", "LoraSection", "ModelSection",
+    "CheckpointSection", "DataSection", "DpoSection", "EvalSection", "LogSection", "LoraSection",
+    "ModelSection",
     "RLSection", "RolloutSection", "SFTConfig", "TrainSection", "config_from_dict", "config_from_stored",
     "load_config",
     "model_config", "check_inputs", "default_world_size",
@@ -139,6 +141,7 @@ class LogSection:
     every: int = 1
     tensorboard: bool = False
     progress: bool = True
+    backends: list = field(default_factory=lambda: ["jsonl"])  # odcfn.sft.trackers
 
     def __post_init__(self) -> None:
         _check_types(self, 'log')
@@ -167,6 +170,7 @@ class SFTConfig:
     train: TrainSection = field(default_factory=TrainSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     log: LogSection = field(default_factory=LogSection)
+    eval: EvalSection = field(default_factory=EvalSection)
     lora: LoraSection = field(default_factory=LoraSection)
     dpo: DpoSection = field(default_factory=DpoSection)
     rollout: RolloutSection = field(default_factory=RolloutSection)
@@ -198,6 +202,7 @@ class SFTConfig:
         check_task(self)
         check_rl_task(self)
         check_data_task(self)
+        check_eval(self)
         check_config(self)
 
     @property
@@ -215,6 +220,7 @@ _SECTIONS = {
     "train": TrainSection,
     "checkpoint": CheckpointSection,
     "log": LogSection,
+    "eval": EvalSection,
     "lora": LoraSection,
     "dpo": DpoSection,
     "rollout": RolloutSection,
@@ -346,6 +352,9 @@ def check_inputs(cfg: SFTConfig) -> None:
     from odcfn.sft.config_data import check_data_paths
 
     check_data_paths(cfg)
+    from odcfn.sft.trackers import check_installed
+
+    check_installed(cfg.log)
     if d.tokenizer is not None and not Path(d.tokenizer).is_dir():
         raise ValueError(f"config: data.tokenizer {d.tokenizer} is not a directory (a local tokenizer "
                          "directory with tokenizer.json / tokenizer_config.json)")

@@ -52,6 +52,12 @@ def _estimators() -> tuple[str, ...]:
     return ESTIMATORS
 
 
+def _backends() -> tuple[str, ...]:
+    from odcfn.sft.trackers import BACKENDS
+
+    return BACKENDS
+
+
 def _kl_types() -> tuple[str, ...]:
     from odcfn.losses import KL_TYPES
 
@@ -177,6 +183,15 @@ KEYS: dict[tuple[str, str], Rule] = {
     ("log", "every"): Rule("a progress line every N steps (metrics.jsonl gets every step)", **_POS),
     ("log", "tensorboard"): Rule("also write TensorBoard events (needs tensorboard installed)"),
     ("log", "progress"): Rule("print progress lines (--quiet: false)"),
+    ("log", "backends"): Rule("where the metrics go besides metrics.jsonl (always written): tensorboard "
+                              "(<out_dir>/tensorboard), wandb (offline unless WANDB_MODE/WANDB_API_KEY say "
+                              "otherwise; files under <out_dir>/wandb), trackio (its local store), mlflow "
+                              "(MLFLOW_TRACKING_URI; unset: sqlite:///<out_dir>/mlflow.db); each an extra, "
+                              "pip install 'odcfn[NAME]' (docs/sft.md)", choices=_backends),
+    # [eval]
+    ("eval", "every"): Rule("every N steps, the held-out loss of data.eval_path (one forward-only pass, "
+                            "balanced like training; dpo: and its rewards) as eval/loss, eval/...; "
+                            "0: never", **_NONNEG),
     # [lora]
     ("lora", "rank"): Rule("REQUIRED in a [lora] section: adapter rank r (0: no LoRA, full fine-tuning)",
                            **_NONNEG),

@@ -64,7 +64,7 @@ def train_rank(cfg: SFTConfig, rank: int, transport, data: PreparedData | None =
     snaps = Snapshots(cfg, run.data_sha, run.state.mesh, run.tier, base=cfg.model.hf_path,
                       save_last=bool(cfg.checkpoint.export_hf) and _under_torchrun(),
                       reference=(run.reference or {}).get("sha256"))
-    log = StepLog(cfg, logger, snaps)  # under staleness: late losses, a drain before each save
+    log = StepLog(cfg, logger, snaps, run.data)  # + [eval]; under staleness: late losses, drains
     try:
         for step in range(run.start, cfg.train.steps):
             if step in run.data.skip_steps:  # no loss tokens: a step without an update
@@ -105,15 +105,14 @@ def process_worker(cfg: SFTConfig) -> dict[str, Any]:
     """Entry point of one rank under ``odcfn.launch`` or ``torchrun``."""
     import torch
 
-    import odcfn
     from odcfn.sft.lock import RankLock
-    from odcfn.transport.shm import ShmTransport
+    from odcfn.sft.multinode import job_mesh, job_transport
 
     torch.set_num_threads(1)
-    mesh = odcfn.Mesh.from_env()
+    mesh = job_mesh()  # one node: full sharding on /dev/shm; several: hybrid (docs/multinode.md)
     if mesh.world_size != cfg.train.world_size:
         cfg = replace(cfg, train=replace(cfg.train, world_size=mesh.world_size))
-    with RankLock(cfg.out_dir, mesh.rank), ShmTransport(mesh, timeout=cfg.train.timeout) as tr:
+    with RankLock(cfg.out_dir, mesh.rank), job_transport(mesh, cfg.train.timeout) as tr:
         return train_rank(cfg, mesh.rank, tr)  # RankLock: out_dir stays in use while this rank lives
 
 

@@ -39,6 +39,7 @@ class PreparedPairs:
     skip_steps: frozenset[int] = field(default_factory=frozenset)  # never: every member has an answer
     odd: tuple[str, ...] = ()  # "file:line why" of each pair that teaches nothing (odd_record)
     eval: tuple[tuple[Sample, Sample], ...] | None = None  # data.eval_path's pairs, read and checked
+    eval_ref: tuple[torch.Tensor, ...] | None = None  # their reference log-probs ([eval], odcfn.sft.evaluate)
 
     @property
     def samples(self) -> tuple[Sample, ...]:

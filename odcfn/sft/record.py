@@ -68,8 +68,8 @@ def step_record(m: StepMetrics, step: int, epoch: int, lr: float, router_bias: A
 
 
 class Logger:
-    """Rank 0's metrics sink: JSONL every step (appended across resumes), optional TensorBoard,
-    a progress line on stdout every ``log.every`` steps."""
+    """Rank 0's metrics sink: JSONL every step (appended across resumes), the ``[log] backends``
+    (``odcfn.sft.trackers``), a progress line on stdout every ``log.every`` steps."""
 
     def __init__(self, cfg: SFTConfig, start: int) -> None:
         self.cfg = cfg
@@ -88,22 +88,18 @@ class Logger:
                     continue
         path.write_text("".join(kept))
         self.file = open(path, "a")
-        self.tb = None
-        if cfg.log.tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
+        from odcfn.sft.trackers import Trackers
 
-                self.tb = SummaryWriter(str(Path(cfg.out_dir) / "tensorboard"))
-            except ImportError:
-                print("odcfn train: tensorboard is not installed; logging JSONL only", file=sys.stderr)
+        self.trackers = Trackers(cfg, start)  # [log] backends: TensorBoard, wandb, trackio, MLflow
+        self.spent, self.step_time = 0.0, 0.0  # the training thread's logging time, and the steps'
 
     def log(self, rec: dict[str, Any]) -> None:
+        t0 = time.perf_counter()
         self.file.write(json.dumps(rec) + "\n")
         self.file.flush()
-        if self.tb is not None:
-            for k, v in rec.items():
-                if k != "step" and isinstance(v, (int, float)):
-                    self.tb.add_scalar(k, v, rec["step"])
+        self.trackers.log(rec)
+        self.spent += time.perf_counter() - t0
+        self.step_time += rec.get("step_time", 0.0)
         self.n += 1
         total = self.cfg.train.steps
         if self.cfg.log.progress and (rec["step"] % self.cfg.log.every == 0 or rec["step"] == total):
@@ -111,15 +107,26 @@ class Logger:
             print(
                 f"step {rec['step']:>6}/{total}  loss {rec['loss']:.4f}  "
                 f"grad_norm {rec['grad_norm']:.3f}  lr {rec['lr']:.2e}  "
-                + (f"acc {rec['rewards/accuracies']:.2f}  " if "rewards/accuracies" in rec else "") +
+                + (f"acc {rec['rewards/accuracies']:.2f}  " if "rewards/accuracies" in rec else "")
+                + (f"eval/loss {rec['eval/loss']:.4f}  " if "eval/loss" in rec else "")
+                + (f"eval/acc {rec['eval/rewards/accuracies']:.2f}  " if "eval/rewards/accuracies" in rec
+                   else "") +
                 f"{rec['tokens_per_s']:.0f} tok/s  {rec['step_time']:.2f}s/step  eta {eta:.0f}s",
                 flush=True,
             )
 
     def close(self) -> None:
         self.file.close()
-        if self.tb is not None:
-            self.tb.close()
+        self.trackers.close()
+        if self.trackers.names and self.n:  # what logging cost, against the steps it logged
+            t, sec = self.step_time, self.trackers.seconds
+            print(f"odcfn train: logging ({', '.join(['jsonl', *self.trackers.names])}): "
+                  f"{1e3 * self.spent / self.n:.3f} ms per step on the training thread "
+                  f"({100 * self.spent / t if t else 0:.3f}% of step time); backends "
+                  f"{1e3 * sec['backends'] / self.n:.2f} ms CPU per step in the background ("
+                  + ", ".join(f"{k} {1e3 * sec.get(k, 0.0) / self.n:.2f}" for k in self.trackers.names)
+                  + f"), opened in "
+                  f"{sec['open']:.1f}s, closed in {sec['close']:.1f}s", file=sys.stderr, flush=True)
 
 
 def prune(root: Path, keep: int | None, current: int) -> None:

@@ -28,6 +28,7 @@ never disagree on whether to run the (collective) pass.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -43,8 +44,8 @@ import torch
 from odcfn.sft.config import SFTConfig
 from odcfn.sft.preference import PreparedPairs
 
-__all__ = ["CACHE_NAME", "REFERENCE_SHA", "attach_reference", "cache_key", "check_reference", "read_cache",
-           "reference_sha256", "write_cache"]
+__all__ = ["CACHE_NAME", "EVAL_CACHE_NAME", "REFERENCE_SHA", "attach_eval_reference", "attach_reference",
+           "cache_key", "check_reference", "read_cache", "reference_pass", "reference_sha256", "write_cache"]
 
 CACHE_NAME = "reference_logprobs.safetensors"
 REFERENCE_SHA = "reference_sha256"  # the checkpoint manifest's extra entry: the run's reference
@@ -120,7 +121,9 @@ def write_cache(path: Path, key: dict[str, str], values: tuple[torch.Tensor, ...
     os.replace(tmp, path)
 
 
-def _compute(ref_state: Any, data: PreparedPairs, per_pass: int) -> tuple[tuple[torch.Tensor, ...], int]:
+def reference_pass(
+    ref_state: Any, data: PreparedPairs, per_pass: int
+) -> tuple[tuple[torch.Tensor, ...], int]:
     """Every sample's reference log-probs, ``per_pass`` pairs per ``odcfn.log_probs`` call."""
     import odcfn
     from odcfn.batch import Batch
@@ -200,23 +203,54 @@ def _attach(
     key = cache_key(cfg, data, data_sha, ref_sha)
     lengths = [s.length for s in data.samples]
     ref, why = read_cache(path, key, lengths)
+    # one reference state for both sets, built only if a pass runs (a resume may rebuild it)
+    ref_state = functools.cache(lambda: _reference_state(cfg, state, resumed, initial))
+    data, held_out = attach_eval_reference(cfg, data, key, ref_state)  # [eval]'s pairs: their own cache
     if ref is not None:
         return replace(data, ref=ref), {"source": "cache", "passes": 0, "why": "", "path": str(path),
-                                        "sha256": ref_sha}
+                                        "eval": held_out, "sha256": ref_sha}
     t0 = time.perf_counter()
-    ref, passes = _compute(_reference_state(cfg, state, resumed, initial), data, cfg.data.batch_size)
+    ref, passes = reference_pass(ref_state(), data, cfg.data.batch_size)
     if state.mesh.rank == 0:  # the values are the same on every rank (the sync's sum)
         write_cache(path, key, ref)
     info = {"source": "computed", "passes": passes, "why": why, "path": str(path),
-            "seconds": time.perf_counter() - t0, "sha256": ref_sha}
+            "seconds": time.perf_counter() - t0, "eval": held_out, "sha256": ref_sha}
     return replace(data, ref=ref), info
 
 
 def describe(info: dict[str, Any]) -> str:
     """The run's line about its reference log-probs."""
+    held_out = f"; {info['eval']}" if info.get("eval") else ""
     if info["source"] == "none":
         return f"reference log-probs: none ({info['why']})"
     if info["source"] == "cache":
-        return f"reference log-probs: read from {info['path']} (verified; no reference pass)"
+        return f"reference log-probs: read from {info['path']} (verified; no reference pass){held_out}"
     return (f"reference log-probs: computed in {info['passes']} forward pass(es), "
-            f"{info['seconds']:.1f}s, cached in {info['path']} (cache: {info['why']})")
+            f"{info['seconds']:.1f}s, cached in {info['path']} (cache: {info['why']}){held_out}")
+
+
+EVAL_CACHE_NAME = "reference_logprobs_eval.safetensors"  # [eval]'s held-out pairs
+
+
+def attach_eval_reference(
+    cfg: Any, data: Any, key: dict[str, str], ref_state: Callable[[], Any],
+) -> tuple[Any, str]:
+    """``data`` (``PreparedPairs``) with the reference log-probs of its held-out pairs, read from
+    their cache or computed with ``ref_state()`` (called only then) and cached; and what was done.
+    ``key``: the training set's cache key, whose data entries are replaced by the held-out set's."""
+    from odcfn.data.sources import source_sha256
+    from odcfn.sft.preference import PreparedPairs
+
+    if not cfg.eval.every or data.eval is None:
+        return data, ""
+    held_out = PreparedPairs(data.eval, cfg.data.eval_path, (), 1)
+    key = {**key, "data_sha256": source_sha256(cfg.data.eval_path), "tokens_sha256": held_out.tokens_sha256()}
+    path = Path(cfg.out_dir) / EVAL_CACHE_NAME
+    ref, why = read_cache(path, key, [s.length for s in held_out.samples])
+    if ref is not None:
+        return replace(data, eval_ref=ref), f"held-out set's read from {path}"
+    state = ref_state()
+    ref, passes = reference_pass(state, held_out, cfg.data.batch_size)
+    if state.mesh.rank == 0:
+        write_cache(path, key, ref)
+    return replace(data, eval_ref=ref), f"held-out set's computed in {passes} pass(es) ({why})"

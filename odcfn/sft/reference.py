@@ -14,6 +14,7 @@ from odcfn.sft.config import (
     CheckpointSection,
     DataSection,
     DpoSection,
+    EvalSection,
     LogSection,
     LoraSection,
     ModelSection,
@@ -26,8 +27,8 @@ from odcfn.sft.keys import KEYS, describe
 __all__ = ["SECTIONS", "config_markdown", "config_toml", "defaults"]
 
 SECTIONS = {"model": ModelSection, "data": DataSection, "train": TrainSection,
-            "checkpoint": CheckpointSection, "log": LogSection, "lora": LoraSection,
-            "dpo": DpoSection, "rollout": RolloutSection, "rl": RLSection}
+            "checkpoint": CheckpointSection, "log": LogSection, "eval": EvalSection,
+            "lora": LoraSection, "dpo": DpoSection, "rollout": RolloutSection, "rl": RLSection}
 
 # defaults that TrainSection resolves when the file leaves them unset (shown as unset, with why)
 _RESOLVED = {("train", "balance"), ("train", "world_size")}

@@ -7,6 +7,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from odcfn.sft.evaluate import Evaluator
 from odcfn.sft.record import LOSS_FIGURES, moe_figures
 from odcfn.sft.stale_train import active
 from odcfn.step import stale
@@ -20,8 +21,10 @@ class StepLog:
     Synchronous: each line is written at once and the snapshots follow. Stale: a line waits for
     its step's figures (``reports``), and every rank drains before a step that saves."""
 
-    def __init__(self, cfg: Any, logger: Any, snaps: Any) -> None:
+    def __init__(self, cfg: Any, logger: Any, snaps: Any, data: Any = None) -> None:
         self.stale, self.logger, self.snaps = active(cfg.train), logger, snaps
+        # [eval] of data's held-out set (odcfn.sft.evaluate): synchronous runs only (config_eval)
+        self.evaluator = Evaluator(cfg, data) if data is not None and cfg.eval.every else None
         self.figures = LOSS_FIGURES  # the loss's own figures a line has (not a mixture's expert loads)
         self.pending: dict[int, dict[str, Any]] = {}  # done step -> its line, waiting for its loss
         self.final_loss: float | None = None
@@ -32,6 +35,8 @@ class StepLog:
         done = rec["step"]
         if not self.stale:
             self.final_loss = m.loss
+            if self.evaluator is not None:  # every rank: the passes are collective
+                rec.update(self.evaluator.at(state, done))
             if self.logger is not None:
                 self.logger.log(rec)
             self.snaps.after_step(state, done)

@@ -14,8 +14,8 @@ from odcfn.sft import config as C
 from odcfn.sft.keys import KEYS
 
 SECTIONS = {"model": C.ModelSection, "data": C.DataSection, "train": C.TrainSection,
-            "checkpoint": C.CheckpointSection, "log": C.LogSection, "lora": C.LoraSection,
-            "dpo": C.DpoSection, "rollout": C.RolloutSection, "rl": C.RLSection}
+            "checkpoint": C.CheckpointSection, "log": C.LogSection, "eval": C.EvalSection,
+            "lora": C.LoraSection, "dpo": C.DpoSection, "rollout": C.RolloutSection, "rl": C.RLSection}
 
 BASE = {"out_dir": "out", "data": {"path": "train.jsonl"}, "train": {"steps": 2, "world_size": 1}}
 

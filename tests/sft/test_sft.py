@@ -280,6 +280,9 @@ def test_tensorboard_scalars_when_asked(tmp_path, monkeypatch, capsys):
         def add_scalar(self, tag, value, step):
             calls.append((tag, value, step))
 
+        def add_text(self, tag, text, step):  # the run's config, once
+            calls.append(("text", tag))
+
         def close(self):
             calls.append(("close",))
 
@@ -290,9 +293,13 @@ def test_tensorboard_scalars_when_asked(tmp_path, monkeypatch, capsys):
     losses = [(step, v) for tag, v, step in (c for c in calls if len(c) == 3) if tag == "loss"]
     assert losses == [(r["step"], r["loss"]) for r in _metrics(tmp_path)]
 
-    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # not installed
-    assert cli.main(["train", "--config", str(cfg), "--quiet", "--no-resume"]) == 0
-    assert "tensorboard is not installed" in capsys.readouterr().err
+    assert ("text", "config") in calls
+
+    # not installed: refused when the config is checked, saying how to install it (no silent fallback)
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
+    assert cli.main(["train", "--config", str(cfg), "--quiet", "--no-resume"]) == 2
+    err = capsys.readouterr().err
+    assert "log.tensorboard asks for tensorboard" in err and "pip install 'odcfn[tensorboard]'" in err
 
 
 def test_unexportable_model_is_refused_before_training(tmp_path):
