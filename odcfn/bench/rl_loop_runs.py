@@ -274,7 +274,7 @@ def sync_part(spec: LoopSpec, tr: Any, barrier: Callable[[], None], log: Callabl
     if state.mesh.rank == 0:
         with tempfile.TemporaryDirectory() as d:
             to_hf(d, params, cfg)
-            hf = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+            hf = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).train(False)
     del params
     engine = LocalEngine(state.model, cfg)
     times: dict[str, list[float]] = {"engine": [], "gather_load": []}

@@ -66,7 +66,7 @@ def bench_rollout_engine(
                          max_batch_tokens=prompts * (prompt_len + new_tokens))
     with tempfile.TemporaryDirectory() as d:
         to_hf(d, params, cfg)
-        hf = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+        hf = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).train(False)
     out: dict[str, Any] = {"prompts": prompts, "prompt_len": prompt_len, "new_tokens": new_tokens,
                            "d_model": d_model, "n_layers": n_layers, "vocab_size": vocab_size,
                            "threads": torch.get_num_threads()}

@@ -10,6 +10,10 @@ from the launcher's environment (docs/multinode.md):
   arenas and all-reduces the replicas over gloo. Its rendezvous and counters go through the
   store torchrun's agents host (``MASTER_ADDR``/``MASTER_PORT``, set for every worker by both
   the static and the c10d rendezvous); nothing else is needed from the environment.
+
+``ODCFN_ONE_MACHINE=1`` keeps the one-node path whatever ``LOCAL_WORLD_SIZE`` says: ranks that
+only pretend to be nodes on one machine (``odcfn.sft.simulated_nodes``, the memory tier's
+recovery tests) share /dev/shm as before.
 """
 
 from __future__ import annotations
@@ -28,12 +32,16 @@ def job_mesh() -> Any:
     import odcfn
 
     mesh = odcfn.Mesh.from_env()
-    return mesh if mesh.num_nodes == 1 else odcfn.Mesh.from_env("hybrid")
+    return mesh if mesh.num_nodes == 1 or _one_machine() else odcfn.Mesh.from_env("hybrid")
+
+
+def _one_machine() -> bool:
+    return os.environ.get("ODCFN_ONE_MACHINE") == "1"
 
 
 def job_transport(mesh: Any, timeout: float) -> Any:
     """The transport for ``mesh`` (a context manager: closing it frees its shared memory)."""
-    if mesh.num_nodes == 1:
+    if mesh.num_nodes == 1 or _one_machine():
         from odcfn.transport.shm import ShmTransport
 
         return ShmTransport(mesh, timeout=timeout)

@@ -53,12 +53,13 @@ class RLLogger(Logger):
     def log(self, rec: dict[str, Any]) -> None:
         from odcfn.rl.metrics import progress_line
 
+        t0 = time.perf_counter()
         self.file.write(json.dumps(rec) + "\n")
         self.file.flush()
-        if self.tb is not None:
-            for k, v in rec.items():
-                if k != "step" and isinstance(v, (int, float)):
-                    self.tb.add_scalar(k, v, rec["step"])
+        self.trackers.log(rec)  # [log] backends, under the same names as metrics.jsonl
+        self.spent += time.perf_counter() - t0
+        self.step_time += rec.get("timing_s/step", 0.0)
+        self.n += 1
         it, total = rec["step"], self.cfg.train.steps
         if self.cfg.log.progress and (it % self.cfg.log.every == 0 or it == total):
             # progress_line's ETA assumes `it` iterations took `elapsed`: this run did it - start

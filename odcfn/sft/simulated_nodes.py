@@ -20,7 +20,9 @@ def node_worker(doc: dict, snapshots: str, lose: tuple[int, ...] = (), secret: s
     from odcfn.sft.loop import process_worker
 
     rank = int(os.environ["RANK"])
-    os.environ.update({"LOCAL_WORLD_SIZE": "1", "LOCAL_RANK": "0", "GROUP_RANK": str(rank)})
+    # one rank per "node" for the memory tier; training still shares this machine's /dev/shm
+    os.environ.update({"LOCAL_WORLD_SIZE": "1", "LOCAL_RANK": "0", "GROUP_RANK": str(rank),
+                       "ODCFN_ONE_MACHINE": "1"})
     if secret is not None:
         os.environ["ODCFN_JOB_SECRET"] = secret
     mine = Path(snapshots) / f"node{rank}"

@@ -182,14 +182,14 @@ def test_bad_sources_are_named_in_the_config_file(tmp_path, data, match):
      r"d.jsonl:1: column 'text' must be text; conversations go in a 'messages' column"),
 ])
 def test_bad_rows_are_named_by_file_row_and_column(tmp_path, tok_dir, rows, match):
-    cfg = _cfg(tmp_path, tok_dir, {"path": _jsonl(tmp_path / "d.jsonl", rows), "batch_size": 1}, steps=1)
+    cfg = _cfg(tmp_path, tok_dir, {"path": _jsonl(tmp_path / "d.jsonl", rows), "batch_size": 2}, steps=1)
     with pytest.raises(ValueError, match=match):
         prepare_data(cfg, VOCAB)
 
 
 def test_text_rows_need_a_tokenizer_and_a_dataset_dict_needs_a_split(tmp_path):
     path = _jsonl(tmp_path / "d.jsonl", PC_ROWS)
-    cfg = config_from_dict({"data": {"path": path, "batch_size": 1}, "train": {"steps": 1}})
+    cfg = config_from_dict({"data": {"path": path, "batch_size": 2}, "train": {"steps": 1}})
     with pytest.raises(ValueError, match=r"d.jsonl: rows in the prompt-completion format .* set "
                                          r"data.tokenizer"):
         prepare_data(cfg, VOCAB)

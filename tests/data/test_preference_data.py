@@ -55,12 +55,19 @@ def test_plain_and_conversational_pairs_train_on_the_answers_only(tok_dir, tmp_p
      "p.jsonl:2: columns mix the standard and the conversational form.*'rejected': conversational"),
     ({"prompt": [{"role": "user", "content": "a"}], "chosen": "b", "rejected": "c"},
      "p.jsonl:2: columns mix the standard and the conversational form.*'chosen': standard"),
-    ({"prompt": "a", "chosen": "", "rejected": "c"}, "p.jsonl:2: column 'chosen' is empty"),
 ])
 def test_bad_records_are_named_by_line_and_field(tok_dir, tmp_path, rec, msg):
     path = _write(tmp_path / "p.jsonl", [{"prompt": "a", "chosen": "b", "rejected": "c"}, rec])
     with pytest.raises(ValueError, match=msg):
         read_preference_jsonl(path, tok_dir)
+
+
+def test_an_empty_answer_with_an_explicit_prompt_is_named_not_refused(tok_dir, tmp_path):
+    """It still prefers or rejects the end of the answer (EOS): named as odd (issue 40, item 21)."""
+    path = _write(tmp_path / "p.jsonl", [{"prompt": "a", "chosen": "b", "rejected": "c"},
+                                         {"prompt": "a", "chosen": "", "rejected": "c"}])
+    with pytest.warns(UserWarning, match=r"p.jsonl:2 chosen is empty"):
+        assert len(read_preference_jsonl(path, tok_dir)) == 2
 
 
 def test_a_member_over_max_length_is_an_error(tok_dir, tmp_path):
