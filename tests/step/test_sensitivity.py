@@ -235,3 +235,30 @@ def test_the_bench_table_command_runs_small():
     assert list(res["before"]) == list(res["after"]) == list(res["numel"])
     assert len(res["kept"]) == 2  # ceil(0.25 * 6 units)
     assert res["before"] != res["after"]  # measured again at the trained parameters
+
+
+def test_measure_on_an_undrained_stale_state_reads_one_version_on_every_owner():
+    """Issue 40, item 3: after stale steps with a slow rank, each owner's newest applied version
+    trails ``state.step`` by a different amount; ``measure`` on that state (not drained) scores
+    the params of exactly ``state.step`` updates, as ``log_probs`` reads them, not a mix."""
+    cfg, model, full = tiny()
+    batches, probe = _batches(cfg, 4, seed=40), _batches(cfg, 2, seed=50)
+
+    def fn(rank, tr):
+        state = make_state(full, model, tr, optimizer=odcfn.sgd(2.0), staleness=1)
+        for b in batches:
+            time.sleep(0.15 * rank)  # rank 0 runs ahead: its owner trails, rank 1's does not
+            state, _ = odcfn.train_step(state, b)
+        handed = state.params  # each owner's newest applied version: not one version
+        scores = sensitivity.measure(state, probe)
+        state, _ = stale.drain(state)
+        return scores, state.params, handed
+
+    out = odcfn.run_local(fn, 2, timeout=60)
+    drained = odcfn.unshard([p for _, p, _ in out], model, odcfn.Mesh(2, 0))
+    mixed = odcfn.unshard([h for _, _, h in out], model, odcfn.Mesh(2, 0))
+    want, wrong = _by_hand(model, drained, probe), _by_hand(model, mixed, probe)
+    assert max(abs(want[u] - wrong[u]) for u in want) > 1e-3  # the mix would have been seen
+    for scores, _, _ in out:
+        for u in want:
+            assert scores[u] == pytest.approx(want[u], rel=1e-5), u
