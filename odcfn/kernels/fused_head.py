@@ -253,12 +253,6 @@ def _triton():
     return k
 
 
-def atomic_backward(device: torch.device) -> bool:
-    """Whether the fused head's backward on ``device`` adds its dW tiles with atomics (the Triton
-    kernel on CUDA): the order of those adds varies run to run, so its bits do too."""
-    return torch.device(device).type == "cuda" and _triton() is not None
-
-
 class _FusedHead(torch.autograd.Function):
     """``(logp_T, entropy_T (empty without entropy), lse_T)``; lse is not differentiable. Written
     with ``setup_context`` so that ``torch.func`` transforms (the reference's ``grad``) work."""
