@@ -181,11 +181,16 @@ def compare(per_rank, w: Workload, policies: Sequence[str], *, primitives: dict 
     cap = w.max_tokens_per_microbatch
     steps = {p: step_records(per_rank, p) for p in policies}
     all_steps = sorted({recs[0]["step"] for v in steps.values() for recs in v})
-    # every minibatch of the run, warm-ups included, is training data for the others
+    # every minibatch of the run, warm-ups included, is training data for the others, except the
+    # job's first (each rank's first record): it pays the processes' cold start (allocator, first
+    # touch, lazy initialisation), measured at 3.5x the CPU seconds and 4x the compute time per
+    # token of any later minibatch, and a least-squares fit over a --quick run's 11 minibatches
+    # followed it: simulated / measured 1.31 and 1.47 with it, see docs/benchmarks.md
+    cold = {(recs[0]["policy"], recs[0]["step"]) for recs in per_rank if recs}
     grouped: dict[tuple, list[dict]] = {}
     for recs in per_rank:
         for r in recs:
-            if r["policy"] in steps:
+            if r["policy"] in steps and (r["policy"], r["step"]) not in cold:
                 grouped.setdefault((r["policy"], r["step"]), []).append(r)
     fits = {}
     for k in all_steps:
