@@ -166,8 +166,8 @@ def compare(per_rank, w: Workload, policies: Sequence[str], *, primitives: dict 
     """Simulated vs measured step time of every timed minibatch of every policy, two ways:
 
     - ``in_situ`` (the headline): the cost model is fitted to the runtime's own forward/backward
-      events of all the *other* minibatches of the run, warm-ups included (leave one minibatch
-      out), so it sees
+      events of all the *other* minibatches of the run, warm-ups included but not the job's
+      first (leave one minibatch out; the cold start below), so it sees
       the machine's speed during the run but never the minibatch it predicts;
     - ``offline``: the calibration measured before the run (``calibrate_cost``).
 
