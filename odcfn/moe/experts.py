@@ -27,8 +27,16 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
-__all__ = ["ExpertSource", "Fetcher", "LocalExperts", "OnDemandExperts", "expert_ffn", "ffn_rows",
-           "routed_ffn", "sort_by_expert"]
+__all__ = [
+    "ExpertSource",
+    "Fetcher",
+    "LocalExperts",
+    "OnDemandExperts",
+    "expert_ffn",
+    "ffn_rows",
+    "routed_ffn",
+    "sort_by_expert",
+]
 
 
 def expert_ffn(p: dict, x_NxD: torch.Tensor) -> torch.Tensor:
@@ -58,7 +66,7 @@ def _segments(counts: Sequence[int]) -> list[tuple[int, int, int]]:
 
 
 def _groups(segs: list[tuple[int, int, int]], group: int) -> list[list[tuple[int, int, int]]]:
-    return [segs[i:i + group] for i in range(0, len(segs), group)]
+    return [segs[i : i + group] for i in range(0, len(segs), group)]
 
 
 def _grouped_ok(x_RxD: torch.Tensor, inner: int) -> bool:
@@ -73,8 +81,9 @@ def _grouped_ok(x_RxD: torch.Tensor, inner: int) -> bool:
     return x_RxD.shape[1] % n == 0 and inner % n == 0
 
 
-def ffn_rows(xs_RxD: torch.Tensor, trees: Sequence[dict], counts: Sequence[int],
-             scale_R: torch.Tensor | None = None) -> torch.Tensor:
+def ffn_rows(
+    xs_RxD: torch.Tensor, trees: Sequence[dict], counts: Sequence[int], scale_R: torch.Tensor | None = None
+) -> torch.Tensor:
     """SwiGLU of consecutive row blocks: rows ``[sum(counts[:i]), sum(counts[:i+1]))`` through
     expert ``trees[i]`` (every count > 0), each row's output times ``scale_R[r]`` (its routing
     weight). The scale multiplies the activations before the down projection: the same product,
@@ -83,10 +92,10 @@ def ffn_rows(xs_RxD: torch.Tensor, trees: Sequence[dict], counts: Sequence[int],
     if not _grouped_ok(xs_RxD, inner):
         outs, off = [], 0
         for tree, c in zip(trees, counts):
-            x = xs_RxD[off:off + c]
+            x = xs_RxD[off : off + c]
             a = F.silu(F.linear(x, tree["gate_proj"]["weight"])) * F.linear(x, tree["up_proj"]["weight"])
             if scale_R is not None:
-                a = a * scale_R[off:off + c, None]
+                a = a * scale_R[off : off + c, None]
             outs.append(F.linear(a, tree["down_proj"]["weight"]))
             off += c
         return outs[0] if len(outs) == 1 else torch.cat(outs)
@@ -103,8 +112,11 @@ def ffn_rows(xs_RxD: torch.Tensor, trees: Sequence[dict], counts: Sequence[int],
 
 
 def routed_ffn(
-    x_NxD: torch.Tensor, idx_NxK: torch.Tensor, w_NxK: torch.Tensor,
-    experts: Callable[[int], dict], num_experts: int,
+    x_NxD: torch.Tensor,
+    idx_NxK: torch.Tensor,
+    w_NxK: torch.Tensor,
+    experts: Callable[[int], dict],
+    num_experts: int,
 ) -> torch.Tensor:
     """``sum_k w[n, k] * expert_{idx[n, k]}(x[n])`` with plain autograd, experts by index."""
     K = idx_NxK.shape[1]
@@ -113,8 +125,12 @@ def routed_ffn(
     if not segs:  # no tokens
         return torch.zeros_like(x_NxD)
     tok = order // K
-    h = ffn_rows(x_NxD[tok], [experts(e) for e, _, _ in segs], [c for _, _, c in segs],
-                 w_NxK.reshape(-1)[order].to(x_NxD.dtype))
+    h = ffn_rows(
+        x_NxD[tok],
+        [experts(e) for e, _, _ in segs],
+        [c for _, _, c in segs],
+        w_NxK.reshape(-1)[order].to(x_NxD.dtype),
+    )
     return torch.zeros_like(x_NxD).index_add_(0, tok, h)  # a fresh tensor: in place is safe
 
 
@@ -173,8 +189,9 @@ class _OnDemand(torch.autograd.Function):
     (only the input, the weights and the indices), so each group is re-gathered there."""
 
     @staticmethod
-    def forward(ctx: Any, x_NxD: torch.Tensor, w_NxK: torch.Tensor, idx_NxK: torch.Tensor,
-                fetcher: Fetcher) -> torch.Tensor:
+    def forward(
+        ctx: Any, x_NxD: torch.Tensor, w_NxK: torch.Tensor, idx_NxK: torch.Tensor, fetcher: Fetcher
+    ) -> torch.Tensor:
         K = idx_NxK.shape[1]
         order, counts = sort_by_expert(idx_NxK, fetcher.num_experts)
         w_R = w_NxK.reshape(-1)
@@ -182,7 +199,7 @@ class _OnDemand(torch.autograd.Function):
         with torch.no_grad():
             for grp in _groups(_segments(counts), fetcher.group):
                 got = fetcher.fetch([e for e, _, _ in grp], grad=False)
-                rows = order[grp[0][1]:grp[-1][1] + grp[-1][2]]  # the group's rows: consecutive
+                rows = order[grp[0][1] : grp[-1][1] + grp[-1][2]]  # the group's rows: consecutive
                 tok = rows // K
                 trees = [tree for _, tree in got]
                 counts_g = [c for _, _, c in grp]
@@ -203,7 +220,7 @@ class _OnDemand(torch.autograd.Function):
         for grp in _groups(_segments(ctx.counts), fetcher.group):
             with torch.enable_grad():  # the tree's views must record their flat (backward runs no-grad)
                 got = fetcher.fetch([e for e, _, _ in grp], grad=fetcher.trained)
-                rows = order[grp[0][1]:grp[-1][1] + grp[-1][2]]
+                rows = order[grp[0][1] : grp[-1][1] + grp[-1][2]]
                 tok = rows // K
                 xe = x_NxD[tok].detach().requires_grad_(need_x)
                 se = w_R[rows].detach().to(x_NxD.dtype).requires_grad_(need_w)

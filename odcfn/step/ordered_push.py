@@ -34,8 +34,10 @@ def check_counters(num_units: int, max_counters: int | None) -> None:
     whatever the microbatch count: the slot is in the counter's value."""
     if max_counters is None or num_units > max_counters:
         have = "no fetch_add" if max_counters is None else f"{max_counters} counters"
-        raise ValueError(f"StepConfig(deterministic=True) needs one shared counter per trained unit "
-                         f"({num_units}); this transport has {have}")
+        raise ValueError(
+            f"StepConfig(deterministic=True) needs one shared counter per trained unit "
+            f"({num_units}); this transport has {have}"
+        )
 
 
 def check_head(loss: object, device: torch.device) -> None:
@@ -69,8 +71,9 @@ class OrderedPusher:
     """This rank's pushes of one step in the fixed (slot, rank) order; ``slots``: the most
     microbatches any rank runs, ``mine``: this rank's count."""
 
-    def __init__(self, transport: Transport, layout: Layout, slots: int, mine: int,
-                 window: int | None = None) -> None:
+    def __init__(
+        self, transport: Transport, layout: Layout, slots: int, mine: int, window: int | None = None
+    ) -> None:
         self.t, self.rank, self.world = transport, transport.mesh.rank, transport.mesh.world_size
         self.slots, self.mine = slots, mine
         self.window = WINDOW_BYTES if window is None else window
@@ -127,8 +130,10 @@ class OrderedPusher:
         turn = self.t.fetch_add(self.counter[unit], 0)
         j = self.next[unit]
         if turn > j * self.world + self.rank:
-            raise TransportError(f"rank {self.rank}: the push order of unit {unit!r} passed slot {j} "
-                                 "(ranks disagree on StepConfig.deterministic or the assignment?)")
+            raise TransportError(
+                f"rank {self.rank}: the push order of unit {unit!r} passed slot {j} "
+                "(ranks disagree on StepConfig.deterministic or the assignment?)"
+            )
         return turn
 
     def _take(self, unit: str, j: int) -> None:
@@ -146,6 +151,7 @@ class OrderedPusher:
             if time.monotonic() > deadline:
                 raise TransportError(
                     f"rank {self.rank}: timed out after {self.timeout}s waiting for turn {want} of unit "
-                    f"{unit!r} (at {turn}; deterministic order; dead or stuck peer?)")
+                    f"{unit!r} (at {turn}; deterministic order; dead or stuck peer?)"
+                )
             time.sleep(pause)
             pause = min(2 * pause, 1e-3)

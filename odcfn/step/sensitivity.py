@@ -101,7 +101,7 @@ def measure(state: TrainState, batches: Iterable[Batch], *, eps: float = 1e-12) 
         local.zero_()
     # the shards of a unit partition its flat vector, so squared norms add up across owners
     total = state.transport.collectives.all_reduce(world_group(mesh), local).cpu()
-    diff2, norm2 = total[:, : len(names)], total[:, len(names):]
+    diff2, norm2 = total[:, : len(names)], total[:, len(names) :]
     scores = (diff2.clamp_min(0).sqrt() / (norm2.clamp_min(0).sqrt() + eps)).mean(0)
     return {u: float(s) for u, s in zip(names, scores)}
 

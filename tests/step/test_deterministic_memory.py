@@ -46,8 +46,9 @@ def _run(monkeypatch, window, seed=0):
             return gather(unit, out)
 
         tr.scatter_accumulate, tr.gather = pushed, gathered
-        state = make_state(full, model, tr, odcfn.adamw(1e-2), max_tokens_per_microbatch=16,
-                           deterministic=True)
+        state = make_state(
+            full, model, tr, odcfn.adamw(1e-2), max_tokens_per_microbatch=16, deterministic=True
+        )
         state, _ = odcfn.train_step(state, batch)
         return {k: v.clone() for k, v in state.params.items()}, log
 
