@@ -32,7 +32,7 @@ CFG = QwenMoeConfig(
     output_router_logits=True,
     router_aux_loss_coef=0.5,
 )
-N, LR = 5, 0.5
+N, LR = 4, 0.5
 
 
 def _batches():
