@@ -65,6 +65,15 @@ _ALIGN = 64
 _PAGE = 4096  # a slot's accumulator parts start and end on a page: released whole
 _COUNTER_LOCK = 0  # the byte locked around fetch_add (accumulator locks use offsets past it)
 _PUNCH = 0x01 | 0x02  # FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE
+_DISAGREE = (  # what each value of StaleShm._agree's row means, when ranks differ on it
+    "StepConfig.staleness differs between ranks: versions kept (max τ + 1)",
+    "ranks started bounded staleness at different steps (every rank must pass its TrainState at the "
+    "same step)",
+    "ranks disagree on the parameter layout (units)",
+    "ranks disagree on the parameter layout (elements per shard)",
+    "ranks disagree on the compute dtype (bytes per element)",
+    "StepConfig.deterministic differs between ranks under StepConfig.staleness (1: rank-order sums)",
+)
 
 
 def _align(n: int, to: int = _ALIGN) -> int:
@@ -174,32 +183,17 @@ class StaleShm(VersionStore):
         w, r = self.mesh.world_size, self.rank
         esize = torch.empty((), dtype=dtype).element_size()
         mine = [
-            float(self.ring),
-            float(self.start_version),
-            float(len(layout.units)),
-            float(sum(u.shard_size for u in layout.units)),
-            float(esize),
-            float(self.ORDERED),
-        ]
+            self.ring,
+            self.start_version,
+            len(layout.units),
+            sum(u.shard_size for u in layout.units),
+            esize,
+            int(self.ORDERED),
+        ]  # small integers: exact in float64
         vec = torch.zeros(len(mine) * w, dtype=torch.float64)
         vec[len(mine) * r : len(mine) * (r + 1)] = torch.tensor(mine, dtype=torch.float64)
         rows = self.collectives.all_reduce(tuple(range(w)), vec).view(w, len(mine)).tolist()
-        for i, what in (
-            (0, "StepConfig.staleness differs between ranks: versions kept (max τ + 1)"),
-            (
-                1,
-                "ranks started bounded staleness at different steps (every rank must pass "
-                "its TrainState at the same step)",
-            ),
-            (2, "ranks disagree on the parameter layout (units)"),
-            (3, "ranks disagree on the parameter layout (elements per shard)"),
-            (4, "ranks disagree on the compute dtype (bytes per element)"),
-            (
-                5,
-                "StepConfig.deterministic differs between ranks under StepConfig.staleness "
-                "(1: rank-order sums)",
-            ),
-        ):
+        for i, what in enumerate(_DISAGREE):
             if len({row[i] for row in rows}) > 1:
                 ranks = ", ".join(f"rank {p}: {int(row[i])}" for p, row in enumerate(rows))
                 raise ValueError(f"{what}: {ranks}")
