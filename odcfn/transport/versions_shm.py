@@ -3,7 +3,7 @@ of ``odcfn.transport.versions_base.VersionStore`` (its docstring gives the proto
 of ``R = τ_max + 1`` versions is enough) over /dev/shm like ``ShmTransport``. Each rank owns one
 segment every peer maps::
 
-    ctrl    int64[8 + W + 2S + R]  latest | pid | abort | beat | ring | start | waiting | - |
+    ctrl    int64[8 + W + 2S + R]  latest | pid | abort | beat | ring | start | - | - |
                                    done[client] | stats_tag[S] | norm_tag[S] | slot_tag[R]
     floats  float64[S + S*CAP]     norm²[S] (this owner's |g|² of step k, at k % S) |
                                    stats[S][CAP] (this rank's deposited stats of step j, at j % S)
@@ -22,14 +22,11 @@ tag is set to ``WRITING`` before its data (the seqlock of ``versions_base``). Ac
 chunked under byte-range locks, as in ``ShmTransport``.
 
 **Who applies.** An owner's optimizer state lives in its own process, so only it can apply its
-steps, one at a time (a lock of the process). Its main thread applies every completed step at
-its step boundaries (``service``: where the owner is idle, so the update does not compete with
-its compute for a core). A daemon thread of the owner process (the *applier*) polls its
-``done`` words and applies a completed step at once only when some rank is waiting (each rank
-raises its ``waiting`` word while it blocks): so an owner that is computing a long microbatch,
-or is between steps in user code, still does not hold its peers back. The thread only applies:
-it never waits on a peer. An exception in it (disagreeing ranks, a non-finite gradient) raises
-ABORT for the peers and is re-raised by this rank's next call.
+steps. A daemon thread of the owner process (the *applier*) polls its ``done`` words and, once
+every client completed step ``k``, applies it (``VersionStore._apply_step``). So an owner that is
+computing a long microbatch, or is between steps in user code, does not hold its peers back. The
+thread only applies: it never waits on a peer. An exception in it (disagreeing ranks, a
+non-finite gradient) raises ABORT for the peers and is re-raised by this rank's next call.
 
 **Deterministic memory.** The W parts of a slot are ``W`` fp32 shards per trained unit, i.e.
 one copy of the trained parameters per slot. Each slot's parts are whole pages, released to the
@@ -59,7 +56,7 @@ from odcfn.transport.versions_base import EMPTY, Apply, VersionStore, bound
 
 __all__ = ["StaleShm", "bound"]
 
-LATEST, PID, ABORT, BEAT, RING, START, WAITING, DONE = 0, 1, 2, 3, 4, 5, 6, 8  # ctrl words
+LATEST, PID, ABORT, BEAT, RING, START, DONE = 0, 1, 2, 3, 4, 5, 8  # ctrl words
 CAP = 1 << 15  # float64 stats per deposit (loss, metrics, expert loads, fingerprint riders)
 _ALIGN = 64
 _PAGE = 4096  # a slot's accumulator parts start and end on a page: released whole
@@ -129,7 +126,6 @@ class StaleShm(VersionStore):
         self._error: BaseException | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._applying = threading.Lock()  # the main thread or the applier, one at a time
 
     # --- setup ----------------------------------------------------------------------------
     def _setup(self, layout: Layout, dtype: torch.dtype, apply: Apply) -> None:
@@ -285,31 +281,14 @@ class StaleShm(VersionStore):
         self._ctrl[self.rank][DONE + w + j % off.S] = j + 1  # data, then tag
         for o in self.owners:
             self._ctrl[o][DONE + self.rank] = j + 1
-        self.service()
+        self.raise_error()
 
-    # --- applying -------------------------------------------------------------------------
-    def _apply_ready(self) -> int:
-        """Apply this owner's completed steps, in order, unless the other thread is at it."""
-        if not self._applying.acquire(blocking=False):
-            return 0
-        n = 0
-        try:
-            while (k := self._ready(self.rank)) is not None:
-                self._apply_step(self.rank, k, self._apply)
-                n += 1
-        except BaseException as e:
-            self._error = e
-            self._ctrl[self.rank][ABORT] = 1
-            raise
-        finally:
-            self._applying.release()
-        return n
-
+    # --- the applier ----------------------------------------------------------------------
     def _applier(self) -> None:
         pause = 1e-4
         while not self._stop.is_set():
-            waited = self._ready(self.rank) is not None and any(int(c[WAITING]) for c in self._ctrl)
-            if not waited:  # nothing completed, or nobody needs it before this owner's boundary
+            k = self._ready(self.rank)
+            if k is None:
                 self._stop.wait(pause)
                 # a few ms of latency against steps of 100s of ms; a shorter cap costs a
                 # measurable share of a core in wake-ups (bench: 3.5% at 2 ms under load)
@@ -317,21 +296,22 @@ class StaleShm(VersionStore):
                 continue
             pause = 1e-4
             try:
-                self._apply_ready()
-            except BaseException:  # noqa: BLE001 - kept in _error, re-raised by the main thread
+                self._apply_step(self.rank, k, self._apply)
+            except BaseException as e:  # noqa: BLE001 - re-raised by the main thread's next call
+                self._error = e
+                self._ctrl[self.rank][ABORT] = 1
                 return
 
     def raise_error(self) -> None:
-        """Re-raise what the applier hit, as itself (a ``ValueError`` of disagreeing ranks stays
-        one)."""
+        """Re-raise what the applier thread hit, as itself (a ``ValueError`` of disagreeing
+        ranks stays one)."""
         if self._error is not None:
             raise self._error
 
     def service(self) -> int:
-        """At a step boundary: apply this owner's completed steps here (the applier thread
-        takes them only while some rank waits)."""
+        """The applier thread applies; here only its failure surfaces."""
         self.raise_error()
-        return self._apply_ready()
+        return 0
 
     def open(self, j: int, taus: Any) -> None:
         self.raise_error()
@@ -347,21 +327,14 @@ class StaleShm(VersionStore):
 
     def _block(self, pred: Callable[[], bool], what: str) -> None:
         others = [p for p in range(self.mesh.world_size) if p != self.rank]
-        if pred():
-            return
-        self.service()  # this owner's own completed steps first: it is idle now
-        self._ctrl[self.rank][WAITING] = 1  # the owners' appliers apply at once while it is up
-        try:
-            wait_until(
-                pred,
-                timeout=self.timeout,
-                what=what,
-                check=self._aborted,
-                peers=[(p, lambda p=p: int(self._ctrl[p][PID])) for p in others],
-                progress=lambda: sum(int(self._ctrl[p][BEAT]) for p in others),
-            )
-        finally:
-            self._ctrl[self.rank][WAITING] = 0
+        wait_until(
+            pred,
+            timeout=self.timeout,
+            what=what,
+            check=self._aborted,
+            peers=[(p, lambda p=p: int(self._ctrl[p][PID])) for p in others],
+            progress=lambda: sum(int(self._ctrl[p][BEAT]) for p in others),
+        )
 
     def beat(self) -> None:
         if self._ctrl:
