@@ -51,8 +51,10 @@ def _store(state: TrainState) -> Store | None:
         return None
     store = store_of(state.params, state.opt_state, _trained(state))
     if store is None:
-        raise ValueError("StepConfig.offload: this state's trained shards are not in its offload store "
-                         "(odcfn.step.offload.adopt moves them there; train_step does it)")
+        raise ValueError(
+            "StepConfig.offload: this state's trained shards are not in its offload store "
+            "(odcfn.step.offload.adopt moves them there; train_step does it)"
+        )
     return store
 
 
@@ -74,8 +76,10 @@ class Stream:
         self.pending: list[tuple[str, torch.Tensor] | None] = []
         self.inflight = self.want = 0
         self.stop, self.error = False, None
-        self.threads = [threading.Thread(target=f, name=f"odcfn-offload-{n}", daemon=True)
-                        for n, f in (("read", self._read), ("write", self._write))]
+        self.threads = [
+            threading.Thread(target=f, name=f"odcfn-offload-{n}", daemon=True)
+            for n, f in (("read", self._read), ("write", self._write))
+        ]
         for t in self.threads:
             t.start()
 
@@ -84,8 +88,11 @@ class Stream:
             for i, unit in enumerate(self.units):
                 n = self.store.nbytes(unit)
                 with self.cv:
-                    self.cv.wait_for(lambda: self.stop or (
-                        i <= self.want + self.ahead and self.inflight + n <= self.budget))
+                    self.cv.wait_for(
+                        lambda i=i, n=n: (
+                            self.stop or (i <= self.want + self.ahead and self.inflight + n <= self.budget)
+                        )
+                    )
                     if self.stop:
                         return
                     self.inflight += n
@@ -164,13 +171,21 @@ def prefetch(state: TrainState) -> Stream | None:
     return None if store is None else Stream(store)
 
 
-def _update_unit(optimizer: Optimizer, unit: str, views: dict[str, torch.Tensor], grad: torch.Tensor,
-                 scalars: dict[str, Any], scale: float, device: torch.device) -> torch.Tensor:
+def _update_unit(
+    optimizer: Optimizer,
+    unit: str,
+    views: dict[str, torch.Tensor],
+    grad: torch.Tensor,
+    scalars: dict[str, Any],
+    scale: float,
+    device: torch.device,
+) -> torch.Tensor:
     """One unit's optimizer update, in place in ``views``; returns the new master (on ``device``)."""
     on = views if device.type == "cpu" else {k: v.to(device, non_blocking=True) for k, v in views.items()}
     groups = {k: {unit: v} for k, v in on.items() if k != MASTER}
-    params, new = optimizer.update({unit: grad}, {**scalars, **groups}, {unit: on[MASTER]},
-                                   grad_scale=scale, inplace=True)
+    params, new = optimizer.update(
+        {unit: grad}, {**scalars, **groups}, {unit: on[MASTER]}, grad_scale=scale, inplace=True
+    )
     outs = {MASTER: params[unit], **{k: new[k][unit] for k in groups}}
     for k, v in views.items():
         if outs[k] is not on[k] or on[k] is not v:  # an out-of-place optimizer, or the device copy

@@ -39,7 +39,8 @@ class Offload:
         if self.path is not None:
             if not isinstance(self.path, (str, os.PathLike)) or not os.fspath(self.path):
                 raise ArgTypeError(
-                    f"Offload.path must be a directory (str or os.PathLike) or None, got {self.path!r}")
+                    f"Offload.path must be a directory (str or os.PathLike) or None, got {self.path!r}"
+                )
             object.__setattr__(self, "path", os.fspath(self.path))
         b = self.budget_gib
         if not is_number(b) or not 0 < b < float("inf"):

@@ -47,7 +47,8 @@ def _groups(opt_state: Any, units: list[str]) -> tuple[dict[str, Any], list[str]
     if not isinstance(opt_state, Mapping):
         raise TypeError(
             "Offload needs an optimizer state that is a dict (odcfn.adamw / odcfn.sgd), got "
-            f"{type(opt_state).__name__}")
+            f"{type(opt_state).__name__}"
+        )
     scalars, groups = {}, []
     for key, v in opt_state.items():
         if isinstance(v, Mapping):
@@ -55,7 +56,8 @@ def _groups(opt_state: Any, units: list[str]) -> tuple[dict[str, Any], list[str]
             if odd or not all(isinstance(t, torch.Tensor) for t in v.values()):
                 raise TypeError(
                     f"Offload: optimizer state group {key!r} must map every trained unit to a tensor "
-                    f"(units that differ: {odd[:4]})")
+                    f"(units that differ: {odd[:4]})"
+                )
             groups.append(key)
         elif isinstance(v, torch.Tensor):
             raise TypeError(f"Offload: optimizer state leaf {key!r} is a tensor outside a per-unit group")
@@ -67,8 +69,9 @@ def _groups(opt_state: Any, units: list[str]) -> tuple[dict[str, Any], list[str]
 class Store:
     """The backing, each unit's region and entries, and the resident published copies."""
 
-    def __init__(self, offload: Offload, specs: dict[str, list[tuple[str, tuple, torch.dtype]]],
-                 pinned: bool) -> None:
+    def __init__(
+        self, offload: Offload, specs: dict[str, list[tuple[str, tuple, torch.dtype]]], pinned: bool
+    ) -> None:
         self.offload, self.pinned = offload, pinned
         self.entries: dict[str, list[tuple[str, int, tuple, torch.dtype]]] = {}
         self.region: dict[str, tuple[int, int]] = {}
@@ -95,8 +98,10 @@ class Store:
                     os.posix_fallocate(self.fd, 0, self.size)  # ENOSPC now, not mid-step
                 except OSError as e:
                     if e.errno == 28:
-                        raise ValueError(f"Offload.path={offload.path!r}: no space for the offloaded "
-                                         f"state ({self.size / 2**30:.3f} GiB)") from e
+                        raise ValueError(
+                            f"Offload.path={offload.path!r}: no space for the offloaded "
+                            f"state ({self.size / 2**30:.3f} GiB)"
+                        ) from e
                     os.ftruncate(self.fd, self.size)  # a filesystem without fallocate
                 whole = torch.frombuffer(mmap.mmap(self.fd, self.size), dtype=torch.uint8)
             except BaseException:
@@ -120,23 +125,23 @@ class Store:
 
     def views(self, unit: str, buf: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """A unit's entries as tensors: views of the backing, or of ``buf`` (a unit's bytes)."""
-        base = self.whole[self.region[unit][0]:] if buf is None else buf
+        base = self.whole[self.region[unit][0] :] if buf is None else buf
         out = {}
         for name, at, shape, dtype in self.entries[unit]:
             n = dtype.itemsize * int(torch.Size(shape).numel())
-            out[name] = base[at:at + n].view(dtype).view(shape)
+            out[name] = base[at : at + n].view(dtype).view(shape)
         return out
 
     def read(self, unit: str, buf: torch.Tensor) -> None:
         """The unit's region into ``buf`` (uint8, its size)."""
         start, n = self.region[unit]
         if self.fd < 0:
-            buf.copy_(self.whole[start:start + n])
+            buf.copy_(self.whole[start : start + n])
             return
         mv = memoryview(buf.numpy())
         done = 0
         while done < n:
-            got = os.preadv(self.fd, [mv[done:min(n, done + _CHUNK)]], start + done)
+            got = os.preadv(self.fd, [mv[done : min(n, done + _CHUNK)]], start + done)
             if got <= 0:
                 raise OSError(f"Offload.path={self.offload.path!r}: short read of unit {unit!r}")
             done += got
@@ -145,12 +150,12 @@ class Store:
         """``buf`` (the unit's bytes) back into its region."""
         start, n = self.region[unit]
         if self.fd < 0:
-            self.whole[start:start + n].copy_(buf)
+            self.whole[start : start + n].copy_(buf)
             return
         mv = memoryview(buf.numpy())
         done = 0
         while done < n:
-            done += os.pwritev(self.fd, [mv[done:min(n, done + _CHUNK)]], start + done)
+            done += os.pwritev(self.fd, [mv[done : min(n, done + _CHUNK)]], start + done)
 
     def state(self, params: Mapping[str, torch.Tensor], groups: list[str]) -> tuple[dict, dict]:
         """``(params, opt_state)`` with every trained tensor a view of the backing, marked as
@@ -200,14 +205,20 @@ def place(
     device = next(iter(params.values())).device if params else torch.device("cpu")
     meta = init({u: params[u].detach().to("meta") for u in trained}) if opt_state is None else opt_state
     scalars, groups = _groups(meta, trained)
-    specs = {u: [(MASTER, tuple(params[u].shape), params[u].dtype)]
-             + [(g, tuple(meta[g][u].shape), meta[g][u].dtype) for g in groups] for u in trained}
+    specs = {
+        u: [(MASTER, tuple(params[u].shape), params[u].dtype)]
+        + [(g, tuple(meta[g][u].shape), meta[g][u].dtype) for g in groups]
+        for u in trained
+    }
     store = Store(offload, specs, pinned=device.type == "cuda")
     store.scalars = dict(scalars)
     for u in trained:
         given = {g: opt_state[g][u] for g in groups} if opt_state is not None else None
-        leaves = given if given is not None else {g: v[u] for g, v in init({u: params[u]}).items()
-                                                   if isinstance(v, Mapping)}
+        leaves = (
+            given
+            if given is not None
+            else {g: v[u] for g, v in init({u: params[u]}).items() if isinstance(v, Mapping)}
+        )
         buf = torch.zeros(store.nbytes(u), dtype=torch.uint8)  # written with write(): the
         views = store.views(u, buf)  # mapping's pages are never touched, so never resident
         views[MASTER].copy_(params[u].detach())

@@ -136,10 +136,11 @@ class StepConfig:
             raise ValueError(f"StepConfig.expert_bias_rate must be a finite number >= 0, got {r!r}")
         check_staleness(self.staleness)
         if self.offload is not None and not isinstance(self.offload, Offload):
-            raise TypeError(f"StepConfig.offload must be an odcfn.Offload or None, got {type(self.offload).__name__}")
+            got = type(self.offload).__name__
+            raise TypeError(f"StepConfig.offload must be an odcfn.Offload or None, got {got}")
         if self.offload is not None and max_staleness(self.staleness):
-            raise ValueError("StepConfig.offload cannot be combined with staleness >= 1 yet: the stale step's "
-                             "owners update asynchronously, outside the streamed update")
+            raise ValueError("StepConfig.offload cannot be combined with staleness >= 1 yet: the stale "
+                             "step's owners update asynchronously, outside the streamed update")
         # under staleness the order is each rank's own plan order, then rank order, whoever ran
         # which microbatch (the record says which): work stealing keeps it a function of the record
         if (self.deterministic and not max_staleness(self.staleness)
