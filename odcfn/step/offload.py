@@ -59,9 +59,11 @@ def _store(state: TrainState) -> Store | None:
 
 
 def shards(state: TrainState) -> dict[str, torch.Tensor]:
-    """What the step publishes: the resident published copies of offloaded units (so no gather
-    and no publish waits on the slow tier), the params themselves otherwise."""
-    store = _store(state)
+    """What a pass publishes: the resident published copies of offloaded units (so no gather
+    and no publish waits on the slow tier), the params themselves otherwise (a state not yet
+    in its store: the values are the same, read from wherever they are)."""
+    offloaded = getattr(state.config, "offload", None) is not None and _trained(state)
+    store = store_of(state.params, state.opt_state, _trained(state)) if offloaded else None
     return state.params if store is None else {**state.params, **store.published}
 
 
@@ -75,6 +77,7 @@ class Stream:
         self.ready: dict[str, torch.Tensor] = {}
         self.pending: list[tuple[str, torch.Tensor] | None] = []
         self.inflight = self.want = 0
+        self.peak = self.most_ahead = 0  # the most bytes held at once, the most units read ahead
         self.stop, self.error = False, None
         self.threads = [
             threading.Thread(target=f, name=f"odcfn-offload-{n}", daemon=True)
@@ -96,6 +99,10 @@ class Stream:
                     if self.stop:
                         return
                     self.inflight += n
+                    self.peak, self.most_ahead = (
+                        max(self.peak, self.inflight),
+                        max(self.most_ahead, i - self.want),
+                    )
                 buf = torch.empty(n, dtype=torch.uint8, pin_memory=self.store.pinned)
                 self.store.read(unit, buf)
                 with self.cv:
