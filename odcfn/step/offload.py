@@ -21,12 +21,18 @@ from typing import Any
 
 import torch
 
+from odcfn.model import Model
 from odcfn.optim import Optimizer
 from odcfn.step.offload_store import MASTER, Store, place, store_of
 from odcfn.step.state import TrainState
 from odcfn.trainable import trainable_names
 
 __all__ = ["Stream", "adopt", "prefetch", "shards", "update"]
+
+
+def _offloaded(state: TrainState) -> bool:
+    ok = isinstance(state, TrainState) and isinstance(state.model, Model) and isinstance(state.params, Mapping)
+    return ok and getattr(state.config, "offload", None) is not None
 
 
 def _trained(state: TrainState) -> list[str]:
@@ -37,9 +43,10 @@ def adopt(state: TrainState) -> TrainState:
     """``state`` with its trained shards and optimizer state in its offload store: itself when
     they are already there, else moved into a new one (a loaded checkpoint, a state built
     without offload, tensors replaced by hand). Unchanged without ``StepConfig.offload``."""
-    offload = getattr(state.config, "offload", None)
+    if not _offloaded(state):  # (a state with bad fields is named by the step's own checks)
+        return state
     trained = _trained(state)
-    if offload is None or not trained or store_of(state.params, state.opt_state, trained) is not None:
+    if not trained or store_of(state.params, state.opt_state, trained) is not None:
         return state
     dtype = state.config.compute_dtype or state.model.dtype
     params, opt_state = place(offload, state.params, trained, state.optimizer.init, state.opt_state, dtype)
@@ -47,7 +54,7 @@ def adopt(state: TrainState) -> TrainState:
 
 
 def _store(state: TrainState) -> Store | None:
-    if getattr(state.config, "offload", None) is None or not _trained(state):
+    if not _offloaded(state) or not _trained(state):
         return None
     store = store_of(state.params, state.opt_state, _trained(state))
     if store is None:
@@ -62,7 +69,7 @@ def shards(state: TrainState) -> dict[str, torch.Tensor]:
     """What a pass publishes: the resident published copies of offloaded units (so no gather
     and no publish waits on the slow tier), the params themselves otherwise (a state not yet
     in its store: the values are the same, read from wherever they are)."""
-    offloaded = getattr(state.config, "offload", None) is not None and _trained(state)
+    offloaded = _offloaded(state) and _trained(state)
     store = store_of(state.params, state.opt_state, _trained(state)) if offloaded else None
     return state.params if store is None else {**state.params, **store.published}
 
