@@ -15,6 +15,7 @@ unit is copied to the device, updated there and copied back: not yet run on hard
 
 from __future__ import annotations
 
+import mmap
 import threading
 from collections.abc import Mapping
 from typing import Any
@@ -31,7 +32,9 @@ __all__ = ["Stream", "adopt", "prefetch", "shards", "update"]
 
 
 def _offloaded(state: TrainState) -> bool:
-    ok = isinstance(state, TrainState) and isinstance(state.model, Model) and isinstance(state.params, Mapping)
+    ok = (
+        isinstance(state, TrainState) and isinstance(state.model, Model) and isinstance(state.params, Mapping)
+    )
     return ok and getattr(state.config, "offload", None) is not None
 
 
@@ -74,6 +77,15 @@ def shards(state: TrainState) -> dict[str, torch.Tensor]:
     return state.params if store is None else {**state.params, **store.published}
 
 
+def _buffer(n: int, pinned: bool) -> torch.Tensor:
+    """A unit's buffer: pinned on CUDA (the caching host allocator reuses it), else its own
+    anonymous mapping, returned to the system when the buffer dies (a heap block that size
+    could stay resident after it is freed, past the budget)."""
+    if pinned:
+        return torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    return torch.frombuffer(mmap.mmap(-1, n), dtype=torch.uint8)
+
+
 class Stream:
     """The reader and writer threads of one update, and the budget between them."""
 
@@ -110,7 +122,7 @@ class Stream:
                         max(self.peak, self.inflight),
                         max(self.most_ahead, i - self.want),
                     )
-                buf = torch.empty(n, dtype=torch.uint8, pin_memory=self.store.pinned)
+                buf = _buffer(n, self.store.pinned)
                 self.store.read(unit, buf)
                 with self.cv:
                     self.ready[unit] = buf
