@@ -52,7 +52,9 @@ def adopt(state: TrainState) -> TrainState:
     if not trained or store_of(state.params, state.opt_state, trained) is not None:
         return state
     dtype = state.config.compute_dtype or state.model.dtype
-    params, opt_state = place(offload, state.params, trained, state.optimizer.init, state.opt_state, dtype)
+    params, opt_state = place(
+        state.config.offload, state.params, trained, state.optimizer.init, state.opt_state, dtype
+    )
     return state.replace(params=params, opt_state=opt_state)
 
 
