@@ -81,14 +81,16 @@ def point(spec: dict[str, Any]) -> dict[str, Any]:
     try:
         full = init_params(cfg, seed=0)
         n_params = sum(v.numel() for v in tree_leaves(full))
+        shards = odcfn.shard(full, model, odcfn.Mesh(1, 0))
+        del full  # creation then holds the shards and what the state makes of them
         state = odcfn.TrainState.create(
-            params=full,
+            params=shards,
             model=model,
             optimizer=odcfn.adamw(1e-4),
             transport=odcfn.LocalWorld(1).transport(0),
             config=odcfn.StepConfig(balance="round_robin", offload=off, donate=off is None),
         )
-        del full
+        del shards
         gc.collect()
         state, _ = odcfn.train_step(state, batch)  # warm-up: the transport's buffers exist now
         gc.collect()
@@ -165,7 +167,9 @@ def section(ctx: Any, quick: bool = False) -> dict[str, Any]:
             cap = None
             if name == "only_offload":  # between what offload needs and what in-memory needs
                 n = rows["both_fit"]["memory"].get("n_params", 1) * (shape["d_model"] / both["d_model"]) ** 2
-                cap = int(n * 12)  # 12 B/param: offload's resident copies; in-memory needs >= 20
+                # offload holds 12 B/param (published copy, the transport's copy, the gradient) plus
+                # its budget; in-memory holds 20 (master, moments, the transport's copy, gradient)
+                cap = int(n * 12 + budget * GIB + 160 * 2**20)
                 row["cap_bytes"] = cap
             for mode in ("memory", "offload"):
                 log(f"   offload {name}: {mode}")
@@ -196,8 +200,8 @@ def render(report: dict | None) -> str:
     for name, row in (("both fit", report["both_fit"]), ("only offload fits", report["only_offload"])):
         m, o = row["memory"], row["offload"]
         lines.append(
-            f"  {name}: state {o.get('state_bytes', 0) / 2**20:.0f} MiB = {row['state_over_budget']:.1f}x budget "
-            f"{row['budget_gib'] * 1024:.0f} MiB; in-memory "
+            f"  {name}: state {o.get('state_bytes', 0) / 2**20:.0f} MiB = {row['state_over_budget']:.1f}x "
+            f"budget {row['budget_gib'] * 1024:.0f} MiB; in-memory "
             + (
                 f"{m['median_step_s']:.2f} s/step, step adds {m['step_adds'] / 2**20:.0f} MiB"
                 if m.get("fits")

@@ -129,6 +129,7 @@ class Stream:
                 with self.cv:
                     self.ready[unit] = buf
                     self.cv.notify_all()
+                del buf  # the budget counts it until written back: hold no reference past that
         except BaseException as e:  # surfaced by take(); the step raises it
             self._fail(e)
 
@@ -144,8 +145,10 @@ class Stream:
                     return
                 unit, buf = item
                 self.store.write(unit, buf)
+                n = buf.numel()
+                del item, buf  # freed before the reader may use its bytes again
                 with self.cv:
-                    self.inflight -= buf.numel()
+                    self.inflight -= n
                     self.cv.notify_all()
         except BaseException as e:
             self._fail(e)
@@ -240,6 +243,7 @@ def update(
             if grad.device.type == "cuda":  # the write-back reads the host buffer
                 torch.cuda.current_stream(grad.device).synchronize()
             stream.give_back(i, buf)
+            del buf, master  # the writer's now: freed once written, within the budget
     except BaseException:
         stream.cancel()
         raise
