@@ -3,7 +3,8 @@
 
 Each point is a fresh process (``python -m odcfn.bench.tiers_offload POINT_JSON``), one rank,
 one intra-op thread, ``MALLOC_ARENA_MAX=1`` (so the update's two I/O threads reserve no malloc
-arenas of their own). After a warm-up step the process's peak RSS is reset (``clear_refs`` 5)
+arenas of their own) and a fixed 1 MiB mmap threshold (freed blocks leave the process). After
+two warm-up steps the process's peak RSS is reset (``clear_refs`` 5)
 and its RSS taken as the baseline, which then holds everything resident between steps (the
 published copies, the gradient accumulators, the in-memory run's master and moments); the peak
 RSS over the timed steps (``VmHWM``) minus that baseline is what a step adds: activations and,
@@ -92,7 +93,8 @@ def point(spec: dict[str, Any]) -> dict[str, Any]:
         )
         del shards
         gc.collect()
-        state, _ = odcfn.train_step(state, batch)  # warm-up: the transport's buffers exist now
+        for _ in range(2):  # warm-up: the transport's buffers exist now
+            state, _ = odcfn.train_step(state, batch)
         gc.collect()
         ctypes.CDLL("libc.so.6").malloc_trim(0)
         with open("/proc/self/clear_refs", "w") as f:
@@ -119,7 +121,9 @@ def point(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def _spawn(spec: dict[str, Any], timeout: float = 900.0) -> dict[str, Any]:
-    env = dict(os.environ, MALLOC_ARENA_MAX="1", OMP_NUM_THREADS="1")
+    # a fixed mmap threshold: every block >= 1 MiB is its own mapping, returned when freed, so the
+    # RSS and the data-segment cap see live memory, not a heap that kept freed blocks
+    env = dict(os.environ, MALLOC_ARENA_MAX="1", MALLOC_MMAP_THRESHOLD_=str(1 << 20), OMP_NUM_THREADS="1")
     r = subprocess.run(
         [sys.executable, "-m", "odcfn.bench.tiers_offload", json.dumps(spec)],
         env=env,

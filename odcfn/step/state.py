@@ -238,6 +238,7 @@ class TrainState:
         if dt is not None and model.frozen and dt.itemsize < model.dtype.itemsize:
             # a frozen unit is only ever gathered in the compute dtype: keep just that (no master)
             params.update({k: params[k].to(dt) for k in model.frozen})
+        device = next(iter(params.values())).device  # where compute runs (offloaded shards are host views)
         trained = split(model, params)
         if config.offload is not None:  # the fresh state's shapes only: it is built unit by unit
             trained = {k: v.to("meta") for k, v in trained.items()}
@@ -250,7 +251,7 @@ class TrainState:
             params, opt_state = place(config.offload, params, list(trained), optimizer.init, opt_state,
                                       dt or model.dtype)
         return cls(params, opt_state, step, model, optimizer, transport, config,
-                   _router_bias(model, config, router_bias, next(iter(params.values())).device))
+                   _router_bias(model, config, router_bias, device))
 
     @property
     def mesh(self) -> Mesh:
