@@ -157,7 +157,7 @@ def section(ctx: Any, quick: bool = False) -> dict[str, Any]:
     big = dict(both, d_model=512 if quick else 768)
     out: dict[str, Any] = {
         "notes": [
-            "one rank, one thread, fp32; peaks: VmHWM after a warm-up step, above the RSS between steps",
+            "one rank, one thread, fp32; peaks: VmHWM after two warm-up steps, above the RSS between steps",
             "the file tier is in the page cache here: the ratio measures streaming, not disk bandwidth",
         ]
     }
