@@ -19,6 +19,7 @@ from odcfn.models import QwenConfig, QwenMoeConfig, init_params, qwen_model
 from odcfn.optim import clip_scale
 from odcfn.step import offload, offload_store
 from odcfn.step.offload_store import store_of
+from tests.mp_pool import mp_pool  # noqa: F401 - the session fixture
 
 CFG = QwenConfig(vocab_size=29, d_model=16, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=24)
 MOE = QwenMoeConfig(
@@ -339,3 +340,33 @@ def test_ranks_that_disagree_on_offload_fail_alike(tmp_path):
 
     out = odcfn.run_local(fn, 2, timeout=30)
     assert out[0] == out[1]
+
+
+def shm_worker(path: str | None, steps: int):
+    """``steps`` AdamW steps on a ShmTransport (processes), offloaded when ``path`` is given."""
+    from odcfn.transport.shm import ShmTransport
+
+    torch.set_num_threads(1)
+    model, full = qwen_model(CFG), init_params(CFG, seed=6)
+    mesh = odcfn.Mesh.from_env()
+    off = None if path is None else odcfn.Offload(path=path, budget_gib=0.001)
+    with ShmTransport(mesh, timeout=30) as tr:
+        s = odcfn.TrainState.create(
+            params=odcfn.shard(full, model, mesh),
+            model=model,
+            optimizer=odcfn.adamw(1e-2),
+            transport=tr,
+            config=odcfn.StepConfig(offload=off, deterministic=True),
+        )
+        syncs = 0
+        for i in range(steps):
+            s, m = odcfn.train_step(s, _batch(i))
+            syncs += m.counters.syncs
+        return _copy(s.params), _copy(s.opt_state), syncs
+
+
+def test_processes_on_shared_memory_offloaded_equal_in_memory(mp_pool, tmp_path):  # noqa: F811
+    mem = mp_pool.run(shm_worker, 2, args=(None, 2))
+    off = mp_pool.run(shm_worker, 2, args=(str(tmp_path), 2))
+    _same([r[:2] for r in mem], [r[:2] for r in off])
+    assert [r[2] for r in off] == [2, 2]  # still one sync per step
