@@ -14,12 +14,14 @@ from odcfn._check import ArgTypeError
 from odcfn.sft.config_data import check_data_section, check_data_task
 from odcfn.sft.config_dpo import DpoSection, check_task
 from odcfn.sft.config_eval import EvalSection, check_eval
+from odcfn.sft.config_offload import OffloadSection, check_offload
 from odcfn.sft.config_rl import RLSection, RolloutSection, check_rl_task
 from odcfn.sft.keys import KEYS, check_key
 from odcfn.sft.stale_train import check_config, check_model, check_train
 
 __all__ = [
     "CheckpointSection", "DataSection", "DpoSection", "EvalSection", "LogSection", "LoraSection",
+    "OffloadSection",
     "ModelSection",
     "RLSection", "RolloutSection", "SFTConfig", "TrainSection", "config_from_dict", "config_from_stored",
     "load_config",
@@ -175,6 +177,7 @@ class SFTConfig:
     dpo: DpoSection = field(default_factory=DpoSection)
     rollout: RolloutSection = field(default_factory=RolloutSection)
     rl: RLSection = field(default_factory=RLSection)
+    offload: OffloadSection = field(default_factory=OffloadSection)
 
     def __post_init__(self) -> None:
         t = self.train
@@ -203,6 +206,7 @@ class SFTConfig:
         check_rl_task(self)
         check_data_task(self)
         check_eval(self)
+        check_offload(self)
         check_config(self)
 
     @property
@@ -225,6 +229,7 @@ _SECTIONS = {
     "dpo": DpoSection,
     "rollout": RolloutSection,
     "rl": RLSection,
+    "offload": OffloadSection,
 }
 _PATH_KEYS = {
     ("model", "hf_path"),
@@ -233,6 +238,7 @@ _PATH_KEYS = {
     ("data", "cache_dir"),
     ("data", "eval_path"),
     ("checkpoint", "export_hf"),
+    ("offload", "path"),
 }
 
 
