@@ -23,6 +23,7 @@ import torch
 
 from odcfn.sharding import Layout
 from odcfn.transport.base import Transport, TransportError
+from odcfn.transport.heartbeat import Patience
 
 __all__ = ["WINDOW_BYTES", "OrderedPusher", "check_counters", "check_head"]
 
@@ -146,12 +147,16 @@ class OrderedPusher:
 
     def _wait_turn(self, unit: str) -> None:
         want = self.next[unit] * self.world + self.rank
-        deadline, pause = time.monotonic() + self.timeout, 1e-5
+        # the timeout counts from the peers' last progress, as the transport's own waits do: the
+        # rank whose turn it is may be busy for long in its forward before it pushes (issue 40, 6)
+        what = f"turn {want} of unit {unit!r} (deterministic push order)"
+        patience = Patience(self.timeout, what, getattr(self.t, "peer_progress", None))
+        pause = 1e-5
         while (turn := self._turn(unit)) != want:
-            if time.monotonic() > deadline:
+            if patience.expired():
                 raise TransportError(
-                    f"rank {self.rank}: timed out after {self.timeout}s waiting for turn {want} of unit "
-                    f"{unit!r} (at {turn}; deterministic order; dead or stuck peer?)"
+                    f"rank {self.rank}: timed out waiting for {what}, at {turn}: no progress from the "
+                    f"peers for {self.timeout}s (dead or stuck peer?)"
                 )
             time.sleep(pause)
             pause = min(2 * pause, 1e-3)

@@ -266,6 +266,17 @@ class LocalTransport(StepCollectives):
         """This rank made progress (the executor, after each plan step): see ``wait_for``."""
         self.world.beats[self.mesh.rank] += 1  # only this rank's thread writes its entry
 
+    @property
+    def timeout(self) -> float:
+        """The world's timeout: how long a wait goes on without progress from the peers."""
+        return self.world.timeout
+
+    def peer_progress(self) -> int:
+        """The other ranks' summed progress (``beat``s): a wait outside the transport times out
+        from its last change (``odcfn.transport.heartbeat.Patience``)."""
+        r = self.mesh.rank
+        return sum(b for p, b in enumerate(self.world.beats) if p != r)
+
     def fetch_add(self, counter: int, n: int = 1) -> int:
         check_counter(counter, self.max_counters, "LocalTransport")
         w, step = self.world, self.step

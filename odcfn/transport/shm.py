@@ -239,6 +239,11 @@ class ShmTransport(StepCollectives):
         if self._ctrl:
             self._ctrl[self.mesh.rank][BEAT] += 1
 
+    def peer_progress(self) -> int:
+        """The other ranks' summed progress (their ``beat`` words): a wait outside the transport
+        times out from its last change (``odcfn.transport.heartbeat.Patience``)."""
+        return sum(int(self._ctrl[p][BEAT]) for p in range(len(self._ctrl)) if p != self.mesh.rank)
+
     def _need_step(self) -> None:
         if self._seg is None or self.layout is None:
             raise TransportError("begin_step must come before any communication")
