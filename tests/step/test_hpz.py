@@ -3,12 +3,18 @@ single-process reference, and the backward's gathers never leave the k-rank grou
 
 from __future__ import annotations
 
+import os
+
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import odcfn
+from odcfn.models import init_params, qwen_model
 from odcfn.schedule import ScheduleOptions
 from odcfn.schedule.plan import Gather, Reshard
-from tests.util import fixed_balancer, make_state, ref_shards, tiny
+from tests.step.test_equivalence import assignments, configs
+from tests.util import fixed_balancer, make_state, ref_shards, run_grad_step, tiny
 
 RTOL, ATOL = 2e-4, 2e-6
 W, K = 4, 2  # two simulated nodes: ranks {0, 1} and {2, 3}
@@ -87,3 +93,38 @@ def test_bad_k_refused_before_any_communication(k):
     else:
         with pytest.raises(ValueError, match="reshard_after_forward"):
             ScheduleOptions(reshard_after_forward=k)
+
+
+@st.composite
+def hpz_cases(draw):
+    cfg = draw(configs())  # tied embeddings too: the head's use of embed re-gathers from the group
+    world, rpn, sharding = draw(st.sampled_from([(2, None, "full"), (4, None, "full"), (4, 2, "hybrid")]))
+    group = rpn or world
+    k = draw(st.sampled_from([d for d in range(1, group + 1) if group % d == 0]))
+    lengths = draw(st.lists(st.integers(2, 10), min_size=1, max_size=5))
+    assignment = draw(assignments(len(lengths), world))  # empty ranks, unequal counts
+    opts = ScheduleOptions(prefetch=draw(st.integers(0, 2)), reshard_after_forward=k)
+    return cfg, world, rpn, sharding, lengths, assignment, opts, draw(st.integers(0, 2**16))
+
+
+@settings(max_examples=int(os.environ.get("ODCFN_EXAMPLES", 4)), deadline=None)
+@given(hpz_cases())
+def test_hpz_property_equals_reference(case):
+    cfg, world, rpn, sharding, lengths, assignment, opts, seed = case
+    model, full = qwen_model(cfg), init_params(cfg, seed=seed)
+    batch = odcfn.random_batch(lengths, cfg.vocab_size, seed=seed)
+    _, grads_ref = odcfn.reference_value_and_grad(model, full, batch)
+    want = ref_shards(grads_ref, model, world, rpn, sharding)
+    out = run_grad_step(
+        full,
+        batch,
+        model,
+        world,
+        ranks_per_node=rpn,
+        sharding=sharding,
+        balance=fixed_balancer(assignment),
+        options=opts,
+    )
+    for rank, (grads, metrics) in enumerate(out):
+        odcfn.tree_assert_allclose(grads, want[rank], rtol=RTOL, atol=ATOL, what=f"rank {rank} k={opts.hpz}")
+        assert metrics.counters.syncs == 1
