@@ -128,3 +128,18 @@ def test_hpz_property_equals_reference(case):
     for rank, (grads, metrics) in enumerate(out):
         odcfn.tree_assert_allclose(grads, want[rank], rtol=RTOL, atol=ATOL, what=f"rank {rank} k={opts.hpz}")
         assert metrics.counters.syncs == 1
+
+
+def test_hpz_with_staleness_refused_before_any_communication():
+    cfg, model, full = tiny()
+    batch = odcfn.random_batch([5, 9], cfg.vocab_size, seed=1)
+
+    def fn(rank, tr):
+        opts = ScheduleOptions(reshard_after_forward=2)
+        state = make_state(full, model, tr, options=opts, staleness=1)
+        with pytest.raises(ValueError, match=r"reshard_after_forward=2.*staleness=0"):
+            odcfn.train_step(state, batch)
+        assert tr.counters.gathers == 0 and tr.collectives.calls.total() == 0
+        return True
+
+    assert all(odcfn.run_local(fn, 2, timeout=30))
