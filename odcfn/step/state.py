@@ -59,7 +59,8 @@ class StepConfig:
     results run after run (restarts, debugging): every owner adds the pushes in the fixed
     order (microbatch slot, rank), each microbatch's gradient pushed when its turn comes and
     staged until then (at most ``ordered_push.WINDOW_BYTES`` plus one gradient per rank; see
-    docs/reliability.md). Refused on CUDA with the fused head (its Triton backward's atomics).
+    docs/reliability.md). On CUDA it needs ``torch.use_deterministic_algorithms(True)`` (torch's
+    attention backward sums with atomics otherwise); both heads are reproducible.
     The default adds each microbatch's push as it arrives (faster; runs then differ in the last
     bits when a rank has several microbatches). Collective mode
     is always in a fixed order. Work stealing decides the split at run time: not deterministic.
