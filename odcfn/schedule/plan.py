@@ -25,6 +25,7 @@ __all__ = [
     "Plan",
     "ReduceScatter",
     "Release",
+    "Reshard",
     "ScatterAccumulate",
     "ScheduleOptions",
     "Step",
@@ -41,9 +42,14 @@ Assignment = tuple[tuple[tuple[int, ...], ...], ...]
 
 @dataclass(frozen=True)
 class Gather:
-    """Pull the unit's full parameters from their owners (one-sided; owners do nothing)."""
+    """Pull the unit's full parameters from their owners (one-sided; owners do nothing).
+
+    ``group`` > 0 (hierarchical shards, ``ScheduleOptions.reshard_after_forward=k``): pull them
+    instead from the secondary shards of this rank's ``group``-rank group (``Reshard``), so the
+    transfer never leaves the group (one node on real machines)."""
 
     unit: str
+    group: int = 0
 
 
 @dataclass(frozen=True)
@@ -97,18 +103,32 @@ class Release:
 
 
 @dataclass(frozen=True)
+class Reshard:
+    """Free the unit's gathered parameters but keep this rank's ``1/group`` slice of them as its
+    secondary shard, readable by the peers of its ``group``-rank group until the Sync (the
+    parameters do not change inside a minibatch, so it is built once per minibatch)."""
+
+    unit: str
+    group: int
+
+
+@dataclass(frozen=True)
 class Sync:
     """The one global synchronisation of the minibatch (loss, token count, grad-norm^2)."""
 
 
-Step = Union[Gather, AllGather, Forward, Backward, ScatterAccumulate, ReduceScatter, Release, Sync]
+Step = Union[Gather, AllGather, Forward, Backward, ScatterAccumulate, ReduceScatter, Release, Reshard, Sync]
 COLLECTIVE_STEPS = (AllGather, ReduceScatter)
 
 
 @dataclass(frozen=True)
 class ScheduleOptions:
     prefetch: int = 1  # gathers issued this many compute steps ahead of their use
-    reshard_after_forward: bool = True  # free gathered params after forward, re-gather for backward
+    # True: free gathered params after forward, re-gather them for backward from their owners;
+    # False: keep them until backward; an int k (hierarchical shards, ZeRO++'s hpZ, FSDP2's
+    # integer form): keep a 1/k secondary shard in k-rank groups (ranks [0, k), [k, 2k), ...) and
+    # re-gather for backward from the group only. k must divide the shard group's size.
+    reshard_after_forward: bool | int = True
     remat: frozenset[str] = field(default_factory=frozenset)  # units recomputed in backward
     # (unit, earlier units whose parameters it also reads): tied weights. train_step fills it
     # from the model (``Model.uses``); each use costs a gather of the used unit
@@ -128,6 +148,12 @@ class ScheduleOptions:
     def __post_init__(self) -> None:
         if not isinstance(self.prefetch, int) or self.prefetch < 0:
             raise ValueError(f"ScheduleOptions.prefetch must be an int >= 0, got {self.prefetch!r}")
+        k = self.reshard_after_forward
+        if not isinstance(k, (bool, int)) or (not isinstance(k, bool) and k < 1):
+            raise ValueError(
+                f"ScheduleOptions.reshard_after_forward must be True, False or an int k >= 1 (the "
+                f"hierarchical shard group's size), got {k!r}"
+            )
         g = self.expert_group
         if isinstance(g, bool) or not isinstance(g, int) or g < 1:
             raise ValueError(f"ScheduleOptions.expert_group must be an int >= 1, got {g!r}")
@@ -136,6 +162,29 @@ class ScheduleOptions:
         object.__setattr__(self, "frozen", frozenset(self.frozen))
         object.__setattr__(self, "passthrough", frozenset(self.passthrough))
         object.__setattr__(self, "uses", tuple((str(u), tuple(vs)) for u, vs in self.uses))
+
+    @property
+    def hpz(self) -> int:
+        """The hierarchical shard group's size (``reshard_after_forward=k``), 0 if none."""
+        k = self.reshard_after_forward
+        return 0 if isinstance(k, bool) else k
+
+    def check_hpz(self, group_size: int, comm: Comm = "odc") -> None:
+        """``reshard_after_forward=k`` against the shard group (the world under full sharding):
+        called before any communication."""
+        k = self.hpz
+        if not k:
+            return
+        if group_size % k:
+            raise ValueError(
+                f"ScheduleOptions.reshard_after_forward={k} does not divide the shard group's size "
+                f"{group_size} (the world size under full sharding)"
+            )
+        if comm != "odc":
+            raise ValueError(
+                f"ScheduleOptions.reshard_after_forward={k} (hierarchical shards) needs comm='odc'; "
+                "collective mode takes True or False"
+            )
 
 
 @dataclass(frozen=True)
@@ -169,6 +218,12 @@ class Plan:
                 args.append("remat")
             if getattr(s, "uses", ()):
                 args.append("uses " + ",".join(s.uses))
+            if getattr(s, "group", 0):
+                args.append(
+                    f"group {s.group}: secondary shard"
+                    if isinstance(s, Reshard)
+                    else f"from the {s.group}-rank group's secondary shards"
+                )
             if getattr(s, "routed", 0):
                 args.append(f"routed gather: chosen experts, <={s.routed} at once")
             lines.append(f"  {i:4d}  {type(s).__name__:<18}{' '.join(args)}".rstrip())
@@ -185,7 +240,8 @@ def microbatch_steps(units: Sequence[str], mb: int, comm: Comm, options: Schedul
     """Forward then backward of one microbatch, each gather right before its first use."""
     gather = Gather if comm == "odc" else AllGather
     push = ScatterAccumulate if comm == "odc" else ReduceScatter
-    reshard = options.reshard_after_forward
+    reshard = options.reshard_after_forward is not False
+    k = options.hpz if comm == "odc" else 0
     units = chain(units, options)
     uses = dict(options.uses)
     experts = dict(options.routed)
@@ -195,12 +251,14 @@ def microbatch_steps(units: Sequence[str], mb: int, comm: Comm, options: Schedul
     last = len(units) - 1
     steps: list[Step] = []
     held: set[str] = set()
+    secondary: set[str] = set()  # units whose group shard this microbatch built (hpZ)
     borrowed: dict[str, list[str]] = {}  # used units gathered for a unit's forward, still held
 
     def get(names: Sequence[str]) -> list[str]:
-        """Gather what is not held; returns what it gathered."""
+        """Gather what is not held (from the group's secondary shards once built); returns what
+        it gathered."""
         fresh = [n for n in names if n not in held]
-        steps.extend(gather(n) for n in fresh)
+        steps.extend(Gather(n, k) if n in secondary else gather(n) for n in fresh)
         held.update(fresh)
         return fresh
 
@@ -218,6 +276,10 @@ def microbatch_steps(units: Sequence[str], mb: int, comm: Comm, options: Schedul
         extra = get(held_with[u])
         steps.append(Forward(u, mb, remat=u in options.remat, uses=uses.get(u, ()), routed=routed.get(u, 0)))
         if (reshard and i < last) or i < first:  # the last unit's backward follows at once: keep it
+            if k and u in held:  # hpZ: its backward re-gathers it from the group
+                steps.append(Reshard(u, k))
+                held.discard(u)
+                secondary.add(u)
             drop([u, *extra])
         else:
             borrowed[u] = extra
@@ -232,6 +294,14 @@ def microbatch_steps(units: Sequence[str], mb: int, comm: Comm, options: Schedul
             steps.extend(push(e) for e in experts.get(u, ()) if e not in options.frozen)
         drop([u, *extra])
     return steps
+
+
+def secondary_steps(units: Sequence[str], options: ScheduleOptions) -> list[Step]:
+    """hpZ on a rank without microbatches: it still builds its slice of every group shard its
+    group's peers will read in their backward (they wait for it, never for its forwards)."""
+    one = microbatch_steps(units, 0, "odc", options)
+    built = [s.unit for s in one if isinstance(s, Reshard)]
+    return [step for u in built for step in (Gather(u), Reshard(u, options.hpz))]
 
 
 def first_trained(units: Sequence[str], frozen: frozenset[str]) -> int:
@@ -315,6 +385,7 @@ def compile_plan(
     """
     options = _check_args(assignment, rank, comm, options)
     check_remat(units, options)
+    options.check_hpz(len(assignment), comm)
     mbs = tuple(tuple(m) for m in assignment[rank])
     if comm == "collective":
         n = max(len(a) for a in assignment)
@@ -322,6 +393,8 @@ def compile_plan(
     steps: list[Step] = []
     for i in range(len(mbs)):
         steps += microbatch_steps(units, i, comm, options)
+    if not mbs and options.hpz:
+        steps += secondary_steps(units, options)
     steps = hoist_gathers(_keep_across_microbatches(steps), options.prefetch)
     steps.append(Sync())
     return Plan(rank, comm, tuple(units), mbs, tuple(steps))

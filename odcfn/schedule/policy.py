@@ -123,6 +123,11 @@ def prepare_program(
     stealing decides each piece when the previous one has run, on ``fetch_add``)."""
     chosen = resolve_policy(policy, comm, cost)
     if isinstance(chosen, WorkStealing):
+        if options is not None and options.hpz:
+            raise ValueError(
+                f"ScheduleOptions.reshard_after_forward={options.hpz} (hierarchical shards) is not "
+                "served with work stealing: use a static balancer"
+            )
         sp = steal_plan(
             lengths, world_size, max_tokens, cost=cost or DEFAULT_COST, split_cost=chosen.split_cost,
             split_tail=chosen.split_tail,

@@ -20,6 +20,7 @@ from odcfn.schedule.plan import (
     Gather,
     Plan,
     Release,
+    Reshard,
     ScheduleOptions,
     Step,
     Sync,
@@ -90,7 +91,7 @@ def _owner_steps(units: tuple[str, ...], options: ScheduleOptions) -> OwnerSteps
     for s in two[:b]:
         if isinstance(s, Gather):
             live[s.unit] = None
-        elif isinstance(s, Release):
+        elif isinstance(s, (Release, Reshard)):
             live.pop(s.unit, None)
     return OwnerSteps(tuple(one[:a]), tuple(two[a:b]), tuple(one[a:]), tuple(Release(u) for u in live))
 

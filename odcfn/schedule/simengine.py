@@ -6,6 +6,9 @@ all-gathers and reduce-scatters on separate streams):
 - ``Gather``/``ScatterAccumulate``: issued without blocking compute; the transfer starts when its
   stream is free and takes ``latency + bytes * (S-1)/S / bandwidth`` (S = shard-group size;
   inter-node bandwidth when the group spans nodes). Owners do nothing and nobody waits for them.
+  A ``Gather`` from a hierarchical shard group (``group=k``, hpZ) is the same transfer over the
+  k-rank group: S = k, inter-node only if the group spans nodes (the same rule as hybrid
+  sharding's shard group); its ``Reshard`` frees like a ``Release`` (the slice copy is local).
 - ``Forward``/``Backward`` of a unit start when the compute clock is free and the unit's latest
   gather has landed; they take ``cost(microbatch) * unit share * (fwd_fraction | 1 -
   fwd_fraction)`` (backward of a remat unit adds its forward again). A rank slowed by ``F``
@@ -31,6 +34,7 @@ from odcfn.schedule.plan import (
     Plan,
     ReduceScatter,
     Release,
+    Reshard,
     ScatterAccumulate,
     Sync,
 )
@@ -46,6 +50,7 @@ _CODE = {
     Backward: _BWD,
     ScatterAccumulate: _SCATTER,
     Release: _RELEASE,
+    Reshard: _RELEASE,
     AllGather: _AG,
     ReduceScatter: _RS,
     Sync: SYNC,
@@ -84,6 +89,8 @@ class Engine:
         pbytes = work.per_unit(work.param_bytes)
         gbytes = work.per_unit(work.param_bytes if work.grad_bytes is None else work.grad_bytes)
         self.gather_time = [comm.transfer(b, group, spans) for b in pbytes]
+        self._pbytes = pbytes
+        self._group_time: dict[int, list[float]] = {}  # hpZ group size -> per-unit gather time
         self.scatter_time = [comm.transfer(b, group, spans) for b in gbytes]
         self.sync_time = comm.sync_time(mesh.world_size, mesh.num_nodes > 1)
         self._codes: dict[int, list[tuple[int, int, int, bool]]] = {}
@@ -98,7 +105,8 @@ class Engine:
                         _CODE[type(s)],
                         self.index[s.unit] if hasattr(s, "unit") else -1,
                         getattr(s, "mb", -1),
-                        getattr(s, "remat", False),
+                        # a compute step's remat flag; a gather's hpZ group size (0: owners)
+                        getattr(s, "remat", False) or getattr(s, "group", 0),
                     )
                     for s in steps
                 ]
@@ -140,7 +148,8 @@ class Engine:
                     ev.append(Event(r, _KIND[code], self.work.units[u], start, end, mb + mb_shift))
             elif code == _GATHER:
                 start = st.t if st.t >= st.pull else st.pull
-                st.pull = st.ready[u] = end = start + self.gather_time[u]
+                took = self.group_gather_time(remat)[u] if remat else self.gather_time[u]
+                st.pull = st.ready[u] = end = start + took
                 if ev is not None:
                     ev.append(Event(r, _KIND[code], self.work.units[u], start, end))
             elif code == _SCATTER:
@@ -157,6 +166,14 @@ class Engine:
                 return pc
             pc += 1
         return pc
+
+    def group_gather_time(self, k: int) -> list[float]:
+        """Per unit: a gather from the k-rank secondary shards of hierarchical sharding (hpZ)."""
+        hit = self._group_time.get(k)
+        if hit is None:
+            spans = k > self.mesh.node_size
+            hit = self._group_time[k] = [self.comm.transfer(b, k, spans) for b in self._pbytes]
+        return hit
 
     def fragment_time(self, codes: list) -> float:
         """How long a fragment of zero compute keeps an idle rank busy: what its transfers add

@@ -232,7 +232,8 @@ def compile_plans(
             mbs = mbs + ((),) * (n_max - len(mbs))
         steps = cache.get(len(mbs))
         if steps is None:
-            template = (tuple((0,) for _ in range(len(mbs))),)
+            # the other ranks empty: the plan still sees the world size (hpZ's group check)
+            template = (tuple((0,) for _ in range(len(mbs))),) + ((),) * (len(assignment) - 1)
             steps = cache[len(mbs)] = compile_plan(units, template, 0, comm, options).steps
         plans.append(Plan(r, comm, tuple(units), mbs, steps))
     return tuple(plans)

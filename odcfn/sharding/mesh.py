@@ -120,6 +120,19 @@ class Mesh:
         """Which shard this rank owns."""
         return self.shard_group.index(self.rank)
 
+    def secondary_group(self, size: int) -> tuple[int, ...]:
+        """Hierarchical shards (``ScheduleOptions.reshard_after_forward=size``): the ``size``
+        consecutive ranks of this rank's shard group that hold one secondary copy together
+        (one node on real machines); the member at position j holds slice j."""
+        n = self.shard_count
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1 or n % size:
+            raise ValueError(
+                f"ScheduleOptions.reshard_after_forward={size!r} does not divide the shard group's "
+                f"size {n} (the world size under full sharding)"
+            )
+        start = self.shard_index - self.shard_index % size
+        return self.shard_group[start : start + size]
+
     def owner_of(self, shard_index: int) -> int:
         """The global rank in this rank's shard group that owns ``shard_index``."""
         return self.shard_group[shard_index]

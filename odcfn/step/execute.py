@@ -27,6 +27,7 @@ from odcfn.schedule.plan import (
     Gather,
     ReduceScatter,
     Release,
+    Reshard,
     ScatterAccumulate,
     Step,
     Sync,
@@ -319,7 +320,10 @@ class Executor:
 
     def _gather(self, s: Gather, offset: int) -> None:
         with torch.no_grad():
-            self.pending[s.unit] = self.t.gather(s.unit, self.buffer(s.unit))
+            if s.group:  # hpZ: from the group's secondary shards (never across the group)
+                self.pending[s.unit] = self.t.gather_group(s.unit, self.buffer(s.unit), s.group)
+            else:
+                self.pending[s.unit] = self.t.gather(s.unit, self.buffer(s.unit))
 
     def _all_gather(self, s: AllGather, offset: int) -> None:
         with torch.no_grad():
@@ -362,6 +366,11 @@ class Executor:
         self.wait_gather(s.unit)
         self.bufs[s.unit].untyped_storage().resize_(0)
 
+    def _reshard(self, s: Reshard, offset: int) -> None:
+        self.wait_gather(s.unit)
+        self.t.publish_secondary(s.unit, self.bufs[s.unit], s.group)  # once per minibatch
+        self._release(s, offset)
+
     def _sync(self, s: Sync, offset: int) -> Any:
         return self.sync()
 
@@ -396,5 +405,6 @@ _STEPS = {
     ScatterAccumulate: ("scatter", "_scatter"),
     ReduceScatter: ("collective", "_reduce_scatter"),
     Release: ("release", "_release"),
+    Reshard: ("release", "_reshard"),
     Sync: ("sync", "_sync"),
 }

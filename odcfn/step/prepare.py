@@ -18,6 +18,7 @@ from odcfn.schedule.policy import policy_info
 from odcfn.sharding import Layout, make_layout
 from odcfn.sharding.layout import check_shards
 from odcfn.step import fingerprint
+from odcfn.step.stale_config import max_staleness
 from odcfn.step.state import TrainState, check_fields
 from odcfn.transport.base import supports_odc
 
@@ -37,6 +38,19 @@ def check_inputs(state: TrainState, batch: Batch) -> Layout:
             f"comm='odc' needs a point-to-point transport (ShmTransport, LocalWorld's, the GPU ones); "
             f"{type(state.transport).__name__} only does collectives: use StepConfig(comm='collective')"
         )
+    opts = state.config.options
+    if opts is not None and opts.hpz:  # hierarchical shards: groups inside the shard group
+        opts.check_hpz(state.mesh.shard_count, state.config.comm)
+        if max_staleness(state.config.staleness):  # peers' slices could hold different versions
+            raise ValueError(
+                f"ScheduleOptions.reshard_after_forward={opts.hpz} (hierarchical shards) needs "
+                "StepConfig(staleness=0)"
+            )
+        if not callable(getattr(state.transport, "gather_group", None)):
+            raise TypeError(
+                f"ScheduleOptions.reshard_after_forward={opts.hpz} needs a transport with group "
+                f"gathers (LocalWorld's); {type(state.transport).__name__} has none"
+            )
     layout = make_layout(state.model, state.mesh)
     check_shards(state.params, layout, state.model.dtype, frozen_dtype=state.config.compute_dtype)
     check_token_range(batch, state.model.vocab_size)

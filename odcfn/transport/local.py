@@ -63,6 +63,8 @@ class LocalWorld:
         self._groups: dict[tuple[int, ...], tuple[threading.Barrier, list[Any]]] = {}
         self._groups_lock = threading.Lock()
         self._store: Any = None
+        # hpZ: rank -> unit -> (step, this rank's slice of the unit's group shard)
+        self.secondary: list[dict[str, tuple[int, torch.Tensor]]] = [{} for _ in range(world_size)]
         self.versions: Any = None  # the VersionBoard of bounded staleness (odcfn.transport.versions)
 
     def transport(self, rank: int) -> LocalTransport:
@@ -174,6 +176,9 @@ class LocalTransport(StepCollectives):
         self.step = 0
         self.layout: Layout | None = None
         self._stale: StaleLocal | None = None
+        # gathered bytes by source rank: primary shards, and hpZ group shards (gather_group)
+        self.peer_bytes: Counter[int] = Counter()
+        self.group_bytes: Counter[int] = Counter()
 
     ordered_versions = True  # versions(..., ordered=True): deterministic accumulation (versions_det)
 
@@ -228,6 +233,43 @@ class LocalTransport(StepCollectives):
             out[i * size : (i + 1) * size].copy_(src)
             if owner != self.mesh.rank:
                 self.counters.gather_bytes += src.numel() * src.element_size()
+                self.peer_bytes[owner] += src.numel() * src.element_size()
+        self.counters.gathers += 1
+        return Done()
+
+    # --- hierarchical shards (hpZ) ------------------------------------------------------------
+    def publish_secondary(self, unit: str, full: torch.Tensor, group: int) -> None:
+        """Keep this rank's slice of ``full`` (the unit's gathered copy) as its share of the
+        ``group``-rank group shard for this step; a later call in the same step is a no-op (the
+        parameters do not change inside a minibatch, and peers may be reading it)."""
+        w, r = self.world, self.mesh.rank
+        held = w.secondary[r].get(unit)
+        if held is not None and held[0] == self.step:
+            return
+        members = self.mesh.secondary_group(group)
+        n = full.numel() // group
+        j = members.index(r)
+        piece = full[j * n : (j + 1) * n].detach().clone()
+        with w.cond:
+            w.secondary[r][unit] = (self.step, piece)
+            w.cond.notify_all()
+
+    def gather_group(self, unit: str, out: torch.Tensor, group: int) -> Handle:
+        """Fill ``out`` from the secondary shards of this rank's ``group``-rank group only."""
+        w, step = self.world, self.step
+        members = self.mesh.secondary_group(group)
+        n = out.numel() // group
+        for j, peer in enumerate(members):
+            w.wait_for(
+                lambda p=peer: w.secondary[p].get(unit, (0,))[0] >= step,
+                f"rank {peer} to build its group shard of {unit!r} at step {step} (rank {self.mesh.rank})",
+                members,
+            )
+            src = w.secondary[peer][unit][1]
+            out[j * n : (j + 1) * n].copy_(src)
+            if peer != self.mesh.rank:
+                self.counters.gather_bytes += src.numel() * src.element_size()
+                self.group_bytes[peer] += src.numel() * src.element_size()
         self.counters.gathers += 1
         return Done()
 
