@@ -28,7 +28,11 @@ RUNS: dict[str, dict[str, Any]] = {
     "fp8 gathers + bf16 pushes": {**BF16, "gather_format": "fp8_e4m3", "push_format": "bf16"},
     "int8 pushes + error feedback": {**BF16, "push_format": "int8", "push_error_feedback": True},
     "fp8 gathers + int8 pushes + error feedback": {
-        **BF16, "gather_format": "fp8_e4m3", "push_format": "int8", "push_error_feedback": True},
+        **BF16,
+        "gather_format": "fp8_e4m3",
+        "push_format": "int8",
+        "push_error_feedback": True,
+    },
 }
 
 
@@ -42,15 +46,20 @@ def task_batch(samples: int, length: int, vocab: int, seed: int) -> Batch:
     return Batch(tuple(rows))
 
 
-def _run(cfg: dict[str, Any], steps: int, world: int, every: int, seed: int, lr: float,
-         config: QwenConfig) -> list[tuple[int, float]]:
+def _run(
+    cfg: dict[str, Any], steps: int, world: int, every: int, seed: int, lr: float, config: QwenConfig
+) -> list[tuple[int, float]]:
     model, full = qwen_model(config), init_params(config, seed=seed)
     held = task_batch(16, 24, config.vocab_size, seed + 1000)
 
     def fn(rank: int, tr: Any) -> list[tuple[int, float]]:
         state = odcfn.TrainState.create(
-            params=full, model=model, optimizer=odcfn.adamw(lr), transport=tr,
-            config=odcfn.StepConfig(balance="lb_mini", **cfg))
+            params=full,
+            model=model,
+            optimizer=odcfn.adamw(lr),
+            transport=tr,
+            config=odcfn.StepConfig(balance="lb_mini", **cfg),
+        )
         curve = []
         for step in range(steps + 1):
             if step % every == 0 or step == steps:
@@ -66,8 +75,14 @@ def _run(cfg: dict[str, Any], steps: int, world: int, every: int, seed: int, lr:
 
 
 def training_curves(
-    steps: int = 200, *, world: int = 2, every: int = 10, seed: int = 0, lr: float = 3e-3,
-    runs: dict[str, dict[str, Any]] | None = None, config: QwenConfig = CONFIG,
+    steps: int = 200,
+    *,
+    world: int = 2,
+    every: int = 10,
+    seed: int = 0,
+    lr: float = 3e-3,
+    runs: dict[str, dict[str, Any]] | None = None,
+    config: QwenConfig = CONFIG,
 ) -> dict[str, Any]:
     """Held-out loss every ``every`` steps for each run of ``runs`` (default ``RUNS``), and each
     final loss relative to the bf16 run's (``rel_to_bf16``)."""
@@ -75,8 +90,13 @@ def training_curves(
     curves = {name: _run(cfg, steps, world, every, seed, lr, config) for name, cfg in runs.items()}
     base = curves["bf16"][-1][1]
     return {
-        "steps": steps, "world": world, "seed": seed, "lr": lr, "floor": math.log(3),
-        "initial": curves["bf16"][0][1], "curves": curves,
+        "steps": steps,
+        "world": world,
+        "seed": seed,
+        "lr": lr,
+        "floor": math.log(3),
+        "initial": curves["bf16"][0][1],
+        "curves": curves,
         "final": {k: c[-1][1] for k, c in curves.items()},
         "rel_to_bf16": {k: c[-1][1] / base - 1 for k, c in curves.items()},
     }

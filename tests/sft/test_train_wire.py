@@ -13,8 +13,10 @@ from tests.sft.test_sft import _metrics, _setup
 
 def test_train_with_fp8_gathers_and_int8_pushes_runs_and_moves_fewer_bytes(tmp_path):
     runs = {}
-    for name, extra in (("plain", ""), ("quant", 'gather_format = "fp8_e4m3"\npush_format = "int8"\n'
-                                                 "push_error_feedback = true\n")):
+    for name, extra in (
+        ("plain", ""),
+        ("quant", 'gather_format = "fp8_e4m3"\npush_format = "int8"\npush_error_feedback = true\n'),
+    ):
         d = tmp_path / name
         d.mkdir()
         cfg = _setup(d, steps=3, every=0)
@@ -28,11 +30,14 @@ def test_train_with_fp8_gathers_and_int8_pushes_runs_and_moves_fewer_bytes(tmp_p
     assert abs(runs["quant"][0]["loss"] - runs["plain"][0]["loss"]) < 0.05 * runs["plain"][0]["loss"]
 
 
-@pytest.mark.parametrize(("extra", "match"), [
-    ('push_format = "int8"\ncomm = "collective"\n', "config: train.push_format='int8' needs comm='odc'"),
-    ("push_error_feedback = true\n", "config: train.push_error_feedback=True needs a push_format"),
-    ('gather_format = "fp4"\n', "train.gather_format must be one of"),
-])
+@pytest.mark.parametrize(
+    ("extra", "match"),
+    [
+        ('push_format = "int8"\ncomm = "collective"\n', "config: train.push_format='int8' needs comm='odc'"),
+        ("push_error_feedback = true\n", "config: train.push_error_feedback=True needs a push_format"),
+        ('gather_format = "fp4"\n', "train.gather_format must be one of"),
+    ],
+)
 def test_bad_combinations_are_refused_when_read(tmp_path, extra, match):
     cfg = _setup(tmp_path)
     text = cfg.read_text().replace('comm = "odc"\n', "")

@@ -72,8 +72,16 @@ def test_gradient_equivalence_with_the_formats_tolerance(world, gather, push, co
         pushes.append(tree_map(lambda v, s=scale: v * s, g))
 
     def fn(rank, tr):
-        state = make_state(FULL, MODEL, tr, comm=comm, balance=fixed_balancer(assignment), max_tokens_per_microbatch=200,
-                           gather_format=gather, push_format=push)
+        state = make_state(
+            FULL,
+            MODEL,
+            tr,
+            comm=comm,
+            balance=fixed_balancer(assignment),
+            max_tokens_per_microbatch=200,
+            gather_format=gather,
+            push_format=push,
+        )
         return odcfn.grad_step(state, BATCH)
 
     out = odcfn.run_local(fn, world, timeout=30)
@@ -94,14 +102,24 @@ def test_gradient_equivalence_with_the_formats_tolerance(world, gather, push, co
 
 def _bytes(world: int, gather: str | None, push: str | None, dtype=torch.float32):
     def fn(rank, tr):
-        state = make_state(FULL, MODEL, tr, balance="lb_mini", max_tokens_per_microbatch=20, compute_dtype=dtype,
-                           gather_format=gather, push_format=push)
+        state = make_state(
+            FULL,
+            MODEL,
+            tr,
+            balance="lb_mini",
+            max_tokens_per_microbatch=20,
+            compute_dtype=dtype,
+            gather_format=gather,
+            push_format=push,
+        )
         return odcfn.grad_step(state, BATCH)[1]
 
     return odcfn.run_local(fn, world, timeout=30)
 
 
-@pytest.mark.parametrize(("gather", "push"), [(None, None), ("fp8_e4m3", "int8"), ("int8", "bf16"), ("bf16", "fp32")])
+@pytest.mark.parametrize(
+    ("gather", "push"), [(None, None), ("fp8_e4m3", "int8"), ("int8", "bf16"), ("bf16", "fp32")]
+)
 def test_counters_and_trace_move_exactly_the_formats_bytes(gather, push):
     world = 3
     layout = make_layout(MODEL, odcfn.Mesh(world))
@@ -110,7 +128,9 @@ def test_counters_and_trace_move_exactly_the_formats_bytes(gather, push):
     for m in _bytes(world, gather, push):
         steps = m.plan.steps
         want_g = sum((world - 1) * g_fmt.nbytes(size[s.unit]) for s in steps if isinstance(s, Gather))
-        want_p = sum((world - 1) * p_fmt.nbytes(size[s.unit]) for s in steps if isinstance(s, ScatterAccumulate))
+        want_p = sum(
+            (world - 1) * p_fmt.nbytes(size[s.unit]) for s in steps if isinstance(s, ScatterAccumulate)
+        )
         assert (m.counters.gather_bytes, m.counters.scatter_bytes) == (want_g, want_p)
         traced = {k: sum(e.nbytes for e in m.events if e.kind == k) for k in ("gather", "scatter")}
         assert traced == {"gather": want_g, "scatter": want_p}
@@ -128,7 +148,9 @@ def test_fp8_and_int8_gathers_move_about_half_of_bf16():
 
 def _train(world, steps, transport=None, **cfg):
     def fn(rank, tr):
-        state = make_state(FULL, MODEL, tr, odcfn.adamw(1e-2), balance="lb_mini", max_tokens_per_microbatch=20, **cfg)
+        state = make_state(
+            FULL, MODEL, tr, odcfn.adamw(1e-2), balance="lb_mini", max_tokens_per_microbatch=20, **cfg
+        )
         for _ in range(steps):
             state, _ = odcfn.train_step(state, BATCH)
         return {k: v.clone() for k, v in state.params.items()}
@@ -150,8 +172,9 @@ def shm_train_worker(steps):
     torch.set_num_threads(1)
     mesh = odcfn.Mesh.from_env()
     with ShmTransport(mesh, timeout=30) as tr:
-        state = make_state(FULL, MODEL, tr, odcfn.adamw(1e-2), balance="lb_mini", max_tokens_per_microbatch=20,
-                           **WIRE)
+        state = make_state(
+            FULL, MODEL, tr, odcfn.adamw(1e-2), balance="lb_mini", max_tokens_per_microbatch=20, **WIRE
+        )
         for _ in range(steps):
             state, m = odcfn.train_step(state, BATCH)
         return {k: v.clone() for k, v in state.params.items()}, m.counters.gather_bytes
@@ -184,7 +207,10 @@ class _NoWire:
         (dict(push_format="fp8_e4m3"), "StepConfig.push_format"),
         (dict(push_format=torch.bfloat16), "StepConfig.push_format"),
         (dict(push_error_feedback=True), "push_error_feedback"),
-        (dict(comm="collective", balance="lb_micro", push_format="int8"), "push_format='int8' needs comm='odc'"),
+        (
+            dict(comm="collective", balance="lb_micro", push_format="int8"),
+            "push_format='int8' needs comm='odc'",
+        ),
         (dict(gather_format="int8", staleness=1), "gather_format cannot be combined with staleness"),
         (dict(quant_block=0), "quant_block"),
     ],
