@@ -2,7 +2,8 @@
 ``odcfn.bench.tiers_train`` (fixed seed), fp8 gathers with bf16 pushes, and int8 pushes with error
 feedback, end within 2% of the held-out loss of the bf16 run, and that run learned (its loss fell
 well below the initial one, toward the task's floor ln 3). 20 steps of a smaller model here
-(~10 s of CPU: three short trainings); the 200-step run and its plot: ``odcfn bench --only tiers``, docs/memory.md."""
+(~10 s of CPU: three short trainings); the 200-step run and its plot: ``odcfn bench --only
+tiers``, docs/memory.md."""
 
 from __future__ import annotations
 
