@@ -18,7 +18,7 @@ from pathlib import Path
 SCHEMA = "odcfn.bench/1"
 SECTIONS = (
     "end_to_end", "balanced", "fsdp2", "primitives", "simulator", "straggler", "rl", "lora", "recovery",
-    "moe", "preference", "staleness", "rl-loop",
+    "moe", "preference", "staleness", "rl-loop", "tiers",
 )
 STRAGGLER_SLOWDOWN = 1.5
 
@@ -98,6 +98,7 @@ def main(args: argparse.Namespace) -> int:
     from odcfn.bench import rl_section as RL
     from odcfn.bench import sections as S
     from odcfn.bench import staleness_section as SS
+    from odcfn.bench import tiers as TI
     from odcfn.bench.runner import pick_backend
     from odcfn.bench.workload import Workload, model_config
 
@@ -157,6 +158,7 @@ def main(args: argparse.Namespace) -> int:
         "preference": lambda: PS.section(ctx, 2 if args.quick else 3, (8,) if args.quick else (8, 64, 1024)),
         "staleness": lambda: SS.section(ctx, args.quick),
         "rl-loop": lambda: RLL.section(ctx, args.quick),
+        "tiers": lambda: TI.section(ctx, args.quick),
     }
     # the simulator replays end_to_end's plans, so it runs after it
     for name in sorted(sections, key=lambda s: s == "simulator"):

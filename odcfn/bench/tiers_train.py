@@ -100,3 +100,23 @@ def training_curves(
         "final": {k: c[-1][1] for k, c in curves.items()},
         "rel_to_bf16": {k: c[-1][1] / base - 1 for k, c in curves.items()},
     }
+
+
+def plot_curves(result: dict[str, Any], path: str) -> None:
+    """The held-out loss curves of ``training_curves`` as a PNG (docs/memory.md's figure)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, curve in result["curves"].items():
+        ax.plot([s for s, _ in curve], [v for _, v in curve], label=f"{name} ({result['final'][name]:.4f})")
+    ax.axhline(result["floor"], color="grey", linestyle=":", label="the task's floor, ln 3")
+    ax.set_xlabel("step")
+    ax.set_ylabel("held-out loss")
+    ax.set_title(f"{result['steps']} steps, {result['world']} ranks, seed {result['seed']}, bf16 compute")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
