@@ -54,22 +54,34 @@ def bytes_per_step(ctx: Any) -> dict:
     size = {u.name: u.shard_size for u in make_layout(model, odcfn.Mesh(world)).units}
     rows = []
     for gather, push in [(g, None) for g in GATHERS] + [(None, p) for p in PUSHES[1:]]:
+
         def fn(rank: int, tr: Any, g=gather, p=push) -> Any:
             state = odcfn.TrainState.create(
-                params=full, model=model, optimizer=odcfn.sgd(0.0), transport=tr,
-                config=odcfn.StepConfig(compute_dtype=torch.bfloat16, gather_format=g, push_format=p))
+                params=full,
+                model=model,
+                optimizer=odcfn.sgd(0.0),
+                transport=tr,
+                config=odcfn.StepConfig(compute_dtype=torch.bfloat16, gather_format=g, push_format=p),
+            )
             return odcfn.grad_step(state, batch)[1]
 
         m = odcfn.run_local(fn, world, timeout=300)[0]
         gf, pf = get_format(gather or "bf16"), get_format(push or "bf16")
         steps = m.plan.steps
-        rows.append({
-            "gather_format": gather or "bf16", "push_format": push or "bf16",
-            "gather_bytes": m.counters.gather_bytes, "scatter_bytes": m.counters.scatter_bytes,
-            "expected_gather_bytes": sum((world - 1) * gf.nbytes(size[s.unit]) for s in steps if isinstance(s, Gather)),
-            "expected_scatter_bytes": sum(
-                (world - 1) * pf.nbytes(size[s.unit]) for s in steps if isinstance(s, ScatterAccumulate)),
-        })
+        rows.append(
+            {
+                "gather_format": gather or "bf16",
+                "push_format": push or "bf16",
+                "gather_bytes": m.counters.gather_bytes,
+                "scatter_bytes": m.counters.scatter_bytes,
+                "expected_gather_bytes": sum(
+                    (world - 1) * gf.nbytes(size[s.unit]) for s in steps if isinstance(s, Gather)
+                ),
+                "expected_scatter_bytes": sum(
+                    (world - 1) * pf.nbytes(size[s.unit]) for s in steps if isinstance(s, ScatterAccumulate)
+                ),
+            }
+        )
     base = rows[0]
     for r in rows:
         r["gather_vs_bf16"] = r["gather_bytes"] / base["gather_bytes"]
@@ -87,9 +99,16 @@ def _shm_worker(workload: Any, steps: int) -> list[list[float]]:
     mesh = odcfn.Mesh.from_env()
     times: list[list[float]] = [[] for _ in GATHERS]
     with ShmTransport(mesh, timeout=300) as tr:
-        states = [odcfn.TrainState.create(
-            params=full, model=model, optimizer=odcfn.adamw(1e-3), transport=tr,
-            config=odcfn.StepConfig(compute_dtype=torch.bfloat16, gather_format=g)) for g in GATHERS]
+        states = [
+            odcfn.TrainState.create(
+                params=full,
+                model=model,
+                optimizer=odcfn.adamw(1e-3),
+                transport=tr,
+                config=odcfn.StepConfig(compute_dtype=torch.bfloat16, gather_format=g),
+            )
+            for g in GATHERS
+        ]
         for step in range(steps + 1):  # step 0 warms up (segments mapped per format)
             batch = make_batch(workload, step)
             for i in range(len(GATHERS)):  # interleaved: machine noise falls on all alike
@@ -111,11 +130,17 @@ def step_time_shm(ctx: Any, steps: int) -> dict:
     base = rows["bf16"]["median_s"]
     for r in rows.values():
         r["vs_bf16"] = r["median_s"] / base
-    return {"steps": steps, "rows": rows, "note": "2 processes on a shared 2-core machine; no speedup claimed"}
+    return {
+        "steps": steps,
+        "rows": rows,
+        "note": "2 processes on a shared 2-core machine; no speedup claimed",
+    }
 
 
 def simulate_formats(
-    devices: tuple[int, ...] = (8, 64, 1024), minibatches: int = 3, samples_per_device: tuple[int, ...] = (1, 4)
+    devices: tuple[int, ...] = (8, 64, 1024),
+    minibatches: int = 3,
+    samples_per_device: tuple[int, ...] = (1, 4),
 ) -> list[dict]:
     """ODC (LB-Mini) step time in the simulator with bf16 against fp8 gathers (pushes bf16)."""
     from odcfn.schedule.balance import lb_mini
@@ -127,14 +152,16 @@ def simulate_formats(
     for d, spd in [(d, s) for s in samples_per_device for d in devices]:
         row: dict[str, Any] = {"devices": d, "samples_per_device": spd}
         for fmt in (None, "fp8_e4m3"):
-            ds, cost, cap, mesh, work = cell_setup("longalign", d, 28, None, None,
-                                                   gather_bytes=element_bytes(fmt))
+            ds, cost, cap, mesh, work = cell_setup(
+                "longalign", d, 28, None, None, gather_bytes=element_bytes(fmt)
+            )
             total = 0.0
             for k in range(minibatches):
                 lengths = ds.sample(d * spd, seed=k)
                 plans = compile_plans(work.units, lb_mini(lengths, d, cap, cost=cost), "odc")
-                total += simulate(plans, lengths, workload=work, cost=cost, comm=A100_COMM, mesh=mesh,
-                                  record=False).makespan
+                total += simulate(
+                    plans, lengths, workload=work, cost=cost, comm=A100_COMM, mesh=mesh, record=False
+                ).makespan
             row[f"step_s_{fmt or 'bf16'}"] = total / minibatches
         row["fp8_vs_bf16"] = row["step_s_fp8_e4m3"] / row["step_s_bf16"]
         rows.append(row)

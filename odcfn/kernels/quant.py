@@ -169,6 +169,7 @@ def encode(x: torch.Tensor, fmt: Format, out: torch.Tensor | None = None) -> tor
         pay.view(torch.int8).copy_(torch.round(y).to(torch.int8))
     else:
         pay.copy_(_e4m3_bits(y))
+    out[n : _pad4(n)].zero_()  # the padding too: equal inputs give equal bytes
     out[_pad4(n) :].view(torch.float32).copy_(s)
     return out
 
