@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from odcfn._check import check_number
-from odcfn.kernels.quant import Wire, publish
+from odcfn.kernels.quant import Wire, WireState, publish
 from odcfn.sharding import Layout, Mesh
 from odcfn.transport.base import Counters, StepCollectives, TransportError, mesh_groups, world_group
 
@@ -249,6 +249,7 @@ class CollectiveTransport(StepCollectives):
         self.layout: Layout | None = None
         self._pub: dict[str, torch.Tensor] = {}
         self._acc: dict[str, torch.Tensor] = {}
+        self._wire = WireState()
 
     supports_wire = True  # begin_step(..., wire=): quantized all-gathers (pushes: fp32 only)
 

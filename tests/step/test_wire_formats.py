@@ -245,3 +245,29 @@ def test_ranks_that_disagree_on_the_format_raise():
 
     with pytest.raises(ValueError, match="gather_format|step config"):
         odcfn.run_local(fn, 2, timeout=30)
+
+
+def gloo_gather_worker():
+    """CollectiveTransport (torch.distributed, gloo) with int8 gathers: its grads equal the
+    in-process transport's (the same bytes all-gathered, the same decoding)."""
+    torch.set_num_threads(1)
+    from odcfn.transport.collective import CollectiveTransport
+
+    with CollectiveTransport(odcfn.Mesh.from_env(), timeout=30) as tr:
+        state = make_state(FULL, MODEL, tr, comm="collective", gather_format="int8", push_format="fp32")
+        g, m = odcfn.grad_step(state, BATCH)
+        return {k: v.clone() for k, v in g.items()}, m.counters.collective_bytes
+
+
+def test_torch_distributed_collective_mode_gathers_quantized_bytes(mp_pool):  # noqa: F811
+    out = mp_pool.run(gloo_gather_worker, 2)
+
+    def fn(rank, tr):
+        state = make_state(FULL, MODEL, tr, comm="collective", gather_format="int8", push_format="fp32")
+        g, m = odcfn.grad_step(state, BATCH)
+        return {k: v.clone() for k, v in g.items()}, m.counters.collective_bytes
+
+    local = odcfn.run_local(fn, 2, timeout=30)
+    for (g, moved), (ref, ref_moved) in zip(out, local):
+        assert moved == ref_moved
+        assert all(torch.allclose(g[k], ref[k], rtol=1e-6, atol=1e-7) for k in ref)
