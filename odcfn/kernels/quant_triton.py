@@ -2,7 +2,7 @@
 
 ``quantize(x, fmt)`` writes the same bytes as ``quant.encode`` (payload, padding, one fp32 scale
 per block) in one launch, one program per block; ``dequantize(data, fmt, out)`` the same values
-as ``quant.decode``. E4M3 goes through ``triton_ops._e4m3_rtne`` / ``_e4m3_value`` (integer ops:
+as ``quant.decode``. E4M3 goes through ``triton_ops.e4m3_rtne`` / ``e4m3_value`` (integer ops:
 the interpreter has no fp8 type, and they give torch's bits on both); int8 rounds with the
 1.5 * 2**23 magic number (fp32 addition rounds to nearest even). Tested against ``quant`` under
 ``TRITON_INTERPRET=1`` (tests/kernels/test_quant_triton.py); not yet run on hardware.
@@ -15,9 +15,14 @@ import triton
 import triton.language as tl
 
 from odcfn.kernels.quant import Format
-from odcfn.kernels.triton_ops import _bf16_rtne, _check_flat, _e4m3_rtne, _e4m3_value, _launch
+from odcfn.kernels.triton_ops import bf16_rtne, check_flat, e4m3_rtne, e4m3_value, launch
 
 __all__ = ["dequantize", "quantize"]
+
+# triton builtins only (as in fused_head_triton): tl.sum / tl.max are jit functions of triton's
+# library, interpreted only if triton itself was imported under TRITON_INTERPRET=1
+_sum_combine = tl.standard._sum_combine
+_max_combine = tl.standard._elementwise_max
 
 
 @triton.jit
@@ -28,8 +33,8 @@ def quantize_kernel(x_ptr, pay_ptr, scale_ptr, n, TOP: tl.constexpr, INT8: tl.co
     offs = blk * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    bad = tl.sum(((x != x) | (tl.abs(x) == float("inf"))).to(tl.int32), axis=0) > 0
-    s = tl.max(tl.abs(tl.where(x == x, x, 0.0)), axis=0) / TOP
+    bad = tl.reduce(((x != x) | (tl.abs(x) == float("inf"))).to(tl.int32), 0, _sum_combine) > 0
+    s = tl.reduce(tl.abs(tl.where(x == x, x, 0.0)), 0, _max_combine) / TOP
     s = tl.where(s == 0.0, 1.0, s)
     s = tl.where(bad, float("nan"), s)
     y = x / s
@@ -38,7 +43,7 @@ def quantize_kernel(x_ptr, pay_ptr, scale_ptr, n, TOP: tl.constexpr, INT8: tl.co
     if INT8:
         q = ((y + 12582912.0) - 12582912.0).to(tl.int32).to(tl.int8).to(tl.uint8, bitcast=True)
     else:
-        q = _e4m3_rtne(y)
+        q = e4m3_rtne(y)
     tl.store(pay_ptr + offs, q, mask=mask)
     tl.store(scale_ptr + blk, s)
 
@@ -52,10 +57,10 @@ def dequantize_kernel(pay_ptr, scale_ptr, out_ptr, n, INT8: tl.constexpr, BLOCK:
     if INT8:
         q = b.to(tl.int8, bitcast=True).to(tl.float32)
     else:
-        q = _e4m3_value(b)
+        q = e4m3_value(b)
     v = q * tl.load(scale_ptr + blk)
     if out_ptr.dtype.element_ty == tl.bfloat16:
-        tl.store(out_ptr + offs, _bf16_rtne(v), mask=mask)
+        tl.store(out_ptr + offs, bf16_rtne(v), mask=mask)
     else:
         tl.store(out_ptr + offs, v.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -77,7 +82,7 @@ def _check_fmt(fmt: Format) -> None:
 def quantize(x: torch.Tensor, fmt: Format, out: torch.Tensor | None = None) -> torch.Tensor:
     """``quant.encode(x, fmt)``'s bytes, computed on ``x``'s device."""
     _check_fmt(fmt)
-    _check_flat("quantize x", x)
+    check_flat("quantize x", x)
     n = x.numel()
     if out is None:
         out = torch.zeros(fmt.nbytes(n), dtype=torch.uint8, device=x.device)
@@ -87,19 +92,19 @@ def quantize(x: torch.Tensor, fmt: Format, out: torch.Tensor | None = None) -> t
     if n:
         top = 127.0 if fmt.name == "int8" else 448.0
         grid = (triton.cdiv(n, fmt.block),)
-        _launch(quantize_kernel, grid, x, pay, scales, n, block=fmt.block, TOP=top, INT8=fmt.name == "int8")
+        launch(quantize_kernel, grid, x, pay, scales, n, block=fmt.block, TOP=top, INT8=fmt.name == "int8")
     return out
 
 
 def dequantize(data: torch.Tensor, fmt: Format, out: torch.Tensor) -> torch.Tensor:
     """``quant.decode(data, fmt, out)`` on ``data``'s device."""
     _check_fmt(fmt)
-    _check_flat("dequantize out", out)
+    check_flat("dequantize out", out)
     n = out.numel()
     if data.dtype != torch.uint8 or data.numel() != fmt.nbytes(n):
         raise ValueError(f"dequantize: {fmt.name} data of {data.numel()} bytes does not hold {n} values")
     pay, scales = _split(data, fmt, n)
     if n:
         grid = (triton.cdiv(n, fmt.block),)
-        _launch(dequantize_kernel, grid, pay, scales, out, n, block=fmt.block, INT8=fmt.name == "int8")
+        launch(dequantize_kernel, grid, pay, scales, out, n, block=fmt.block, INT8=fmt.name == "int8")
     return out
