@@ -13,6 +13,7 @@ from odcfn.schedule import POLICIES, Plan, ScheduleOptions, WorkStealing, compil
 from odcfn.schedule.measure import calibrate
 from odcfn.sharding import Layout, Mesh, make_layout, shard, unshard
 from odcfn.step.logprobs import gather_params, log_probs
+from odcfn.step.offload_config import Offload
 from odcfn.step.state import StepConfig, StepMetrics, TrainState
 from odcfn.step.train import grad_step, train_step
 from odcfn.trace import Event, bubble_rate, chrome_trace, plot_timeline, save_chrome_trace
@@ -40,6 +41,7 @@ __all__ = [
     "Mesh",
     "Microbatch",
     "Model",
+    "Offload",
     "Optimizer",
     "POLICIES",
     "Plan",

@@ -99,6 +99,7 @@ def main(args: argparse.Namespace) -> int:
     from odcfn.bench import sections as S
     from odcfn.bench import staleness_section as SS
     from odcfn.bench import tiers as TI
+    from odcfn.bench import tiers_offload as TO
     from odcfn.bench.runner import pick_backend
     from odcfn.bench.workload import Workload, model_config
 
@@ -179,7 +180,7 @@ def main(args: argparse.Namespace) -> int:
     else:
         print(summary.render(report) + LS.render(report.get("lora")) + MS.render(report.get("moe"))
               + PS.render(report.get("preference")) + SS.render(report.get("staleness"))
-              + RLL.render(report.get("rl-loop")))
+              + RLL.render(report.get("rl-loop")) + TO.render((report.get("tiers") or {}).get("offload")))
     # a section that crashed (not one skipped for want of processes) fails the command
     return 1 if any(isinstance(report.get(n), dict) and "error" in report[n] for n in sections) else 0
 

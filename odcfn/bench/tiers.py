@@ -11,14 +11,11 @@
   with fp8 gathers, 8 to 1024 devices, through the cost model's bytes per element;
 - ``training``: held-out loss after 200 steps of a small task, fp8 gathers + bf16 pushes and
   int8 pushes + error feedback against bf16 (``odcfn.bench.tiers_train``);
-- ``offload``: the rows of ``odcfn/bench/tiers_offload.py`` (its ``rows(ctx, quick)``), when
-  that module is present.
+- ``offload``: the rows of ``odcfn/bench/tiers_offload.py`` (offloaded owner state).
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import statistics
 import time
 from typing import Any
@@ -169,10 +166,11 @@ def simulate_formats(
 
 
 def _offload(ctx: Any, quick: bool) -> dict:
-    """The offload helper's rows (``odcfn/bench/tiers_offload.py``: ``rows(ctx, quick) -> dict``)."""
-    if importlib.util.find_spec("odcfn.bench.tiers_offload") is None:
-        return {"note": "odcfn/bench/tiers_offload.py is not in this build"}
-    return importlib.import_module("odcfn.bench.tiers_offload").rows(ctx, quick)
+    """The offload rows (``odcfn.bench.tiers_offload``: peak memory and step time of offloaded
+    owner state against in-memory)."""
+    from odcfn.bench.tiers_offload import section as offload_section
+
+    return offload_section(ctx, quick)
 
 
 def section(ctx: Any, quick: bool = False) -> dict:

@@ -11,7 +11,7 @@ import torch
 
 from odcfn.checkpoint import frozen, sharded
 from odcfn.checkpoint.async_save import AsyncSaver, default_saver
-from odcfn.step import stale
+from odcfn.step import offload, stale
 from odcfn.step.state import TrainState, check_live, check_opt_state
 from odcfn.trainable import split
 
@@ -85,5 +85,6 @@ def load(path: str | os.PathLike, state: TrainState, *, base: str | os.PathLike 
         if t.shape != state.router_bias.shape:
             raise ValueError(f"odcfn.load: checkpoint {os.fspath(path)} holds a router bias of shape "
                              f"{tuple(t.shape)}, this model's is {tuple(state.router_bias.shape)}")
-        return state.replace(params=params, opt_state=opt_state, step=step, router_bias=t)
-    return state.replace(params=params, opt_state=opt_state, step=step)
+        state = state.replace(router_bias=t)
+    # an offloaded state's shards and optimizer state go back to its slow tier (a new store)
+    return offload.adopt(state.replace(params=params, opt_state=opt_state, step=step))

@@ -117,11 +117,11 @@ def head_forward(
     lp_parts, ent_parts, lse_parts = [], [], []
     tiles = _Tiles(min(tc, n), vc, h, 2 if want_entropy else 1)
     for t0 in range(0, n, tc):
-        hc, yc = h[t0: t0 + tc], y[t0: t0 + tc]
+        hc, yc = h[t0 : t0 + tc], y[t0 : t0 + tc]
         m = s = u = None
         tgt = torch.empty(hc.shape[0], dtype=torch.float32, device=h.device)
         for v0 in range(0, V, vc):
-            z = tiles.logits(hc, w_VxD[v0: v0 + vc])
+            z = tiles.logits(hc, w_VxD[v0 : v0 + vc])
             if inv_tau != 1.0:
                 z.mul_(inv_tau)
             inside = (yc >= v0) & (yc < v0 + z.shape[1])
@@ -208,8 +208,8 @@ def head_backward(
     slice32 = None if direct else torch.empty(min(vc, V), h.shape[1], dtype=torch.float32, device=h.device)
     # vocabulary outside, tokens inside: a slice of dW is finished before the next one starts
     for v0 in range(0, V, vc):
-        wv = w_VxD[v0: v0 + vc]
-        dw_v = dw_out[v0: v0 + vc] if direct else slice32[: wv.shape[0]].zero_()
+        wv = w_VxD[v0 : v0 + vc]
+        dw_v = dw_out[v0 : v0 + vc] if direct else slice32[: wv.shape[0]].zero_()
         for t0 in range(0, n, tc):
             t1 = min(n, t0 + tc)
             hc, yc, glc = h[t0:t1], y[t0:t1], gl[t0:t1]
@@ -234,7 +234,7 @@ def head_backward(
                 dh[t0:t1].add_(dz.to(wv.dtype) @ wv)
             dw_v.addmm_(dz.T, h32[t0:t1])
         if not direct:
-            dw_out[v0: v0 + vc].add_(dw_v)  # rounds once per slice, as a cast of the fp32 sum
+            dw_out[v0 : v0 + vc].add_(dw_v)  # rounds once per slice, as a cast of the fp32 sum
     if rows is None:
         dh_TxD = dh.to(h_TxD.dtype)
     else:
@@ -253,12 +253,6 @@ def _triton():
     return k
 
 
-def atomic_backward(device: torch.device) -> bool:
-    """Whether the fused head's backward on ``device`` adds its dW tiles with atomics (the Triton
-    kernel on CUDA): the order of those adds varies run to run, so its bits do too."""
-    return torch.device(device).type == "cuda" and _triton() is not None
-
-
 class _FusedHead(torch.autograd.Function):
     """``(logp_T, entropy_T (empty without entropy), lse_T)``; lse is not differentiable. Written
     with ``setup_context`` so that ``torch.func`` transforms (the reference's ``grad``) work."""
@@ -269,8 +263,15 @@ class _FusedHead(torch.autograd.Function):
         if kern is not None:
             logp, ent, lse = kern.triton_head_forward(h_TxD, w_VxD, labels_T, temperature, want_entropy)
         else:
-            logp, ent, lse = head_forward(h_TxD, w_VxD, labels_T, temperature, want_entropy,
-                                          token_chunk=token_chunk, vocab_chunk=vocab_chunk)
+            logp, ent, lse = head_forward(
+                h_TxD,
+                w_VxD,
+                labels_T,
+                temperature,
+                want_entropy,
+                token_chunk=token_chunk,
+                vocab_chunk=vocab_chunk,
+            )
         return logp, ent if want_entropy else logp.new_zeros(0), lse
 
     @staticmethod
@@ -295,13 +296,25 @@ class _FusedHead(torch.autograd.Function):
         kern = _triton() if h.is_cuda else None
         if kern is not None:
             fp32_out = dest is not None and dest.dtype == torch.float32 and dest.is_contiguous()
-            dh, dw = kern.triton_head_backward(h, w, labels, lse, ent, g_logp, g_ent, temperature,
-                                               dw_out=dest if fp32_out else None)
+            dh, dw = kern.triton_head_backward(
+                h, w, labels, lse, ent, g_logp, g_ent, temperature, dw_out=dest if fp32_out else None
+            )
             if dest is not None and not fp32_out:  # a bf16 sink: one fp32 V×D transient on GPU
                 dest.add_(dw)
         else:
-            dh, dw = head_backward(h, w, labels, lse, ent, g_logp, g_ent, temperature,
-                                   token_chunk=tc, vocab_chunk=vc, dw_out=dest)
+            dh, dw = head_backward(
+                h,
+                w,
+                labels,
+                lse,
+                ent,
+                g_logp,
+                g_ent,
+                temperature,
+                token_chunk=tc,
+                vocab_chunk=vc,
+                dw_out=dest,
+            )
         dh = dh if ctx.needs_input_grad[0] else None
         # written into the sink: no gradient to return (the flat gradient already holds it)
         dw = dw.to(w.dtype) if ctx.needs_input_grad[1] and dest is None else None
@@ -334,8 +347,9 @@ def fused_head(
         if kern is not None:
             logp, ent, _ = kern.triton_head_forward(h_TxD, w_VxD, labels_T, t, entropy)
         else:
-            logp, ent, _ = head_forward(h_TxD, w_VxD, labels_T, t, entropy,
-                                        token_chunk=token_chunk, vocab_chunk=vocab_chunk)
+            logp, ent, _ = head_forward(
+                h_TxD, w_VxD, labels_T, t, entropy, token_chunk=token_chunk, vocab_chunk=vocab_chunk
+            )
         return (logp, ent) if entropy else logp
     logp, ent, _ = _FusedHead.apply(h_TxD, w_VxD, labels_T, t, bool(entropy), token_chunk, vocab_chunk)
     return (logp, ent) if entropy else logp

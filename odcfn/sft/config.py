@@ -14,6 +14,7 @@ from odcfn._check import ArgTypeError
 from odcfn.sft.config_data import check_data_section, check_data_task
 from odcfn.sft.config_dpo import DpoSection, check_task
 from odcfn.sft.config_eval import EvalSection, check_eval
+from odcfn.sft.config_offload import OffloadSection, check_offload
 from odcfn.sft.config_rl import RLSection, RolloutSection, check_rl_task
 from odcfn.sft.keys import KEYS, check_key
 from odcfn.sft.stale_train import check_config, check_model, check_train
@@ -21,6 +22,7 @@ from odcfn.step.wire import check_wire_config
 
 __all__ = [
     "CheckpointSection", "DataSection", "DpoSection", "EvalSection", "LogSection", "LoraSection",
+    "OffloadSection",
     "ModelSection",
     "RLSection", "RolloutSection", "SFTConfig", "TrainSection", "config_from_dict", "config_from_stored",
     "load_config",
@@ -189,6 +191,7 @@ class SFTConfig:
     dpo: DpoSection = field(default_factory=DpoSection)
     rollout: RolloutSection = field(default_factory=RolloutSection)
     rl: RLSection = field(default_factory=RLSection)
+    offload: OffloadSection = field(default_factory=OffloadSection)
 
     def __post_init__(self) -> None:
         t = self.train
@@ -217,6 +220,7 @@ class SFTConfig:
         check_rl_task(self)
         check_data_task(self)
         check_eval(self)
+        check_offload(self)
         check_config(self)
 
     @property
@@ -239,6 +243,7 @@ _SECTIONS = {
     "dpo": DpoSection,
     "rollout": RolloutSection,
     "rl": RLSection,
+    "offload": OffloadSection,
 }
 _PATH_KEYS = {
     ("model", "hf_path"),
@@ -247,6 +252,7 @@ _PATH_KEYS = {
     ("data", "cache_dir"),
     ("data", "eval_path"),
     ("checkpoint", "export_hf"),
+    ("offload", "path"),
 }
 
 

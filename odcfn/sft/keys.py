@@ -270,6 +270,14 @@ KEYS: dict[tuple[str, str], Rule] = {
     ("rl", "max_version_lag"): Rule("async: how many trainer versions behind a rollout may be", **_POS),
     ("rl", "seed"): Rule("seed of the sampling (each iteration's seeds derive from it and the step)",
                          **_NONNEG),
+    # [offload]
+    ("offload", "budget_gib"): Rule("keep the owners' fp32 master shards and optimizer state in a slower "
+                                    "tier, streaming the update through at most this many GiB (one unit "
+                                    "plus the prefetch window must fit; docs/memory.md); 0: off, all in "
+                                    "memory", **_NONNEG),
+    ("offload", "path"): Rule("the slow tier: a writable directory on local disk (relative to the config "
+                              "file); unset: host memory (pinned on GPUs)"),
+    ("offload", "prefetch"): Rule("units read ahead of the update by a background thread", **_NONNEG),
 }
 
 # a bool is an int to Python: True must not pass for a step count

@@ -18,6 +18,7 @@ from odcfn.sft.config import (
     LogSection,
     LoraSection,
     ModelSection,
+    OffloadSection,
     RLSection,
     RolloutSection,
     TrainSection,
@@ -28,7 +29,8 @@ __all__ = ["SECTIONS", "config_markdown", "config_toml", "defaults"]
 
 SECTIONS = {"model": ModelSection, "data": DataSection, "train": TrainSection,
             "checkpoint": CheckpointSection, "log": LogSection, "eval": EvalSection,
-            "lora": LoraSection, "dpo": DpoSection, "rollout": RolloutSection, "rl": RLSection}
+            "lora": LoraSection, "dpo": DpoSection, "rollout": RolloutSection, "rl": RLSection,
+            "offload": OffloadSection}
 
 # defaults that TrainSection resolves when the file leaves them unset (shown as unset, with why)
 _RESOLVED = {("train", "balance"), ("train", "world_size")}
@@ -100,6 +102,8 @@ def config_markdown() -> str:
         '`train.comm = "collective"`, `train.max_grad_norm`,',
         '`train.expert_bias_rate`, `train.task = "dpo"` or `data.skip_empty_minibatches`, and each',
         "pattern of a `[train.staleness]` table must match a unit of the model (docs/staleness.md).",
+        "`offload.budget_gib` > 0 (docs/memory.md) needs `offload.path` to be a writable directory",
+        "(or unset: host memory) and cannot be combined with `train.staleness` >= 1.",
     ]
     section = None
     for (name, key), (default, annotation) in defaults().items():

@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from odcfn.sft.config import SFTConfig, TrainSection, model_config
+from odcfn.sft.config_offload import step_offload
 from odcfn.sft.config_rl import task_loss
 from odcfn.sft.prepare import PreparedData, prepare_data, prepare_quietly
 from odcfn.sft.restart import clear_for_fresh_start, open_memory_tier, resume_point
@@ -117,8 +118,9 @@ def setup(cfg: SFTConfig, rank: int, transport, data: PreparedData | None = None
     step_config = odcfn.StepConfig(
         comm=t.comm, balance=t.balance, max_tokens_per_microbatch=t.max_tokens_per_microbatch,
         compute_dtype=dtype, max_grad_norm=t.max_grad_norm, deterministic=t.deterministic, remat=t.remat,
-        staleness=t.staleness, expert_bias_rate=t.expert_bias_rate, gather_format=t.gather_format,
-        push_format=t.push_format, push_error_feedback=t.push_error_feedback, quant_block=t.quant_block,
+        staleness=t.staleness, expert_bias_rate=t.expert_bias_rate, offload=step_offload(cfg.offload),
+        gather_format=t.gather_format, push_format=t.push_format, push_error_feedback=t.push_error_feedback,
+        quant_block=t.quant_block,
         # the loop never reuses a state: update in place (no second copy of it); stale owners
         # keep older versions readable by peers, so never in place there
         donate=not active(t),

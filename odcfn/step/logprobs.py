@@ -29,7 +29,7 @@ from odcfn.schedule.plan import Forward, compile_forward_plan
 from odcfn.schedule.policy import policy_info, resolve_policy
 from odcfn.sharding import make_layout
 from odcfn.sharding.layout import check_shards
-from odcfn.step import fingerprint, stale
+from odcfn.step import fingerprint, offload, stale
 from odcfn.step.execute import Executor
 from odcfn.step.prepare import check_inputs, minibatch_fingerprint, schedule_options
 from odcfn.step.state import TrainState, check_fields
@@ -88,14 +88,15 @@ def log_probs(
     options = schedule_options(cfg.options, model)  # with the model's tied-weight uses
     plan = compile_forward_plan(model.unit_names, assignment, mesh.rank, cfg.comm, options)
     dtype = cfg.compute_dtype or model.dtype
-    device = next(iter(state.params.values())).device
+    shards = offload.shards(state)  # offloaded masters: their resident published copies
+    device = next(iter(shards.values())).device
     k = 2 if entropy else 1
     offsets = [0]
     for n in batch.lengths:
         offsets.append(offsets[-1] + n)
 
     words, detail = minibatch_fingerprint(state, batch, layout, extra=head)
-    begin_step(transport, layout, state.params, dtype, step_wire(cfg, pushes=False))  # gathers as training's
+    begin_step(transport, layout, shards, dtype, step_wire(cfg, pushes=False))  # gathers as training's
     ex = _ForwardOnly(model, layout, batch, transport, dtype, torch.device(device), loss=head)
     ex.router_bias = state.router_bias  # route as training does
     ex.microbatches.extend(plan.microbatches)
@@ -152,14 +153,17 @@ def gather_params(
     check_shards(state.params, layout, model.dtype, frozen_dtype=state.config.compute_dtype)
     if units is not None and (isinstance(units, str) or not set(units) <= set(layout.names)):
         raise ValueError(f"gather_params: units must be unit names of the model, got {units!r}")
-    device = next(iter(state.params.values())).device
+    # offloaded masters: their resident copies when those are in the dtype asked for
+    same = dtype == (state.config.compute_dtype or model.dtype)
+    shards = offload.shards(state) if same else state.params
+    device = next(iter(shards.values())).device
     request = (dst, None if units is None else sorted(units), dtype)
     key = fingerprint.layout_key(state, layout, state.step)
     words = fingerprint.gather_words(request, key)
     detail = [fingerprint.stable_repr(request)[:300], key[:300]]
     riders = fingerprint.encode(words, device)
     collective = state.config.comm == "collective"
-    begin_step(transport, layout, state.params, dtype, Wire())  # the params as they are, unquantized
+    begin_step(transport, layout, shards, dtype, Wire())  # the params as they are, unquantized
     if collective:  # the agreement first: ranks asking for other units would issue other all-gathers
         _agree(transport.sync(riders), W, words, detail)
     want = dst is None or dst == mesh.rank
@@ -167,7 +171,7 @@ def gather_params(
     for u in layout.units:
         if not (want or collective) or (units is not None and u.name not in units):
             continue
-        buf = torch.empty(u.padded_numel, dtype=dtype, device=state.params[u.name].device)
+        buf = torch.empty(u.padded_numel, dtype=dtype, device=shards[u.name].device)
         if collective:  # every rank joins every all-gather, whether it keeps the result or not
             transport.all_gather(u.name, buf)
         else:  # one-sided reads: a rank that asked for other units harms no peer before the sync

@@ -21,7 +21,6 @@ import time
 
 import torch
 
-from odcfn.kernels.fused_head import atomic_backward
 from odcfn.sharding import Layout
 from odcfn.transport.base import Transport, TransportError
 
@@ -35,27 +34,46 @@ def check_counters(num_units: int, max_counters: int | None) -> None:
     whatever the microbatch count: the slot is in the counter's value."""
     if max_counters is None or num_units > max_counters:
         have = "no fetch_add" if max_counters is None else f"{max_counters} counters"
-        raise ValueError(f"StepConfig(deterministic=True) needs one shared counter per trained unit "
-                         f"({num_units}); this transport has {have}")
+        raise ValueError(
+            f"StepConfig(deterministic=True) needs one shared counter per trained unit "
+            f"({num_units}); this transport has {have}"
+        )
 
 
 def check_head(loss: object, device: torch.device) -> None:
-    """Refuse a head whose gradient is not bit-reproducible on ``device`` (before any
-    communication): a fixed push order cannot repair sums that differ before the push."""
-    if getattr(loss, "head", "fused") == "fused" and atomic_backward(device):
-        raise ValueError(
-            "StepConfig(deterministic=True) cannot be bit-identical with the fused head on CUDA: its "
-            "Triton backward adds dW with atomics in a run-dependent order; use the loss's "
-            "head='unfused' (full logits) or deterministic=False"
-        )
+    """Refuse, before any communication, a deterministic step whose compute on ``device`` is not
+    bit-reproducible: a fixed push order cannot repair sums that differ before the push.
+
+    Both heads are reproducible on every device: the torch head walks its chunks in order, and the
+    Triton head on CUDA has no atomics (each element of dW and of dh's slice partials is written
+    by one program walking its tiles in order; the partials are summed in slice order), so
+    ``loss`` needs no check. What is not reproducible by default on CUDA is torch's own backward
+    of ``scaled_dot_product_attention`` (the flash and memory-efficient kernels sum dQ/dK/dV with
+    atomics) unless ``torch.use_deterministic_algorithms(True)`` is on (not ``warn_only``); the
+    same switch covers torch's other atomic kernels a loss may reach (``index_add_`` with repeated
+    indices: the preference loss's per-pair sums).
+    ``odcfn.step.stale`` and ``train`` call this by its old name; it checks the device only."""
+    del loss  # every head is reproducible (above)
+    if torch.device(device).type != "cuda":
+        return
+    if torch.are_deterministic_algorithms_enabled():
+        if not torch.is_deterministic_algorithms_warn_only_enabled():
+            return
+    raise ValueError(
+        "StepConfig(deterministic=True) on CUDA needs torch.use_deterministic_algorithms(True) (not "
+        "warn_only) before the step: without it torch's scaled_dot_product_attention backward (flash / "
+        "memory-efficient kernels) adds its gradients with atomics in a run-dependent order; cuBLAS then "
+        "also needs CUBLAS_WORKSPACE_CONFIG=:4096:8 in the environment. Or use deterministic=False"
+    )
 
 
 class OrderedPusher:
     """This rank's pushes of one step in the fixed (slot, rank) order; ``slots``: the most
     microbatches any rank runs, ``mine``: this rank's count."""
 
-    def __init__(self, transport: Transport, layout: Layout, slots: int, mine: int,
-                 window: int | None = None) -> None:
+    def __init__(
+        self, transport: Transport, layout: Layout, slots: int, mine: int, window: int | None = None
+    ) -> None:
         self.t, self.rank, self.world = transport, transport.mesh.rank, transport.mesh.world_size
         self.slots, self.mine = slots, mine
         self.window = WINDOW_BYTES if window is None else window
@@ -112,8 +130,10 @@ class OrderedPusher:
         turn = self.t.fetch_add(self.counter[unit], 0)
         j = self.next[unit]
         if turn > j * self.world + self.rank:
-            raise TransportError(f"rank {self.rank}: the push order of unit {unit!r} passed slot {j} "
-                                 "(ranks disagree on StepConfig.deterministic or the assignment?)")
+            raise TransportError(
+                f"rank {self.rank}: the push order of unit {unit!r} passed slot {j} "
+                "(ranks disagree on StepConfig.deterministic or the assignment?)"
+            )
         return turn
 
     def _take(self, unit: str, j: int) -> None:
@@ -131,6 +151,7 @@ class OrderedPusher:
             if time.monotonic() > deadline:
                 raise TransportError(
                     f"rank {self.rank}: timed out after {self.timeout}s waiting for turn {want} of unit "
-                    f"{unit!r} (at {turn}; deterministic order; dead or stuck peer?)")
+                    f"{unit!r} (at {turn}; deterministic order; dead or stuck peer?)"
+                )
             time.sleep(pause)
             pause = min(2 * pause, 1e-3)

@@ -60,7 +60,10 @@ def measure(state: TrainState, batches: Iterable[Batch], *, eps: float = 1e-12) 
     before the first one. The per-unit squared norms of the owners' gradient shards are summed
     over the ranks in one all-reduce of the transport's collectives at the end, so every rank
     returns the same scores. Frozen units have no gradient and get no score. ``state`` is not
-    changed (call it before a stale run, or after ``stale.drain``).
+    changed. On a state a stale run returned (not drained), each owner's newest applied version
+    may trail ``state.step`` by a different amount, so the scores are taken at the version every
+    owner reaches after all ``state.step`` updates (``stale.consistent``, what ``log_probs``
+    reads): never a mix of versions across owners.
 
     Returns ``{unit: S(u)}`` in the model's unit order.
     """
@@ -74,6 +77,8 @@ def measure(state: TrainState, batches: Iterable[Batch], *, eps: float = 1e-12) 
             f"sensitivity.measure needs at least 2 minibatches (S(u) compares consecutive gradients), "
             f"got {len(batches)}"
         )
+    # under staleness: one version on every owner (waits for the slowest), before any gradient
+    state = stale.consistent(state, "sensitivity.measure")
     if stale.active(state.config):  # the measurement is of the synchronous gradients
         state = state.replace(config=state.config.replace(staleness=0))
     _check_counts(state, len(batches))
@@ -96,7 +101,7 @@ def measure(state: TrainState, batches: Iterable[Batch], *, eps: float = 1e-12) 
         local.zero_()
     # the shards of a unit partition its flat vector, so squared norms add up across owners
     total = state.transport.collectives.all_reduce(world_group(mesh), local).cpu()
-    diff2, norm2 = total[:, : len(names)], total[:, len(names):]
+    diff2, norm2 = total[:, : len(names)], total[:, len(names) :]
     scores = (diff2.clamp_min(0).sqrt() / (norm2.clamp_min(0).sqrt() + eps)).mean(0)
     return {u: float(s) for u, s in zip(names, scores)}
 

@@ -25,6 +25,8 @@ from odcfn.schedule.plan import Comm, Plan, ScheduleOptions
 from odcfn.schedule.policy import Policy, WorkStealing, policy_info, resolve_policy
 from odcfn.sharding import Mesh, make_layout, shard
 from odcfn.sharding.layout import check_shards
+from odcfn.step.offload_config import Offload
+from odcfn.step.offload_store import place
 from odcfn.step.stale_config import Staleness, check_staleness, max_staleness
 from odcfn.step.wire import check_wire_config
 from odcfn.trace import Event
@@ -58,7 +60,8 @@ class StepConfig:
     results run after run (restarts, debugging): every owner adds the pushes in the fixed
     order (microbatch slot, rank), each microbatch's gradient pushed when its turn comes and
     staged until then (at most ``ordered_push.WINDOW_BYTES`` plus one gradient per rank; see
-    docs/reliability.md). Refused on CUDA with the fused head (its Triton backward's atomics).
+    docs/reliability.md). On CUDA it needs ``torch.use_deterministic_algorithms(True)`` (torch's
+    attention backward sums with atomics otherwise); both heads are reproducible.
     The default adds each microbatch's push as it arrives (faster; runs then differ in the last
     bits when a rank has several microbatches). Collective mode
     is always in a fixed order. Work stealing decides the split at run time: not deterministic.
@@ -79,6 +82,10 @@ class StepConfig:
     router adds a per-expert bias (``TrainState.router_bias``) to its scores for the top-k choice
     only, and after every step the bias moves by this rate toward the under-loaded experts of
     the minibatch (loads summed in the one sync: every rank computes the same bias). 0: off.
+    ``offload``: ``odcfn.Offload(path, budget_gib, prefetch)`` keeps each owner's fp32 master
+    shards and optimizer state in a slower tier (files under ``path``; host memory when None)
+    and streams the update through a bounded budget, bit-identical to the in-memory step; the
+    update is then in place, as with ``donate`` (docs/memory.md). None: all in memory.
     ``gather_format``: what gathers move (docs/memory.md): None (default) the compute dtype, as
     always; "bf16", "fp8_e4m3" or "int8" block-quantized by the owner right after its update, one
     fp32 scale per ``quant_block`` values, dequantized into the compute dtype by the gatherer.
@@ -102,6 +109,7 @@ class StepConfig:
     donate: bool = False
     staleness: Staleness = 0
     expert_bias_rate: float = 0.0
+    offload: Offload | None = None
     gather_format: str | None = None
     push_format: str | None = None
     push_error_feedback: bool = False
@@ -140,6 +148,12 @@ class StepConfig:
         if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 <= r < math.inf:
             raise ValueError(f"StepConfig.expert_bias_rate must be a finite number >= 0, got {r!r}")
         check_staleness(self.staleness)
+        if self.offload is not None and not isinstance(self.offload, Offload):
+            got = type(self.offload).__name__
+            raise TypeError(f"StepConfig.offload must be an odcfn.Offload or None, got {got}")
+        if self.offload is not None and max_staleness(self.staleness):
+            raise ValueError("StepConfig.offload cannot be combined with staleness >= 1 yet: the stale "
+                             "step's owners update asynchronously, outside the streamed update")
         # under staleness the order is each rank's own plan order, then rank order, whoever ran
         # which microbatch (the record says which): work stealing keeps it a function of the record
         if (self.deterministic and not max_staleness(self.staleness)
@@ -238,13 +252,20 @@ class TrainState:
         if dt is not None and model.frozen and dt.itemsize < model.dtype.itemsize:
             # a frozen unit is only ever gathered in the compute dtype: keep just that (no master)
             params.update({k: params[k].to(dt) for k in model.frozen})
-        fresh = optimizer.init(split(model, params))
-        if opt_state is None:
+        device = next(iter(params.values())).device  # where compute runs (offloaded shards are host views)
+        trained = split(model, params)
+        if config.offload is not None:  # the fresh state's shapes only: it is built unit by unit
+            trained = {k: v.to("meta") for k, v in trained.items()}
+        fresh = optimizer.init(trained)
+        if opt_state is None and (config.offload is None or not trained):
             opt_state = fresh
-        else:  # a resumed state from another optimizer or mesh fails here, not in the update
+        elif opt_state is not None:  # a resumed state from another optimizer or mesh fails here
             check_opt_state(opt_state, fresh)
+        if config.offload is not None and trained:  # into the slow tier (odcfn.step.offload_store)
+            params, opt_state = place(config.offload, params, list(trained), optimizer.init, opt_state,
+                                      dt or model.dtype)
         return cls(params, opt_state, step, model, optimizer, transport, config,
-                   _router_bias(model, config, router_bias, next(iter(params.values())).device))
+                   _router_bias(model, config, router_bias, device))
 
     @property
     def mesh(self) -> Mesh:

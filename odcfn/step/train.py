@@ -24,7 +24,7 @@ from odcfn.moe.router import update_bias
 from odcfn.optim import clip_scale
 from odcfn.schedule.policy import prepare_program, resolve_policy
 from odcfn.sharding import Layout
-from odcfn.step import fingerprint, stale
+from odcfn.step import fingerprint, offload, stale
 from odcfn.step.agree import check_trained_units
 from odcfn.step.experts import expert_load_metrics
 from odcfn.step.ordered_push import check_counters, check_head
@@ -61,7 +61,8 @@ def _grads(state: TrainState, batch: Batch) -> tuple[dict[str, torch.Tensor], St
         max_counters=getattr(transport, "max_counters", None),
     )
     program = preference.expand_program(program, batch)
-    device = next(iter(state.params.values())).device  # compute follows the parameter shards
+    published = offload.shards(state)  # offloaded masters: their resident copies
+    device = next(iter(published.values())).device  # compute follows the parameter shards
     if cfg.deterministic:
         check_head(cfg.loss, device)
     slots = 0
@@ -76,7 +77,7 @@ def _grads(state: TrainState, batch: Batch) -> tuple[dict[str, torch.Tensor], St
     check_transport(transport, wire)  # a transport without quantized formats: refused here
     before = transport.counters.copy()
     check_trained_units(transport, layout, mesh)  # before the first push into a missing accumulator
-    begin_step(transport, layout, state.params, dtype, wire)
+    begin_step(transport, layout, published, dtype, wire)
     result, plan = execute(
         program, model=model, layout=layout, batch=batch, transport=transport,
         compute_dtype=dtype, comm=cfg.comm, device=device, riders=fingerprint.encode(words, device),
@@ -123,7 +124,7 @@ def grad_step(state: TrainState, batch: Batch) -> tuple[dict[str, torch.Tensor],
             "grad_step cannot run with StepConfig.staleness >= 1: under staleness the owners consume "
             "a step's gradients themselves, asynchronously (use train_step, or staleness=0)"
         )
-    grads, metrics, _ = _grads(state, batch)
+    grads, metrics, _ = _grads(offload.adopt(state), batch)
     return {k: g.clone() for k, g in trainable.split(state.model, grads).items()}, metrics
 
 
@@ -131,21 +132,33 @@ def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, StepMetrics
     """One optimizer step on one minibatch: ``(new state, metrics)``."""
     if isinstance(state, TrainState) and isinstance(state.config, StepConfig) and stale.active(state.config):
         return stale.train_step(state, batch)  # τ >= 1: per-owner versions, no global sync
-    grads, metrics, layout = _grads(state, batch)
+    state = offload.adopt(state)
+    stream = offload.prefetch(state)  # offloaded state: the first units load during the compute
+    try:
+        grads, metrics, layout = _grads(state, batch)
+    except BaseException:
+        if stream is not None:
+            stream.cancel()
+        raise
     if metrics.extra.get("skipped_nonfinite"):  # nonfinite="skip": nothing changes
+        if stream is not None:
+            stream.cancel()
         return state, metrics
     scale = clip_scale(metrics.grad_norm, state.config.max_grad_norm)
     optimizer = state.optimizer.for_layout(layout)  # a decay mask needs it
     trained = trainable.split(state.model, state.params)  # frozen units: no state, never updated
     grads = trainable.split(state.model, grads)
-    inplace = {"inplace": True} if state.config.donate and optimizer.inplace else {}
-    params, opt_state = optimizer.update(grads, state.opt_state, trained, grad_scale=scale, **inplace)
-    params = {**state.params, **params} if state.model.frozen else params
+    if stream is not None:  # streamed unit by unit through the budget, in place
+        params, opt_state = state.params, offload.update(state, stream, optimizer, grads, scale)
+    else:
+        inplace = {"inplace": True} if state.config.donate and optimizer.inplace else {}
+        params, opt_state = optimizer.update(grads, state.opt_state, trained, grad_scale=scale, **inplace)
+        params = {**state.params, **params} if state.model.frozen else params
     new_state = state.replace(params=params, opt_state=opt_state, step=state.step + 1)
     if state.router_bias is not None:  # aux-loss-free balancing, from the loads the sync summed
         loads = torch.stack([metrics.extra[f"moe/load/{u}"] for u, _ in state.model.routed])
         new_state = new_state.replace(
             router_bias=update_bias(state.router_bias, loads, state.config.expert_bias_rate))
-    if state.config.donate:
+    if state.config.donate or stream is not None:
         donate(state)
     return new_state, metrics

@@ -31,7 +31,6 @@ from odcfn.transport.base import (
 )
 from odcfn.transport.heartbeat import Patience
 from odcfn.transport.versions import StaleLocal, reuse_view
-from odcfn.transport.versions_det import OrderedStaleLocal
 
 __all__ = ["LocalCollectives", "LocalTransport", "LocalWorld", "run_local"]
 
@@ -185,8 +184,7 @@ class LocalTransport(StepCollectives):
         """This rank's bounded-staleness side (τ >= 1, ``odcfn.transport.versions``), made on first
         use and kept for the transport's life: it holds the owner's version ring. ``ordered``:
         each owner sums a step's pushes in rank order (``odcfn.transport.versions_det``)."""
-        kind = OrderedStaleLocal if ordered else StaleLocal
-        self._stale = reuse_view(self._stale, ring, ordered, lambda: kind(self, ring, start))
+        self._stale = reuse_view(self._stale, ring, ordered, lambda: StaleLocal(self, ring, start, ordered))
         return self._stale
 
     # --- per step ---------------------------------------------------------------------------

@@ -1,47 +1,37 @@
-"""Per-owner parameter versions for bounded staleness (τ >= 1) on in-process ranks (LocalWorld).
+"""Per-owner parameter versions for bounded staleness (τ >= 1) on in-process ranks (LocalWorld):
+the storage of ``odcfn.transport.versions_base.VersionStore`` (its docstring gives the protocol
+and why a ring of ``R = τ_max + 1`` versions is enough) as Python objects the threads share.
 
-The synchronous step (τ = 0) publishes one version per minibatch and meets once in ``sync``.
-Here nothing is global:
-
-- **Versions.** Owner ``o`` keeps its last ``R = τ_max + 1`` published versions in a ring
-  (``pub[o][v % R]``); version ``v`` is its shards after the updates of steps ``< v``.
-- **Gathers.** The first gather of unit ``u`` in minibatch ``j`` pins a version: the newest
-  version every owner of ``u`` has published, waiting only while that is ``< j - τ(u)``. Later
-  gathers of ``u`` in ``j`` (the backward's re-gather, tied uses) read the same version, so a
-  unit's forward and backward always see the same weights. What each gather read is recorded.
-- **Pushes** of minibatch ``j`` go into the ring's accumulator slot ``j % R`` of each owner.
-- **Completion.** After its last push of ``j`` a rank deposits its stats and bumps a per-owner
-  ``done(o, j)`` counter. An owner whose ``done`` count reached its group's size applies step
-  ``j`` (the step layer's ``apply`` callback: the optimizer), zeroes the slot and publishes
-  ``j + 1``. The thread that completes the step runs it at once (in-process ranks share
-  memory: the last pusher applies for the owner, under the owner's lock), so an owner busy
+- **Who applies.** In-process ranks share memory, so the thread that completes an owner's step
+  applies it (the last pusher applies for the owner, under the owner's lock): an owner busy
   computing, or between steps, never holds its peers back.
-
-Why the ring is big enough: a reader in minibatch ``j`` pins ``v >= j - τ_max`` and an owner can
-publish ``v + R`` only after step ``v + R - 1 >= j`` completed, which needs this reader's
-``done(j)``, bumped after its last gather. A read that would race a publish raises (never torn).
+- **Waiting.** A waiter sleeps on the world's condition, woken by every publish, completion and
+  released apply lock (never a busy loop while another thread applies), and applies what it
+  can on the way. Its timeout counts from the peers' last progress (``LocalWorld.beats``,
+  bumped by the executor after each plan step and after each applied update), as the
+  synchronous step's waits do: a busy peer is not a dead one.
 """
 
 from __future__ import annotations
 
 import threading
-import time
 from collections import defaultdict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, MutableMapping, Sequence
 from typing import Any
 
 import torch
 
 from odcfn.sharding import Layout
-from odcfn.transport.base import Done, Handle, TransportError, check_counter, sum_squares
+from odcfn.transport.base import TransportError, check_counter
+from odcfn.transport.heartbeat import Patience
+from odcfn.transport.versions_base import EMPTY, Apply, VersionStore, bound, reuse_view
 
 # local.py makes the views: its LocalWorld and LocalTransport are typed Any here, never
 # imported (local.py imports this module: that would be an import circle)
 
 __all__ = ["StaleLocal", "VersionBoard", "bound", "reuse_view"]
 
-Apply = Callable[[int, dict[str, torch.Tensor], torch.Tensor], Mapping[str, torch.Tensor]]
-_POLL_S = 0.05  # a waiter re-checks at least this often (its own completions may need applying)
+_POLL_S = 0.05  # a waiter re-checks the peers' progress at least this often (beats do not notify)
 
 
 class VersionBoard:
@@ -52,45 +42,20 @@ class VersionBoard:
         w = world.world_size
         self.ring, self.start, self.ordered = ring, start, ordered
         self.latest = [start - 1] * w  # newest version each owner published (start - 1: none yet)
+        self.tags = [[EMPTY] * ring for _ in range(w)]  # [owner][slot]: the version held (seqlock)
         self.pub: list[list[dict[str, torch.Tensor]]] = [[{} for _ in range(ring)] for _ in range(w)]
-        self.acc: list[list[dict[str, torch.Tensor]]] = [[{} for _ in range(ring)] for _ in range(w)]
+        # [owner][slot][part] -> {unit: fp32 sum}: one part added into under acc_locks (arrival
+        # order), or, ordered, part r written by rank r alone (odcfn.transport.versions_det)
+        self.acc: list[list[list[dict[str, torch.Tensor]]]] = [
+            [[{} for _ in range(w if ordered else 1)] for _ in range(ring)] for _ in range(w)
+        ]
         self.acc_locks = [threading.Lock() for _ in range(w)]  # concurrent adds never lose updates
-        # ordered (deterministic) mode: [owner][slot][rank] -> {unit: that rank's own sum}, each
-        # written by its rank alone and summed in rank order at apply (odcfn.transport.versions_det)
-        self.parts: list[list[list[dict[str, torch.Tensor]]]] = (
-            [[[{} for _ in range(w)] for _ in range(ring)] for _ in range(w)] if ordered else [])
         self.done: dict[tuple[int, int], int] = defaultdict(int)  # (owner, step) -> pushers done
         self.stats: dict[int, dict[int, torch.Tensor]] = defaultdict(dict)  # step -> rank -> stats
         self.norm2: dict[int, dict[int, float]] = defaultdict(dict)  # step -> owner -> |g_o|^2
         self.shared: dict[tuple[int, int], int] = {}  # (step, counter) -> value, for fetch_add
         self.appliers: list[Apply | None] = [None] * w  # each owner's update (the step layer's)
         self.apply_locks = [threading.Lock() for _ in range(w)]
-
-
-def bound(j: int, taus: Mapping[str, int], start: int) -> int:
-    """The version every owner must have published before a rank completes minibatch ``j``:
-    what its gathers would have waited for (``j - τ`` of the least stale unit), whatever its plan
-    held, so that every rank, one with no samples included, stays within τ of its peers."""
-    return max(j - min(taus.values(), default=0), start)
-
-
-def reuse_view(view: Any, ring: int, ordered: bool, make: Callable[[], Any]) -> Any:
-    """A transport's versions side: made on first use, then kept for the transport's life (it
-    holds the owner's version ring), refusing a later config with another ring or another
-    ``deterministic`` (rank-order sums)."""
-    if view is None:
-        return make()
-    if view.ORDERED != ordered:
-        raise ValueError(
-            f"StepConfig.deterministic changed on this transport under staleness: its versions "
-            f"were made with deterministic={view.ORDERED}"
-        )
-    if view.ring != ring:
-        raise ValueError(
-            f"StepConfig.staleness changed on this transport: it keeps {view.ring} versions, "
-            f"the config asks for {ring}"
-        )
-    return view
 
 
 def _board(world: Any, ring: int, start: int, ordered: bool = False) -> VersionBoard:
@@ -116,43 +81,22 @@ def _board(world: Any, ring: int, start: int, ordered: bool = False) -> VersionB
     return b
 
 
-class StaleLocal:
-    """Rank ``r``'s side of the versions; it also serves as the executor's transport for one
-    minibatch (``gather``, ``scatter_accumulate``, ``fetch_add``) between ``open`` and
-    ``complete``. The owner's ``apply(step, grads, stats)`` (given to ``start`` by the step layer)
-    returns its new shards for version ``step + 1``."""
+class StaleLocal(VersionStore):
+    """``VersionStore`` over a ``LocalWorld``'s shared ``VersionBoard``; ``ordered``: each owner
+    sums a step's pushes in rank order (``odcfn.transport.versions_det``)."""
 
-    ORDERED = False  # deterministic accumulation: the subclass in odcfn.transport.versions_det
-
-    def __init__(self, transport: Any, ring: int, start: int) -> None:
+    def __init__(self, transport: Any, ring: int, start: int, ordered: bool = False) -> None:
+        super().__init__(transport, ring, start, ordered, transport.world.timeout)
         self.world = transport.world
-        self.mesh, self.counters = transport.mesh, transport.counters
-        self.collectives = transport.collectives
-        self.max_counters, self.timeout = transport.max_counters, self.world.timeout
-        self.board = _board(self.world, ring, start, self.ORDERED)
-        self.ring, self.rank = ring, self.mesh.rank
-        self.owners = self.mesh.shard_group
-        self.owner: Any = None  # the step layer's owner state (params, optimizer state) lives here
-        self.layout: Layout | None = None
-        self.dtype: torch.dtype | None = None
-        self.j = start
-        self.taus: dict[str, int] = {}
-        self.pinned: dict[str, int] = {}
-        self.reads: list[tuple[str, int]] = []  # (unit, version) of every gather of this minibatch
-        self.wait_s = 0.0
+        self.max_counters = transport.max_counters
+        self.board = _board(self.world, ring, start, ordered)
 
-    # --- versions ---------------------------------------------------------------------------
-    def publish(self, owner: int, version: int, shards: Mapping[str, torch.Tensor]) -> None:
-        """Make ``shards`` (fp32 masters) ``owner``'s ``version``, in the compute dtype."""
+    # --- storage ----------------------------------------------------------------------------
+    def latest(self, owner: int) -> int:
+        return self.board.latest[owner]
+
+    def _set_latest(self, owner: int, version: int) -> None:
         b = self.board
-        slot = b.pub[owner][version % self.ring]
-        for u in self.layout.units:
-            src = shards[u.name].detach()
-            dst = slot.get(u.name)
-            if dst is None or dst.dtype != self.dtype or dst.numel() != u.shard_size:
-                slot[u.name] = src.to(self.dtype, copy=True)
-            else:
-                dst.copy_(src)
         with self.world.cond:
             b.latest[owner] = version
             lo = min(b.latest)
@@ -163,80 +107,79 @@ class StaleLocal:
                     del d[k]
             self.world.cond.notify_all()
 
-    def start(
-        self, layout: Layout, shards: Mapping[str, torch.Tensor], dtype: torch.dtype, apply: Apply
-    ) -> None:
-        """Publish the starting version, allocate the accumulator ring and register the owner's
-        ``apply`` (first stale step)."""
-        self.layout, self.dtype = layout, dtype
-        self._allocate(layout)
+    def _tag(self, owner: int, slot: int) -> int:
+        return self.board.tags[owner][slot]
+
+    def _set_tag(self, owner: int, slot: int, tag: int) -> None:
+        self.board.tags[owner][slot] = tag
+
+    def _shard(self, owner: int, slot: int, unit: str) -> torch.Tensor:
+        return self.board.pub[owner][slot][unit]
+
+    def _write(self, owner: int, slot: int, unit: str, src: torch.Tensor) -> None:
+        pub = self.board.pub[owner][slot]
+        dst = pub.get(unit)
+        if dst is None or dst.dtype != self.dtype or dst.numel() != self.sizes[unit]:
+            pub[unit] = src.to(self.dtype, copy=True)
+        else:
+            dst.copy_(src)
+
+    def _setup(self, layout: Layout, dtype: torch.dtype, apply: Apply) -> None:
+        if not self.ORDERED:  # one fp32 shard per slot and trained unit; ordered parts come with pushes
+            for (part,) in self.board.acc[self.rank]:
+                for u in self.trained:
+                    part[u] = torch.zeros(self.sizes[u], dtype=torch.float32)
         self.board.appliers[self.rank] = apply
-        self.publish(self.rank, self.board.start, shards)
 
-    # --- accumulation (the hooks the ordered subclass replaces) ----------------------------
-    def _allocate(self, layout: Layout) -> None:
-        """This owner's accumulator ring (arrival order: one fp32 shard per slot and unit)."""
-        for slot in self.board.acc[self.rank]:
-            for u in layout.units:
-                if not u.frozen:  # never pushed into: no accumulator
-                    slot[u.name] = torch.zeros(u.shard_size, dtype=torch.float32)
+    def _parts(self, owner: int, slot: int) -> Sequence[MutableMapping[str, torch.Tensor]]:
+        return self.board.acc[owner][slot]
 
-    def _add(self, owner: int, unit: str, piece: torch.Tensor) -> None:
-        """Add this rank's ``piece`` of minibatch ``j`` into ``owner``'s slot, as it arrives."""
+    def _add_arrival(self, owner: int, slot: int, unit: str, piece: torch.Tensor) -> None:
         with self.board.acc_locks[owner]:
-            self.board.acc[owner][self.j % self.ring][unit].add_(piece)
+            self.board.acc[owner][slot][0][unit].add_(piece)
 
-    def _step_grads(self, owner: int, k: int) -> dict[str, torch.Tensor]:
-        """``owner``'s gradient shards of step ``k`` (every rank's pushes landed)."""
-        return self.board.acc[owner][k % self.ring]
+    def _clear(self, owner: int, slot: int) -> None:
+        for part in self.board.acc[owner][slot]:
+            if self.ORDERED:
+                part.clear()  # dropped, never reused: only minibatches in flight hold parts
+            else:
+                for g in part.values():
+                    g.zero_()
 
-    def _clear(self, owner: int, k: int) -> None:
-        """Step ``k`` applied: ready ``owner``'s slot for step ``k + ring``."""
-        for g in self.board.acc[owner][k % self.ring].values():
-            g.zero_()
-
-    def open(self, j: int, taus: Mapping[str, int]) -> None:
-        """Begin minibatch ``j`` with each unit's bound ``taus``."""
-        self.j, self.taus = j, dict(taus)
-        self.pinned, self.reads, self.wait_s = {}, [], 0.0
-
-    @property
-    def applied(self) -> int:
-        """This owner's newest version (its shards after the updates of steps below it)."""
-        return self.board.latest[self.rank]
-
-    # --- completion: whoever sees an owner's step complete applies it ----------------------
     def _ready(self, owner: int) -> int | None:
         k = self.board.latest[owner]
         return k if self.board.done.get((owner, k), 0) >= len(self.owners) else None
 
-    def wait(self, pred: Callable[[], bool], what: str) -> None:
-        w, t0 = self.world, time.perf_counter()
-        deadline = t0 + self.timeout
-        try:
-            while True:
-                self.service()
-                with w.cond:
-                    if w.aborted is not None:
-                        raise TransportError(f"aborted while waiting for {what}: {w.aborted}")
-                    if pred():
-                        return
-                    if any(self._ready(o) is not None for o in self.owners):
-                        continue
-                    left = deadline - time.perf_counter()
-                    if left <= 0:
-                        raise TransportError(
-                            f"timed out after {self.timeout}s waiting for {what} (dead or stuck peer?)"
-                        )
-                    w.cond.wait(min(left, _POLL_S))
-        finally:
-            self.wait_s += time.perf_counter() - t0
+    def _rank_stats(self, k: int) -> list[torch.Tensor]:
+        with self.world.cond:
+            parts = self.board.stats[k]
+            if len(parts) < self.mesh.world_size:  # deposits precede done counts: a bug if hit
+                raise TransportError(f"step {k}: stats of ranks {sorted(parts)} only")
+            return [parts[q] for q in range(self.mesh.world_size)]
 
-    def wait_applied(self, n: int) -> None:
-        """Until every owner has applied every step below ``n``."""
+    def _applied(self, owner: int, k: int, norm2: float) -> None:
+        with self.world.cond:
+            self.board.norm2[k][owner] = norm2
+            self.board.done.pop((owner, k), None)
+
+    def _figures(self, k: int) -> tuple[list[torch.Tensor], list[float]] | None:
+        w = self.mesh.world_size
+        with self.world.cond:
+            parts, norms = self.board.stats.get(k, {}), self.board.norm2.get(k, {})
+            if len(parts) < w or len(norms) < w:
+                return None
+            return [parts[q] for q in range(w)], [norms[q] for q in range(w)]
+
+    def _finish(self, j: int, stats: torch.Tensor) -> None:
         b = self.board
-        self.wait(lambda: min(b.latest) >= n, f"every owner to apply the steps below {n}")
+        with self.world.cond:
+            b.stats[j][self.rank] = stats
+            for o in self.owners:
+                b.done[(o, j)] += 1
+            self.world.cond.notify_all()
+        self.service()
 
+    # --- applying: whoever sees an owner's step complete applies it -------------------------
     def service(self) -> int:
         """Apply every completed step of the owners this rank pushes into (its own included), in
         order. An owner busy computing, or between steps, would apply late: so the thread that
@@ -248,103 +191,45 @@ class StaleLocal:
         if not b.apply_locks[o].acquire(blocking=False):  # another thread is applying o's steps
             return 0
         try:
-            while True:
-                with self.world.cond:
-                    k = self._ready(o)
-                    if k is None:
-                        return n
-                    parts = b.stats[k]
-                    if len(parts) < self.mesh.world_size:  # deposits precede done bumps: a bug if hit
-                        raise TransportError(f"step {k}: stats of ranks {sorted(parts)} only")
-                    stats = parts[0].clone()
-                    for q in range(1, self.mesh.world_size):  # rank order: the same sum everywhere
-                        stats += parts[q]
-                    apply = b.appliers[o]
-                grads = self._step_grads(o, k)
-                norm2 = float(sum_squares(grads.values()))
-                with self.world.cond:
-                    b.norm2[k][o] = norm2
-                shards = apply(k, grads, stats)
-                self._clear(o, k)
-                with self.world.cond:
-                    b.done.pop((o, k), None)
-                self.publish(o, k + 1, shards)
+            while (k := self._ready(o)) is not None:
+                self._apply_step(o, k, b.appliers[o])
                 n += 1
         finally:
             b.apply_locks[o].release()
+            with self.world.cond:  # a waiter that saw o's step ready under our lock may take it now
+                self.world.cond.notify_all()
+        return n
 
-    def report(self, k: int) -> tuple[torch.Tensor, float] | None:
-        """Step ``k``'s summed stats and global gradient norm² once every rank and owner has
-        delivered them, else None."""
-        b, w = self.board, self.mesh.world_size
-        with self.world.cond:
-            parts, norms = b.stats.get(k, {}), b.norm2.get(k, {})
-            if len(parts) < w or len(norms) < w:
-                return None
-            stats = parts[0].clone()
-            for q in range(1, w):
-                stats += parts[q]
-            return stats, sum(norms[q] for q in range(w))
+    def beat(self) -> None:
+        self.world.beats[self.rank] += 1  # only this rank's thread writes its entry
 
-    # --- the executor's transport for minibatch j -------------------------------------------
-    def gather(self, unit: str, out: torch.Tensor) -> Handle:
-        b, size = self.board, self.layout[unit].shard_size
-        v = self.pinned.get(unit)
-        if v is None:
-            need = max(self.j - self.taus.get(unit, 0), b.start)  # nothing older than the start
-            self.wait(lambda: min(b.latest[o] for o in self.owners) >= need,
-                      f"version >= {need} of unit {unit!r} (rank {self.rank}, minibatch {self.j})")
-            with self.world.cond:
-                v = self.pinned[unit] = min(b.latest[o] for o in self.owners)
-        for i, owner in enumerate(self.owners):
-            src = b.pub[owner][v % self.ring][unit]
-            out[i * size:(i + 1) * size].copy_(src)
-            if b.latest[owner] >= v + self.ring:  # the slot was reused under the copy: never expected
-                raise TransportError(f"torn read of {unit!r} version {v} from rank {owner}")
-            if owner != self.rank:
-                self.counters.gather_bytes += src.numel() * src.element_size()
-        self.reads.append((unit, v))
-        self.counters.gathers += 1
-        return Done()
+    def _block(self, pred: Callable[[], bool], what: str) -> None:
+        w, b = self.world, self.board
+        peers = [p for p in range(self.mesh.world_size) if p != self.rank]
+        patience = Patience(self.timeout, what, lambda: sum(w.beats[p] for p in peers))
+        while True:
+            self.service()
+            with w.cond:
+                if w.aborted is not None:
+                    raise TransportError(f"aborted while waiting for {what}: {w.aborted}")
+                if pred():
+                    return
+                # a completed step no thread is applying: take it (service, above)
+                if any(self._ready(o) is not None and not b.apply_locks[o].locked() for o in self.owners):
+                    continue
+                if patience.expired():
+                    raise TransportError(
+                        f"timed out after {self.timeout}s waiting for {what} (dead or stuck peer? "
+                        f"no progress from it for {self.timeout}s)"
+                    )
+                # publishes, completions and released apply locks notify; the timeout only
+                # re-reads the peers' progress counters
+                w.cond.wait(_POLL_S)
 
-    def scatter_accumulate(self, unit: str, grad: torch.Tensor) -> Handle:
-        b, size, j = self.board, self.layout[unit].shard_size, self.j
-        for i, owner in enumerate(self.owners):
-            if b.latest[owner] < j - self.ring + 1:  # the slot still holds step j - R, unapplied
-                self.wait(lambda o=owner: b.latest[o] >= j - self.ring + 1,
-                          f"rank {owner} to apply step {j - self.ring} (push of {unit!r}, minibatch {j})")
-            piece = grad[i * size:(i + 1) * size]
-            self._add(owner, unit, piece)
-            if owner != self.rank:
-                self.counters.scatter_bytes += piece.numel() * piece.element_size()
-        self.counters.scatters += 1
-        return Done()
-
+    # --- the executor's counters -------------------------------------------------------------
     def fetch_add(self, counter: int, n: int = 1) -> int:
         check_counter(counter, self.max_counters, "LocalTransport (staleness)")
         with self.world.cond:  # keyed by minibatch: ranks at different minibatches never share one
             old = self.board.shared.get((self.j, counter), 0)
             self.board.shared[(self.j, counter)] = old + n
             return old
-
-    def complete(self, stats: torch.Tensor) -> None:
-        """This rank's pushes of minibatch ``j`` have landed: deposit its stats (they ride to the
-        owners instead of a sync) and count it done at each owner."""
-        b = self.board
-        need = bound(self.j, self.taus, b.start)
-        # the bound a gather enforces, for a rank whose plan gathered nothing (fewer samples than
-        # ranks): without it such a rank runs ahead without limit and outlaps the rings
-        self.wait(lambda: min(b.latest[o] for o in self.owners) >= need,
-                  f"version >= {need} (rank {self.rank}, minibatch {self.j}, the bound of a rank's step)")
-        with self.world.cond:
-            b.stats[self.j][self.rank] = stats.detach().to("cpu", torch.float64, copy=True)
-            for o in self.owners:
-                b.done[(o, self.j)] += 1
-            self.world.cond.notify_all()
-        self.service()
-
-    def flush(self) -> None:  # pushes land synchronously here; completion is ``complete``
-        return None
-
-    def close(self) -> None:
-        return None

@@ -1,11 +1,11 @@
 """Deterministic accumulation under bounded staleness (``StepConfig(deterministic=True)`` with
-τ >= 1) on in-process ranks: each owner's gradient of step ``k`` is summed in one fixed order,
-whatever the timing.
+τ >= 1), in-process and across processes (``VersionStore(ordered=True)``): each owner's gradient
+of step ``k`` is summed in one fixed order, whatever the timing.
 
 The order: rank ``r``'s own sum ``s_r`` = its pushes of step ``k`` added one by one, in the
 order its plan pushes them, into a zeroed fp32 shard; then ``s_0 + s_1 + ... + s_{W-1}`` in rank
 order (``rank_order_sum``), computed by whoever applies the step. Every ``s_r`` lives in its own
-buffer at the owner (``VersionBoard.parts[owner][slot][r]``), written by rank ``r`` alone, so no
+buffer at the owner (part ``r`` of the owner's accumulator slot), written by rank ``r`` alone, so no
 push waits for another rank's turn.
 
 Why not the synchronous mode's ordered turns (``odcfn.step.ordered_push``): there every rank is
@@ -29,10 +29,7 @@ from collections.abc import Iterable, Mapping, MutableMapping, Sequence
 
 import torch
 
-from odcfn.sharding import Layout
-from odcfn.transport.versions import StaleLocal
-
-__all__ = ["OrderedStaleLocal", "accumulate", "rank_order_sum"]
+__all__ = ["accumulate", "rank_order_sum"]
 
 
 def accumulate(part: MutableMapping[str, torch.Tensor], unit: str, piece: torch.Tensor) -> None:
@@ -43,8 +40,9 @@ def accumulate(part: MutableMapping[str, torch.Tensor], unit: str, piece: torch.
     buf.add_(piece)
 
 
-def rank_order_sum(parts: Sequence[Mapping[str, torch.Tensor]], units: Iterable[str],
-                   size: Mapping[str, int]) -> dict[str, torch.Tensor]:
+def rank_order_sum(
+    parts: Sequence[Mapping[str, torch.Tensor]], units: Iterable[str], size: Mapping[str, int]
+) -> dict[str, torch.Tensor]:
     """``s_0 + s_1 + ...`` per unit in rank order (``parts[r]``: rank ``r``'s sums; a rank that
     pushed nothing into a unit is skipped), added in place into the first rank's buffer."""
     out: dict[str, torch.Tensor] = {}
@@ -56,24 +54,3 @@ def rank_order_sum(parts: Sequence[Mapping[str, torch.Tensor]], units: Iterable[
                 total = g if total is None else total.add_(g)
         out[u] = torch.zeros(size[u], dtype=torch.float32) if total is None else total
     return out
-
-
-class OrderedStaleLocal(StaleLocal):
-    """``StaleLocal`` whose owners sum a step's pushes in rank order (see the module doc)."""
-
-    ORDERED = True
-
-    def _allocate(self, layout: Layout) -> None:  # per-rank sums are made by the first push
-        self.trained = [u.name for u in layout.units if not u.frozen]
-        self.sizes = {u.name: u.shard_size for u in layout.units}
-
-    def _add(self, owner: int, unit: str, piece: torch.Tensor) -> None:
-        # only this rank writes its part (no lock); the applier reads it after this rank's done
-        accumulate(self.board.parts[owner][self.j % self.ring][self.rank], unit, piece)
-
-    def _step_grads(self, owner: int, k: int) -> dict[str, torch.Tensor]:
-        return rank_order_sum(self.board.parts[owner][k % self.ring], self.trained, self.sizes)
-
-    def _clear(self, owner: int, k: int) -> None:
-        for part in self.board.parts[owner][k % self.ring]:  # dropped, never reused: freed
-            part.clear()

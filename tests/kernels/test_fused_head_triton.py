@@ -11,15 +11,18 @@ multiple of the tile, V below one tile, several vocabulary slices and IGNORE row
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import os
+import random
 import subprocess
 import sys
 
 import pytest
 import torch
-import triton  # noqa: F401  (the gpu extra: a hard requirement of these tests)
+import triton  # the gpu extra: a hard requirement of these tests
+import triton.language as tl
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -163,6 +166,87 @@ def test_backward_owns_its_outputs_no_atomics_and_repeats_bit_for_bit():
     assert torch.equal(runs[1][0], runs[2][0]) and torch.equal(runs[1][1], runs[2][1])
     assert torch.equal(runs[0][1], runs[1][1])  # dW's order never depends on the slices
     torch.testing.assert_close(runs[0][0], runs[1][0], rtol=1e-6, atol=1e-6)
+
+
+@contextlib.contextmanager
+def _programs_in_order(seed: int):
+    """Every launch inside runs its grid's programs in a shuffled order (``seed``) instead of the
+    interpreter's row-major one: what a GPU's scheduler may do from one run to the next. Output
+    written by one program per element in a fixed loop order cannot depend on it; sums through
+    atomics do (``_atomic_sum`` below is the positive control)."""
+    import triton.runtime.interpreter as interp
+
+    b = interp.interpreter_builder
+    set_dim, set_idx = b.set_grid_dim, b.set_grid_idx
+    order: list = []
+
+    def dim(x, y, z):
+        order[:] = [(i, j, k) for i in range(x) for j in range(y) for k in range(z)]
+        random.Random(seed).shuffle(order)
+        order.reverse()  # popped from the end: the shuffled order from its start
+        set_dim(x, y, z)
+
+    def idx(x, y, z):
+        set_idx(*order.pop())
+
+    b.set_grid_dim, b.set_grid_idx = dim, idx
+    try:
+        yield
+    finally:
+        del b.set_grid_dim, b.set_grid_idx  # the class's methods again
+
+
+def _atomic_sum_kernel(x_ptr, out_ptr, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    tl.atomic_add(out_ptr + cols, tl.load(x_ptr + pid * BLOCK + cols))
+
+
+os.environ["TRITON_INTERPRET"] = "1"  # decorated now, so interpreted (as the kernels above)
+try:
+    _atomic_sum = triton.jit(_atomic_sum_kernel)
+finally:
+    if _saved is None:
+        os.environ.pop("TRITON_INTERPRET", None)
+    else:
+        os.environ["TRITON_INTERPRET"] = _saved
+
+
+def test_kernels_are_bit_identical_whatever_order_their_programs_run_in():
+    """Issue 40, item 10: deterministic mode takes the fused head on CUDA because no output
+    element of the forward or backward depends on the order in which the GPU runs programs.
+    Under the interpreter the programs of every launch run in shuffled orders: the outputs are
+    equal bit for bit. The control: a sum through ``tl.atomic_add`` run the same way changes bits
+    (so the shuffling does reorder what an atomic kernel would add)."""
+    h, w, y, g_logp, g_ent = _case(45, 83, 24, 7)
+
+    def run():
+        logp, ent, lse = K.triton_head_forward(h, w, y, 1.3, True, splits=3)
+        dh, dw = K.triton_head_backward(h, w, y, lse, ent, g_logp, g_ent, 1.3, splits=3)
+        return logp, ent, lse, dh, dw
+
+    base = run()
+    for seed in (1, 2, 3):
+        with _programs_in_order(seed):
+            got = run()
+        assert all(torch.equal(a, b) for a, b in zip(base, got)), seed
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 16, generator=g) * torch.logspace(-4, 4, 64)[:, None]  # mixed magnitudes
+
+    def atomic():
+        out = torch.zeros(16)
+        with K._INTERPRETER_LOCK:
+            _atomic_sum[(64,)](x, out, BLOCK=16)
+        return out
+
+    plain = atomic()
+    torch.testing.assert_close(plain.double(), x.double().sum(0), rtol=1e-5, atol=1e-3)
+    shuffled = []
+    for seed in (1, 2, 3):
+        with _programs_in_order(seed):
+            shuffled.append(atomic())
+    assert any(not torch.equal(plain, s) for s in shuffled)  # the order reaches an atomic sum
 
 
 FUSED = ["fused_head_fwd[bf16]", "fused_head_bwd[bf16]", "fused_head_bwd_dh[bf16]"]

@@ -15,7 +15,8 @@ from odcfn.sft.keys import KEYS
 
 SECTIONS = {"model": C.ModelSection, "data": C.DataSection, "train": C.TrainSection,
             "checkpoint": C.CheckpointSection, "log": C.LogSection, "eval": C.EvalSection,
-            "lora": C.LoraSection, "dpo": C.DpoSection, "rollout": C.RolloutSection, "rl": C.RLSection}
+            "lora": C.LoraSection, "dpo": C.DpoSection, "rollout": C.RolloutSection, "rl": C.RLSection,
+            "offload": C.OffloadSection}
 
 BASE = {"out_dir": "out", "data": {"path": "train.jsonl"}, "train": {"steps": 2, "world_size": 1}}
 

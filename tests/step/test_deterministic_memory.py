@@ -46,8 +46,9 @@ def _run(monkeypatch, window, seed=0):
             return gather(unit, out)
 
         tr.scatter_accumulate, tr.gather = pushed, gathered
-        state = make_state(full, model, tr, odcfn.adamw(1e-2), max_tokens_per_microbatch=16,
-                           deterministic=True)
+        state = make_state(
+            full, model, tr, odcfn.adamw(1e-2), max_tokens_per_microbatch=16, deterministic=True
+        )
         state, _ = odcfn.train_step(state, batch)
         return {k: v.clone() for k, v in state.params.items()}, log
 
@@ -76,11 +77,25 @@ def test_uneven_microbatch_counts_are_bit_identical_whatever_the_timing(monkeypa
             assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_deterministic_refuses_the_atomic_fused_head_on_cuda(monkeypatch):
+def test_deterministic_takes_the_fused_head_on_cuda_and_names_what_cuda_still_needs(monkeypatch):
+    """Issue 40, item 10: the Triton head's backward has no atomics (tests/kernels/
+    test_fused_head_triton.py runs its programs in shuffled orders), so deterministic mode takes
+    the fused head on CUDA. What CUDA still needs is torch's own switch: without it torch's
+    attention backward sums with atomics, and the refusal says so (for either head)."""
     from odcfn.kernels import fused_head
 
     monkeypatch.setattr(fused_head, "_triton", lambda: object())  # as if the Triton kernel served
-    with pytest.raises(ValueError, match="deterministic=True.*fused head on CUDA.*head='unfused'"):
-        ordered_push.check_head(odcfn.losses.cross_entropy(), torch.device("cuda"))
-    ordered_push.check_head(odcfn.losses.cross_entropy(head="unfused"), torch.device("cuda"))
-    ordered_push.check_head(odcfn.losses.cross_entropy(), torch.device("cpu"))  # the torch path
+    cuda, fused = torch.device("cuda"), odcfn.losses.cross_entropy()
+    unfused = odcfn.losses.cross_entropy(head="unfused")
+    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
+    monkeypatch.setattr(torch, "is_deterministic_algorithms_warn_only_enabled", lambda: False)
+    ordered_push.check_head(fused, cuda)  # accepted: no atomics in its backward
+    ordered_push.check_head(unfused, cuda)
+    for warn_only, enabled in ((False, False), (True, True)):  # off, or on but only warning
+        monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda e=enabled: e)
+        monkeypatch.setattr(torch, "is_deterministic_algorithms_warn_only_enabled", lambda w=warn_only: w)
+        for loss in (fused, unfused):
+            match = r"use_deterministic_algorithms\(True\).*scaled_dot_product_attention"
+            with pytest.raises(ValueError, match=match):
+                ordered_push.check_head(loss, cuda)
+    ordered_push.check_head(fused, torch.device("cpu"))  # the torch path: nothing to switch on

@@ -30,17 +30,24 @@ def _by_hand(model, full, batches, eps=1e-12):
     grads = []
     for b in batches:
         _, g = odcfn.reference_value_and_grad(model, full, b)
-        grads.append({u: torch.cat([x.reshape(-1) for x in tree_leaves(g[u])]).double()
-                      for u in model.unit_names})
-    return {u: sum(float((grads[t][u] - grads[t - 1][u]).norm()) / (float(grads[t - 1][u].norm()) + eps)
-                   for t in range(1, len(grads))) / (len(grads) - 1)
-            for u in model.unit_names}
+        grads.append(
+            {u: torch.cat([x.reshape(-1) for x in tree_leaves(g[u])]).double() for u in model.unit_names}
+        )
+    return {
+        u: sum(
+            float((grads[t][u] - grads[t - 1][u]).norm()) / (float(grads[t - 1][u].norm()) + eps)
+            for t in range(1, len(grads))
+        )
+        / (len(grads) - 1)
+        for u in model.unit_names
+    }
 
 
 def _measure(world, batches, **mesh):
     _, model, full = tiny()
-    return odcfn.run_local(lambda r, tr: sensitivity.measure(make_state(full, model, tr), batches),
-                           world, timeout=60, **mesh)
+    return odcfn.run_local(
+        lambda r, tr: sensitivity.measure(make_state(full, model, tr), batches), world, timeout=60, **mesh
+    )
 
 
 def test_measure_equals_the_reference_at_every_world_size():
@@ -65,8 +72,13 @@ def test_frozen_units_get_no_score_and_measure_leaves_the_state_alone():
     want = _by_hand(model, full, batches)
 
     def fn(rank, tr):
-        state = odcfn.TrainState.create(params=full, model=model, optimizer=odcfn.sgd(0.5), transport=tr,
-                                        trainable=lambda name: not name.startswith("embed."))
+        state = odcfn.TrainState.create(
+            params=full,
+            model=model,
+            optimizer=odcfn.sgd(0.5),
+            transport=tr,
+            trainable=lambda name: not name.startswith("embed."),
+        )
         before = {k: v.clone() for k, v in state.params.items()}
         got = sensitivity.measure(state, batches)
         assert state.step == 0 and all(torch.equal(before[k], state.params[k]) for k in before)
@@ -90,9 +102,12 @@ def test_hybrid_keeps_exactly_the_top_units_ties_by_name():
     assert sum(v == 0 for v in sensitivity.hybrid(ten, 1, keep=0.3).values()) == 3  # not 4: 0.3 * 10
 
 
-@given(st.dictionaries(st.sampled_from([f"u{i}" for i in range(8)]),
-                       st.sampled_from([0.0, 0.5, 1.0, 2.5]), min_size=1),
-       st.data())
+@given(
+    st.dictionaries(
+        st.sampled_from([f"u{i}" for i in range(8)]), st.sampled_from([0.0, 0.5, 1.0, 2.5]), min_size=1
+    ),
+    st.data(),
+)
 def test_hybrid_property_kept_units_outrank_the_rest(scores, data):
     n = data.draw(st.integers(0, len(scores)))
     tau = data.draw(st.integers(1, 4))
@@ -161,6 +176,7 @@ def test_measure_after_a_drained_stale_run_scores_the_drained_params():
         for u in want:
             assert scores[u] == pytest.approx(want[u], rel=1e-5), u
 
+
 def test_ranks_that_disagree_raise_on_every_rank():
     cfg, model, full = tiny()
     batches = _batches(cfg, 3)
@@ -199,11 +215,13 @@ def test_bad_inputs_are_refused():
     assert not any(odcfn.run_local(fn, 1)[0].values())  # refused before any communication
     scores = {"head": 1.0, "embed": 0.5}
     for kwargs, match in [
-        ({"tau": 0}, "tau must be an int >= 1"), ({"tau": True}, "tau must be"),
+        ({"tau": 0}, "tau must be an int >= 1"),
+        ({"tau": True}, "tau must be"),
         ({"tau": 1.0}, "tau must be"),
         ({"tau": 1, "keep": 0.0}, r"keep must be a fraction in \(0, 1\]"),
         ({"tau": 1, "keep": 1.5}, "keep must"),
-        ({"tau": 1, "n": 3}, r"n must be an int in \[0, 2\]"), ({"tau": 1, "n": -1}, "n must"),
+        ({"tau": 1, "n": 3}, r"n must be an int in \[0, 2\]"),
+        ({"tau": 1, "n": -1}, "n must"),
         ({"tau": 1, "keep": 0.5, "n": 1}, "not both"),
     ]:
         with pytest.raises(ValueError, match=match):
@@ -235,3 +253,30 @@ def test_the_bench_table_command_runs_small():
     assert list(res["before"]) == list(res["after"]) == list(res["numel"])
     assert len(res["kept"]) == 2  # ceil(0.25 * 6 units)
     assert res["before"] != res["after"]  # measured again at the trained parameters
+
+
+def test_measure_on_an_undrained_stale_state_reads_one_version_on_every_owner():
+    """Issue 40, item 3: after stale steps with a slow rank, each owner's newest applied version
+    trails ``state.step`` by a different amount; ``measure`` on that state (not drained) scores
+    the params of exactly ``state.step`` updates, as ``log_probs`` reads them, not a mix."""
+    cfg, model, full = tiny()
+    batches, probe = _batches(cfg, 4, seed=40), _batches(cfg, 2, seed=50)
+
+    def fn(rank, tr):
+        state = make_state(full, model, tr, optimizer=odcfn.sgd(2.0), staleness=1)
+        for b in batches:
+            time.sleep(0.15 * rank)  # rank 0 runs ahead: its owner trails, rank 1's does not
+            state, _ = odcfn.train_step(state, b)
+        handed = state.params  # each owner's newest applied version: not one version
+        scores = sensitivity.measure(state, probe)
+        state, _ = stale.drain(state)
+        return scores, state.params, handed
+
+    out = odcfn.run_local(fn, 2, timeout=60)
+    drained = odcfn.unshard([p for _, p, _ in out], model, odcfn.Mesh(2, 0))
+    mixed = odcfn.unshard([h for _, _, h in out], model, odcfn.Mesh(2, 0))
+    want, wrong = _by_hand(model, drained, probe), _by_hand(model, mixed, probe)
+    assert max(abs(want[u] - wrong[u]) for u in want) > 1e-3  # the mix would have been seen
+    for scores, _, _ in out:
+        for u in want:
+            assert scores[u] == pytest.approx(want[u], rel=1e-5), u
