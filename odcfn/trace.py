@@ -38,6 +38,7 @@ class Event:
     start: float  # seconds, from the start of the step on this rank's clock
     end: float
     mb: int = -1
+    nbytes: int = 0  # bytes this rank moved in a communication step (its transport's counters)
 
     @property
     def duration(self) -> float:
@@ -111,7 +112,7 @@ def chrome_trace(events_per_rank: Sequence[Sequence[Event]], *, label: str = "od
                     "tid": _lane(e.kind),
                     "ts": e.start * 1e6,
                     "dur": max(e.duration, 0.0) * 1e6,
-                    "args": {"unit": e.name, "mb": e.mb},
+                    "args": {"unit": e.name, "mb": e.mb, **({"bytes": e.nbytes} if e.nbytes else {})},
                 }
             )
     return {"traceEvents": out, "displayTimeUnit": "ms", "otherData": {"label": label}}

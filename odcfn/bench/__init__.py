@@ -98,6 +98,8 @@ def main(args: argparse.Namespace) -> int:
     from odcfn.bench import rl_section as RL
     from odcfn.bench import sections as S
     from odcfn.bench import staleness_section as SS
+    from odcfn.bench import tiers as TI
+    from odcfn.bench import tiers_hpz as TH
     from odcfn.bench import tiers_offload as TO
     from odcfn.bench.runner import pick_backend
     from odcfn.bench.workload import Workload, model_config
@@ -158,7 +160,7 @@ def main(args: argparse.Namespace) -> int:
         "preference": lambda: PS.section(ctx, 2 if args.quick else 3, (8,) if args.quick else (8, 64, 1024)),
         "staleness": lambda: SS.section(ctx, args.quick),
         "rl-loop": lambda: RLL.section(ctx, args.quick),
-        "tiers": lambda: {"offload": TO.section(ctx, args.quick)},
+        "tiers": lambda: TI.section(ctx, args.quick),
     }
     # the simulator replays end_to_end's plans, so it runs after it
     for name in sorted(sections, key=lambda s: s == "simulator"):
@@ -179,7 +181,8 @@ def main(args: argparse.Namespace) -> int:
     else:
         print(summary.render(report) + LS.render(report.get("lora")) + MS.render(report.get("moe"))
               + PS.render(report.get("preference")) + SS.render(report.get("staleness"))
-              + RLL.render(report.get("rl-loop")) + TO.render((report.get("tiers") or {}).get("offload")))
+              + RLL.render(report.get("rl-loop")) + TO.render((report.get("tiers") or {}).get("offload"))
+              + TH.render((report.get("tiers") or {}).get("hpz")))
     # a section that crashed (not one skipped for want of processes) fails the command
     return 1 if any(isinstance(report.get(n), dict) and "error" in report[n] for n in sections) else 0
 

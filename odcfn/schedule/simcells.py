@@ -25,13 +25,17 @@ def default_cost() -> QuadraticCost:
 
 
 def cell_setup(
-    dataset: str, devices: int, units: int, cost: QuadraticCost | None, max_tokens: int | None
+    dataset: str, devices: int, units: int, cost: QuadraticCost | None, max_tokens: int | None,
+    gather_bytes: float = 2.0, push_bytes: float = 2.0,
 ) -> tuple[Dataset, QuadraticCost, int, Mesh, Workload]:
-    """A cell's dataset, cost model, microbatch cap, mesh (nodes of 8) and the 7B workload."""
+    """A cell's dataset, cost model, microbatch cap, mesh (nodes of 8) and the 7B workload;
+    ``gather_bytes`` / ``push_bytes``: bytes per parameter a gather / a push moves (2: bf16;
+    ``odcfn.schedule.simmodel.element_bytes`` of a wire format, scales included)."""
     ds = get_dataset(dataset)
     mesh = Mesh(devices, 0, RANKS_PER_NODE if devices % RANKS_PER_NODE == 0 else None)
-    # bf16 parameters gathered, bf16 gradients pushed (owners accumulate in fp32), both modes
-    work = Workload.uniform(units, model_bytes=2 * MODEL_PARAMS)
+    # by default bf16 parameters gathered, bf16 gradients pushed (owners accumulate in fp32)
+    work = Workload.uniform(units, model_bytes=gather_bytes * MODEL_PARAMS,
+                            grad_bytes=push_bytes * MODEL_PARAMS / units)
     return ds, cost or default_cost(), max_tokens or ds.max_tokens, mesh, work
 
 

@@ -16,6 +16,7 @@ __all__ = [
     "A100_COMM",
     "ZERO_COMM",
     "CommModel",
+    "element_bytes",
     "SimResult",
     "Workload",
     "check_slowdowns",
@@ -54,6 +55,17 @@ class CommModel:
     def sync_time(self, world: int, spans_nodes: bool) -> float:
         lat = self.inter_latency if spans_nodes else self.intra_latency
         return 2.0 * math.ceil(math.log2(world)) * lat if world > 1 else 0.0
+
+
+def element_bytes(fmt: str | None, default: float = 2.0, block: int = 128) -> float:
+    """Bytes per value a transfer in wire format ``fmt`` moves (``StepConfig.gather_format`` /
+    ``push_format``), scales included: 1 + 4/128 for fp8_e4m3 / int8; ``default`` for None."""
+    if fmt is None:
+        return default
+    from odcfn.kernels.quant import get_format
+
+    f = get_format(fmt, block)
+    return f.itemsize + (4 / block if f.scaled else 0.0)
 
 
 ZERO_COMM = CommModel()

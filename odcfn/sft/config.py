@@ -18,6 +18,7 @@ from odcfn.sft.config_offload import OffloadSection, check_offload
 from odcfn.sft.config_rl import RLSection, RolloutSection, check_rl_task
 from odcfn.sft.keys import KEYS, check_key
 from odcfn.sft.stale_train import check_config, check_model, check_train
+from odcfn.step.wire import check_wire_config
 
 __all__ = [
     "CheckpointSection", "DataSection", "DpoSection", "EvalSection", "LogSection", "LoraSection",
@@ -104,6 +105,10 @@ class TrainSection:
     deterministic: bool = False  # StepConfig.deterministic: bit-identical reruns and restarts
     staleness: int | dict = 0  # StepConfig.staleness: τ, or {unit pattern: τ} (odcfn.sft.stale_train)
     expert_bias_rate: float = 0.0  # StepConfig.expert_bias_rate: a mixture's aux-loss-free balancing
+    gather_format: str | None = None  # StepConfig.gather_format (docs/memory.md); unset: compute_dtype
+    push_format: str | None = None  # StepConfig.push_format; unset: the gradient in compute_dtype
+    push_error_feedback: bool = False  # StepConfig.push_error_feedback
+    quant_block: int = 128  # StepConfig.quant_block: values per fp32 scale
     max_restarts: int = 0  # backend "processes": restart the ranks this often after a failure
 
     def __post_init__(self) -> None:
@@ -114,6 +119,15 @@ class TrainSection:
             object.__setattr__(self, "world_size", default_world_size())
         _check_types(self, 'train')
         check_train(self)  # the table's entries, and the keys staleness cannot be combined with
+        check_wire_keys(self)  # the formats' combinations with comm, staleness, feedback
+
+
+def check_wire_keys(t: Any) -> None:
+    """The combinations StepConfig refuses (``odcfn.step.wire``), named as this file's keys."""
+    try:
+        check_wire_config(t)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"config: {str(e).replace('StepConfig.', 'train.')}") from None
 
 
 def default_world_size() -> int:

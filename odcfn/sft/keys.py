@@ -162,6 +162,15 @@ KEYS: dict[tuple[str, str], Rule] = {
     ("train", "expert_bias_rate"): Rule("mixture of experts only: aux-loss-free balancing, the rate at which "
                                         "each router's per-expert bias moves toward under-loaded experts "
                                         "(0: off)", **_NONNEG),
+    ("train", "gather_format"): Rule("what gathers move (docs/memory.md): block-quantized by the owner after "
+                                     "its update, one float32 scale per quant_block values; unset: "
+                                     "compute_dtype", choices=("bf16", "fp8_e4m3", "int8")),
+    ("train", "push_format"): Rule("what gradient pushes move (owners accumulate in float32); int8 and bf16 "
+                                   "need comm = \"odc\"; unset: the gradient in compute_dtype",
+                                   choices=("fp32", "bf16", "int8")),
+    ("train", "push_error_feedback"): Rule("carry each push's rounding error into the next push "
+                                           "(needs push_format)"),
+    ("train", "quant_block"): Rule("values per float32 scale of gather_format / push_format", **_POS),
     ("train", "max_restarts"): Rule("backend = \"processes\" only: restart all ranks this often after a "
                                     "failure", **_NONNEG),
     # [checkpoint]

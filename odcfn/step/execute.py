@@ -307,13 +307,15 @@ class Executor:
         stats = None
         for s in steps:
             kind, run = _STEPS[type(s)]
+            moved = _moved(self.t.counters)
             start = time.perf_counter()
             out = getattr(self, run)(s, offset)
             self.beat()
             end = time.perf_counter()
             stats = out if isinstance(s, Sync) else stats
             unit, mb = getattr(s, "unit", ""), getattr(s, "mb", -1 - offset) + offset
-            events.append(Event(self.rank, kind, unit, start - t0, end - t0, mb))
+            nbytes = _moved(self.t.counters) - moved  # the trace shows what each transfer moved
+            events.append(Event(self.rank, kind, unit, start - t0, end - t0, mb, nbytes))
         return stats
 
     # one method per step type of the plan IR (``_STEPS`` maps each type to its method)
@@ -393,6 +395,10 @@ class Executor:
         if self.riders is not None:  # e.g. the minibatch fingerprint: same sync, no extra trip
             stats = torch.cat([stats, self.riders.to(stats.device, torch.float64)])
         return self.t.sync(stats)
+
+
+def _moved(c: Any) -> int:
+    return c.gather_bytes + c.scatter_bytes + c.collective_bytes
 
 
 # the plan IR is closed: every step type has its event kind and its method (by name, so that a

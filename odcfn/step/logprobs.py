@@ -22,6 +22,7 @@ import torch
 
 from odcfn._check import check_int
 from odcfn.batch import Batch
+from odcfn.kernels.quant import Wire
 from odcfn.losses import LogProbs
 from odcfn.schedule.balance import check_assignment
 from odcfn.schedule.plan import Forward, compile_forward_plan
@@ -32,6 +33,7 @@ from odcfn.step import fingerprint, offload, stale
 from odcfn.step.execute import Executor
 from odcfn.step.prepare import check_inputs, minibatch_fingerprint, schedule_options
 from odcfn.step.state import TrainState, check_fields
+from odcfn.step.wire import begin_step, step_wire
 from odcfn.trace import Event
 
 __all__ = ["gather_params", "log_probs"]
@@ -94,7 +96,7 @@ def log_probs(
         offsets.append(offsets[-1] + n)
 
     words, detail = minibatch_fingerprint(state, batch, layout, extra=head)
-    transport.begin_step(layout, shards, dtype)
+    begin_step(transport, layout, shards, dtype, step_wire(cfg, pushes=False))  # gathers as training's
     ex = _ForwardOnly(model, layout, batch, transport, dtype, torch.device(device), loss=head)
     ex.router_bias = state.router_bias  # route as training does
     ex.microbatches.extend(plan.microbatches)
@@ -161,7 +163,7 @@ def gather_params(
     detail = [fingerprint.stable_repr(request)[:300], key[:300]]
     riders = fingerprint.encode(words, device)
     collective = state.config.comm == "collective"
-    transport.begin_step(layout, shards, dtype)
+    begin_step(transport, layout, shards, dtype, Wire())  # the params as they are, unquantized
     if collective:  # the agreement first: ranks asking for other units would issue other all-gathers
         _agree(transport.sync(riders), W, words, detail)
     want = dst is None or dst == mesh.rank

@@ -28,6 +28,7 @@ from odcfn.sharding.layout import check_shards
 from odcfn.step.offload_config import Offload
 from odcfn.step.offload_store import place
 from odcfn.step.stale_config import Staleness, check_staleness, max_staleness
+from odcfn.step.wire import check_wire_config
 from odcfn.trace import Event
 from odcfn.trainable import freeze, split
 from odcfn.transport.base import Counters, Transport
@@ -85,6 +86,13 @@ class StepConfig:
     shards and optimizer state in a slower tier (files under ``path``; host memory when None)
     and streams the update through a bounded budget, bit-identical to the in-memory step; the
     update is then in place, as with ``donate`` (docs/memory.md). None: all in memory.
+    ``gather_format``: what gathers move (docs/memory.md): None (default) the compute dtype, as
+    always; "bf16", "fp8_e4m3" or "int8" block-quantized by the owner right after its update, one
+    fp32 scale per ``quant_block`` values, dequantized into the compute dtype by the gatherer.
+    ``push_format``: what gradient pushes move: None (default) the gradient in the compute dtype;
+    "fp32", "bf16" or "int8" (block-quantized; owners accumulate in fp32; point-to-point only).
+    ``push_error_feedback``: carry each push's rounding error into this rank's next push of the
+    same unit (kept by the transport across steps; not in checkpoints).
     """
 
     comm: Comm = "odc"
@@ -102,6 +110,10 @@ class StepConfig:
     staleness: Staleness = 0
     expert_bias_rate: float = 0.0
     offload: Offload | None = None
+    gather_format: str | None = None
+    push_format: str | None = None
+    push_error_feedback: bool = False
+    quant_block: int = 128
 
     def __post_init__(self) -> None:
         if self.comm not in ("odc", "collective"):
@@ -158,6 +170,7 @@ class StepConfig:
                 "rank meet at every unit, so no rank can run ahead (use staleness=0)"
             )
         check_loss(self.loss)  # a TypeError naming what a non-loss lacks, at construction
+        check_wire_config(self)  # an unknown format, fp8 without the dtype, bad combinations
         if self.cost is not None and not callable(self.cost):
             raise TypeError(
                 f"StepConfig.cost must be a cost model (length -> cost), got {type(self.cost).__name__}"

@@ -36,6 +36,7 @@ from odcfn.step.prepare import (
 )
 from odcfn.step.run import execute
 from odcfn.step.state import StepConfig, StepMetrics, TrainState, donate
+from odcfn.step.wire import begin_step, check_transport, step_wire
 
 __all__ = ["StepMetrics", "check_inputs", "grad_step", "minibatch_fingerprint", "train_step"]
 
@@ -72,9 +73,11 @@ def _grads(state: TrainState, batch: Batch) -> tuple[dict[str, torch.Tensor], St
         slots = max(len(r) for r in assignment)
     dtype = cfg.compute_dtype or model.dtype
     words, detail = minibatch_fingerprint(state, batch, layout, seen[-1] if seen else None)
+    wire = step_wire(cfg)
+    check_transport(transport, wire)  # a transport without quantized formats: refused here
     before = transport.counters.copy()
     check_trained_units(transport, layout, mesh)  # before the first push into a missing accumulator
-    transport.begin_step(layout, published, dtype)
+    begin_step(transport, layout, published, dtype, wire)
     result, plan = execute(
         program, model=model, layout=layout, batch=batch, transport=transport,
         compute_dtype=dtype, comm=cfg.comm, device=device, riders=fingerprint.encode(words, device),

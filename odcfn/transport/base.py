@@ -33,6 +33,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from odcfn.kernels.quant import Format, unpublish
 from odcfn.sharding import Layout, Mesh
 
 __all__ = [
@@ -219,11 +220,28 @@ class StepCollectives:
     def _accumulate(self, acc: torch.Tensor, x: torch.Tensor) -> None:
         acc.add_(x)
 
+    def _gather_format(self) -> Format | None:
+        """The format this step's shards are published in (``begin_step(wire=)``; None: the
+        compute dtype)."""
+        state = getattr(self, "_wire", None)
+        return None if state is None else state.wire.gather_format
+
     def all_gather(self, unit: str, out: torch.Tensor) -> None:
-        """Collective version of ``gather``: every rank of the shard group calls it in order."""
-        self.collectives.all_gather(self.mesh.shard_group, self._published(unit), out)
+        """Collective version of ``gather``: every rank of the shard group calls it in order. A
+        quantized publication is all-gathered as bytes and each member's piece decoded."""
+        group, mine, fmt = self.mesh.shard_group, self._published(unit), self._gather_format()
+        if fmt is None:
+            self.collectives.all_gather(group, mine, out)
+            moved = out.numel() * out.element_size()
+        else:
+            raw = torch.empty(len(group) * mine.numel(), dtype=torch.uint8, device=mine.device)
+            self.collectives.all_gather(group, mine, raw)
+            k, b = out.numel() // len(group), mine.numel()
+            for i in range(len(group)):
+                unpublish(raw[i * b : (i + 1) * b], out[i * k : (i + 1) * k], fmt)
+            moved = raw.numel()
         self.counters.collectives += 1
-        self.counters.collective_bytes += out.numel() * out.element_size()
+        self.counters.collective_bytes += moved
 
     def reduce_scatter(self, unit: str, grad: torch.Tensor) -> None:
         """Collective version of ``scatter_accumulate`` (summed in fp32, like the accumulators)."""

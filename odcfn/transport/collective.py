@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from odcfn._check import check_number
+from odcfn.kernels.quant import Wire, WireState, publish
 from odcfn.sharding import Layout, Mesh
 from odcfn.transport.base import Counters, StepCollectives, TransportError, mesh_groups, world_group
 
@@ -248,17 +249,19 @@ class CollectiveTransport(StepCollectives):
         self.layout: Layout | None = None
         self._pub: dict[str, torch.Tensor] = {}
         self._acc: dict[str, torch.Tensor] = {}
+        self._wire = WireState()
+
+    supports_wire = True  # begin_step(..., wire=): quantized all-gathers (pushes: fp32 only)
 
     def begin_step(
-        self, layout: Layout, shards: Mapping[str, torch.Tensor], compute_dtype: torch.dtype
+        self, layout: Layout, shards: Mapping[str, torch.Tensor], compute_dtype: torch.dtype,
+        wire: Wire | None = None,
     ) -> None:
         self.layout = layout
         self.step += 1
+        fmt = self._wire.use(wire).wire.gather_format
         for u in layout.units:
-            pub = self._pub.get(u.name)
-            if pub is None or pub.dtype != compute_dtype or pub.numel() != u.shard_size:
-                self._pub[u.name] = torch.empty(u.shard_size, dtype=compute_dtype)
-            self._pub[u.name].copy_(shards[u.name])
+            self._pub[u.name] = publish(self._pub.get(u.name), shards[u.name], compute_dtype, fmt)
             if u.frozen:  # never reduce-scattered: no accumulator
                 self._acc.pop(u.name, None)
                 continue

@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from odcfn.kernels.quant import Wire, WireState, publish, unpublish
 from odcfn.sharding import Layout, Mesh
 from odcfn.transport.base import (
     MAX_COUNTERS,
@@ -179,8 +180,10 @@ class LocalTransport(StepCollectives):
         # gathered bytes by source rank: primary shards, and hpZ group shards (gather_group)
         self.peer_bytes: Counter[int] = Counter()
         self.group_bytes: Counter[int] = Counter()
+        self._wire = WireState()
 
     ordered_versions = True  # versions(..., ordered=True): deterministic accumulation (versions_det)
+    supports_wire = True  # begin_step(..., wire=): block-quantized gathers and pushes
 
     def versions(self, ring: int, start: int, ordered: bool = False) -> StaleLocal:
         """This rank's bounded-staleness side (τ >= 1, ``odcfn.transport.versions``), made on first
@@ -191,10 +194,15 @@ class LocalTransport(StepCollectives):
 
     # --- per step ---------------------------------------------------------------------------
     def begin_step(
-        self, layout: Layout, shards: Mapping[str, torch.Tensor], compute_dtype: torch.dtype
+        self,
+        layout: Layout,
+        shards: Mapping[str, torch.Tensor],
+        compute_dtype: torch.dtype,
+        wire: Wire | None = None,
     ) -> None:
         w, r = self.world, self.mesh.rank
         self.layout = layout
+        fmt = self._wire.use(wire).wire.gather_format
         self.step += 1
         # Zero the accumulators *before* publishing: a peer pushes into a unit only after it
         # gathered that unit from us at this step's version.
@@ -206,11 +214,8 @@ class LocalTransport(StepCollectives):
                 w.acc[r][u.name] = torch.zeros(u.shard_size, dtype=torch.float32)
             else:
                 acc.zero_()
-            pub = w.published[r].get(u.name)
-            if pub is None or pub.dtype != compute_dtype or pub.numel() != u.shard_size:
-                w.published[r][u.name] = shards[u.name].detach().to(compute_dtype, copy=True)
-            else:
-                pub.copy_(shards[u.name])
+            pub = publish(w.published[r].get(u.name), shards[u.name].detach(), compute_dtype, fmt)
+            w.published[r][u.name] = pub
         with w.cond:
             w.version[r] = self.step
             w.cond.notify_all()
@@ -223,6 +228,7 @@ class LocalTransport(StepCollectives):
 
     def gather(self, unit: str, out: torch.Tensor) -> Handle:
         size = self.layout[unit].shard_size
+        fmt = self._wire.wire.gather_format
         for i, owner in enumerate(self._owners()):
             step = self.step
             self.world.wait_for(
@@ -230,7 +236,7 @@ class LocalTransport(StepCollectives):
                 f"rank {owner} to publish step {step} (gather of {unit!r} by rank {self.mesh.rank})",
             )
             src = self.world.published[owner][unit]
-            out[i * size : (i + 1) * size].copy_(src)
+            unpublish(src, out[i * size : (i + 1) * size], fmt)
             if owner != self.mesh.rank:
                 self.counters.gather_bytes += src.numel() * src.element_size()
                 self.peer_bytes[owner] += src.numel() * src.element_size()
@@ -275,12 +281,14 @@ class LocalTransport(StepCollectives):
 
     def scatter_accumulate(self, unit: str, grad: torch.Tensor) -> Handle:
         size = self.layout[unit].shard_size
-        for i, owner in enumerate(self._owners()):
+        owners = self._owners()
+        grad, moved = self._wire.push(unit, grad, len(owners))  # what travels, as the owner adds it
+        for i, owner in enumerate(owners):
             piece = grad[i * size : (i + 1) * size]
             with self.world.acc_locks[owner]:
                 self.world.acc[owner][unit].add_(piece)
             if owner != self.mesh.rank:
-                self.counters.scatter_bytes += piece.numel() * piece.element_size()
+                self.counters.scatter_bytes += moved[i]
         self.counters.scatters += 1
         return Done()
 

@@ -45,6 +45,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from odcfn.kernels.quant import Format, Wire, WireState, publish, unpublish
 from odcfn.sharding import Layout, Mesh
 from odcfn.transport.base import (
     MAX_COUNTERS,
@@ -73,6 +74,16 @@ _COUNTER_LOCK = 0  # lock byte for fetch_add; accumulator chunk locks use byte o
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
+_FORMATS = ("bf16", "fp8_e4m3", "int8", "fp32")
+
+
+def _describe(code: int) -> str:
+    """``_agree``'s code of a dtype and gather format, in words."""
+    dt, f, block = code % 8, (code // 8) % 8, code // 64
+    said = str(_DTYPES[dt]) if dt < len(_DTYPES) else "another dtype"
+    return said if not f else f"{said}, gather_format={_FORMATS[f - 1]!r} (block {block})"
+
+
 def _align(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
@@ -89,14 +100,15 @@ class _SegLayout:
     sizes: dict[str, int]
 
     @classmethod
-    def build(cls, layout: Layout, dtype: torch.dtype, world: int) -> _SegLayout:
-        key = (tuple((u.name, u.shard_size, u.frozen) for u in layout.units), dtype, world)
+    def build(cls, layout: Layout, dtype: torch.dtype, world: int, fmt: Format | None = None) -> _SegLayout:
+        key = (tuple((u.name, u.shard_size, u.frozen) for u in layout.units), dtype, world, fmt)
         esize = torch.empty((), dtype=dtype).element_size()
         counters = _align((DONE + world) * 8)
         off = _align(counters + MAX_COUNTERS * 2 * 8)
         pub, acc, sizes = {}, {}, {}
-        for u in layout.units:
-            pub[u.name], off = off, _align(off + u.shard_size * esize)
+        for u in layout.units:  # a quantized publication: the format's bytes, scales included
+            nbytes = u.shard_size * esize if fmt is None else fmt.nbytes(u.shard_size)
+            pub[u.name], off = off, _align(off + nbytes)
             sizes[u.name] = u.shard_size
         for u in layout.units:
             if not u.frozen:  # a frozen unit is never scattered into: no accumulator
@@ -153,8 +165,10 @@ class ShmTransport(StepCollectives):
         self._closed = False
         self._arrivals = 0
         self._stale: StaleShm | None = None
+        self._wire = WireState()
 
     ordered_versions = True  # versions(..., ordered=True): deterministic accumulation
+    supports_wire = True  # begin_step(..., wire=): block-quantized gathers and pushes
 
     def versions(self, ring: int, start: int, ordered: bool = False) -> StaleShm:
         """This rank's bounded-staleness side (τ >= 1, ``odcfn.transport.versions_shm``), made on
@@ -174,17 +188,19 @@ class ShmTransport(StepCollectives):
         w, r = self.mesh.world_size, self.mesh.rank
         units = [k[0] for k in seg.key[0]]
         digest = hashlib.sha256(repr(seg.key[0]).encode()).digest()
-        mine = [float(_DTYPES.index(dtype) if dtype in _DTYPES else len(_DTYPES)), float(len(units)),
+        fmt = seg.key[3]  # the gather format, coded with the dtype: both decide the published bytes
+        code = _DTYPES.index(dtype) if dtype in _DTYPES else len(_DTYPES)
+        if fmt is not None:
+            code += 8 * (1 + _FORMATS.index(fmt.name)) + 64 * fmt.block
+        mine = [float(code), float(len(units)),
                 float(sum(seg.sizes.values())), float(int.from_bytes(digest[:6], "little"))]
         vec = torch.zeros(4 * w, dtype=torch.float64)
         vec[4 * r : 4 * r + 4] = torch.tensor(mine, dtype=torch.float64)
         got = self.collectives.all_reduce(world_group(self.mesh), vec).view(w, 4).tolist()
         if len({row[0] for row in got}) > 1:
-            names = ", ".join(
-                f"rank {p}: {_DTYPES[int(c)] if int(c) < len(_DTYPES) else 'another dtype'}"
-                for p, (c, *_) in enumerate(got)
-            )
-            raise ValueError(f"ranks disagree on the compute dtype of the published shards ({names})")
+            names = ", ".join(f"rank {p}: {_describe(int(c))}" for p, (c, *_) in enumerate(got))
+            raise ValueError("ranks disagree on the compute dtype or StepConfig.gather_format of the "
+                             f"published shards ({names})")
         if len({tuple(row[1:]) for row in got}) > 1:
             names = "; ".join(
                 f"rank {p}: {int(n)} units, {int(e)} elements per shard"
@@ -209,7 +225,10 @@ class ShmTransport(StepCollectives):
         self._arrivals = 0  # syncs counted in these (fresh, zeroed) ctrl words
         self._ctrl = [s.view(0, DONE + w, torch.int64).numpy() for s in segs]
         self._counters = segs[0].view(seg.counters, MAX_COUNTERS * 2, torch.int64).numpy().reshape(-1, 2)
-        self._pub = [{n: s.view(o, seg.sizes[n], dtype) for n, o in seg.pub.items()} for s in segs]
+        fmt = seg.key[3]
+        sized = (lambda n: (seg.sizes[n], dtype)) if fmt is None else (
+            lambda n: (fmt.nbytes(seg.sizes[n]), torch.uint8))
+        self._pub = [{n: s.view(o, *sized(n)) for n, o in seg.pub.items()} for s in segs]
         self._acc = [{n: s.view(o, seg.sizes[n], torch.float32) for n, o in seg.acc.items()} for s in segs]
 
     def _release(self) -> None:
@@ -250,11 +269,13 @@ class ShmTransport(StepCollectives):
 
     # --- the protocol --------------------------------------------------------------------------
     def begin_step(
-        self, layout: Layout, shards: Mapping[str, torch.Tensor], compute_dtype: torch.dtype
+        self, layout: Layout, shards: Mapping[str, torch.Tensor], compute_dtype: torch.dtype,
+        wire: Wire | None = None,
     ) -> None:
         if self._closed:
             raise TransportError("ShmTransport is closed")
-        seg = _SegLayout.build(layout, compute_dtype, self.mesh.world_size)
+        fmt = self._wire.use(wire).wire.gather_format
+        seg = _SegLayout.build(layout, compute_dtype, self.mesh.world_size, fmt)
         if self._seg is None or self._seg.key != seg.key:
             self._map(seg, compute_dtype)
         self.layout = layout
@@ -263,18 +284,19 @@ class ShmTransport(StepCollectives):
         for u in layout.units:
             if not u.frozen:
                 self._acc[r][u.name].zero_()  # before publishing: see the module docstring
-            self._pub[r][u.name].copy_(shards[u.name])
+            publish(self._pub[r][u.name], shards[u.name], compute_dtype, fmt)  # in place: sizes agree
         self._ctrl[r][VERSION] = self.step  # data, then flag
 
     def gather(self, unit: str, out: torch.Tensor) -> Handle:
         self._need_step()
         size, step, me = self.layout[unit].shard_size, self.step, self.mesh.rank
+        fmt = self._gather_format()
         for i, owner in enumerate(self.mesh.shard_group):
             if owner != me:
                 c = self._ctrl[owner]
                 self._wait(lambda c=c: c[VERSION] >= step, f"rank {owner} to publish {unit!r}", (owner,))
             src = self._pub[owner][unit]
-            out[i * size : (i + 1) * size].copy_(src)
+            unpublish(src, out[i * size : (i + 1) * size], fmt)
             if owner != me:
                 self.counters.gather_bytes += src.numel() * src.element_size()
         self.counters.gathers += 1
@@ -284,6 +306,9 @@ class ShmTransport(StepCollectives):
         self._need_step()
         size, me, chunk = self.layout[unit].shard_size, self.mesh.rank, self.chunk
         base = self._seg.acc[unit]
+        # the rounding a quantized push makes, and its bytes: the writer adds into the mapped
+        # accumulator itself, so the format's bytes are what a fabric would carry
+        grad, moved = self._wire.push(unit, grad, len(self.mesh.shard_group))
         for i, owner in enumerate(self.mesh.shard_group):
             piece, acc, fd = grad[i * size : (i + 1) * size], self._acc[owner][unit], self._segs[owner].fd
             for lo in range(0, size, chunk):
@@ -291,7 +316,7 @@ class ShmTransport(StepCollectives):
                 with RangeLock(fd, base + lo * 4, self.timeout, f"rank {owner}'s {unit!r}[{lo}:{hi}]"):
                     acc[lo:hi].add_(piece[lo:hi])
             if owner != me:
-                self.counters.scatter_bytes += piece.numel() * piece.element_size()
+                self.counters.scatter_bytes += moved[i]
         self.counters.scatters += 1
         return Done()
 

@@ -149,12 +149,17 @@ def _table(arch: int) -> list[tuple[str, object, dict, dict, tuple, dict | None]
             (
                 f"cast_copy[{src}->{dst}]",
                 T.cast_copy_kernel,
-                {"dst_ptr": f"*{dst}", "src_ptr": f"*{src}", "n": "i32", "BLOCK": "constexpr"},
-                {"BLOCK": T.BLOCK},
+                {"dst_ptr": f"*{dst}", "src_ptr": f"*{src}", "n": "i32", "BLOCK": "constexpr",
+                 "FP8": "constexpr"},
+                {"BLOCK": T.BLOCK, "FP8": False},
                 ("dst_ptr", "src_ptr", "n"),
                 None,
             )
         )
+    rows.append(("cast_copy[fp32->fp8e4m3]", T.cast_copy_kernel,
+                 {"dst_ptr": "*u8", "src_ptr": "*fp32", "n": "i32", "BLOCK": "constexpr", "FP8": "constexpr"},
+                 {"BLOCK": T.BLOCK, "FP8": True}, ("dst_ptr", "src_ptr", "n"), None))
+    rows += _quant_rows()
     rows += _fused_head_rows()
     try:
         libs = dict(nv.extern_libs(arch))  # ordered: the shim first
@@ -163,6 +168,25 @@ def _table(arch: int) -> list[tuple[str, object, dict, dict, tuple, dict | None]
         return rows
     for name, (fn, sig, cx, div) in nv.KERNELS.items():
         rows.append((name, fn, sig, cx, div, libs))
+    return rows
+
+
+def _quant_rows() -> list:
+    """The block quantizer's kernels (odcfn.kernels.quant_triton), both formats, blocks of 128."""
+    from odcfn.kernels import quant_triton as Q
+
+    rows = []
+    for fmt, top in (("fp8e4m3", 448.0), ("int8", 127.0)):
+        int8 = fmt == "int8"
+        for dt in ("bf16", "fp32"):
+            rows.append((f"quantize[{dt}->{fmt}]", Q.quantize_kernel,
+                         {"x_ptr": f"*{dt}", "pay_ptr": "*u8", "scale_ptr": "*fp32", "n": "i32",
+                          "TOP": "constexpr", "INT8": "constexpr", "BLOCK": "constexpr"},
+                         {"TOP": top, "INT8": int8, "BLOCK": 128}, ("x_ptr", "n"), None))
+            rows.append((f"dequantize[{fmt}->{dt}]", Q.dequantize_kernel,
+                         {"pay_ptr": "*u8", "scale_ptr": "*fp32", "out_ptr": f"*{dt}", "n": "i32",
+                          "INT8": "constexpr", "BLOCK": "constexpr"},
+                         {"INT8": int8, "BLOCK": 128}, ("out_ptr", "n"), None))
     return rows
 
 
