@@ -24,7 +24,6 @@ torch.set_num_threads(1)
 # The session-wide pool of ready worker processes for the multi-process tests.
 from tests.mp_pool import mp_pool, warm_for  # noqa: E402, F401
 
-
 # The longest tests (about 20 s and up on 2 cores, docs/design.md's testing section), longest first.
 # They go to the front so that xdist's round-robin first hand-out gives each worker its share of
 # them, instead of one worker meeting the longest test last while the other sits idle.
