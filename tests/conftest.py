@@ -24,8 +24,30 @@ torch.set_num_threads(1)
 # The session-wide pool of ready worker processes for the multi-process tests.
 from tests.mp_pool import mp_pool, warm_for  # noqa: E402, F401
 
+# The longest tests (about 20 s and up on 2 cores, docs/design.md's testing section), longest first.
+# They go to the front so that xdist's round-robin first hand-out gives each worker its share of
+# them, instead of one worker meeting the longest test last while the other sits idle.
+LONGEST_FIRST = (
+    "tests/test_notebooks.py::test_notebook_runs[grpo]",
+    "tests/transport/test_gpu_compile.py",
+    "tests/sft/test_recovery_kill.py",
+    "tests/bench/test_moe_bench.py",
+    "tests/test_notebooks.py::test_notebook_runs",
+    "tests/launch/test_launcher_death.py",
+    "tests/transport/test_gpu_check.py",
+    "tests/checkpoint/test_recovery_nodes.py",
+    "tests/bench/",
+    "tests/sft/test_train_staleness.py",
+    "tests/transport/test_heartbeat.py",
+)
+
+
+def _rank(item) -> int:
+    return next((i for i, p in enumerate(LONGEST_FIRST) if item.nodeid.startswith(p)), len(LONGEST_FIRST))
+
 
 def pytest_collection_modifyitems(session, config, items):
+    items.sort(key=_rank)  # stable: the rest keep their order
     warm_for(items)  # the workers import torch while the single-process tests run
 
 
