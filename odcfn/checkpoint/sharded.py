@@ -127,12 +127,16 @@ def write_shards(
     watched), and the half-written directory is removed.
     """
     root = Path(path)
+    attempt = attempt_id(root, mesh.rank, step)
     if root.exists() and not overwrite and (not root.is_dir() or any(root.iterdir())):
+        if mesh.rank not in _writers(mesh) and _manifest_attempt(root / MANIFEST) == attempt:
+            # a replica rank (hybrid sharding: not a writer) that came after rank 0 committed this
+            # very save, which needs no file of it: the save is done, not a clash
+            return root
         what = "a committed checkpoint" if (root / MANIFEST).exists() else "not an empty directory"
         raise FileExistsError(f"checkpoint: {root} exists and is {what}; pass overwrite=True to replace it")
     # staging first: a rank whose input is bad then tells the others instead of vanishing
-    stage = Staging(root, attempt_id(root, mesh.rank, step), mesh.rank, timeout, range(mesh.world_size))
-    attempt = stage.attempt
+    stage = Staging(root, attempt, mesh.rank, timeout, range(mesh.world_size))
     try:
         layout, skeleton, writers = write_rank_file(stage, params, opt_state, step, model=model, mesh=mesh)
         if mesh.rank == 0:

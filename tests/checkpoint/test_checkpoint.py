@@ -282,3 +282,26 @@ def test_reshard_property(w_old, w_new, vocab, layers, seed):
             assert step == 3 and o["count"] == 3
             odcfn.tree_assert_allclose(p, odcfn.shard(full, model, mesh), rtol=0, atol=0)
             odcfn.tree_assert_allclose(o["m"], odcfn.shard(moment, model, mesh), rtol=0, atol=0)
+
+
+def test_a_replica_rank_that_comes_after_the_commit_finds_the_save_done(tmp_path):
+    """Hybrid sharding: node 1's ranks write nothing, so node 0 can commit before a slow replica
+    rank even starts its part. That rank must find this very save committed, not a clash with
+    an older checkpoint (two torchrun agents under load: the replica's background save raised
+    FileExistsError). A different save at the same path is still refused."""
+    path = tmp_path / "late"
+    mesh2 = odcfn.Mesh(4, 2, 2, "hybrid")  # node 1's first rank: a replica, no file of its own
+    opt = odcfn.sgd(0.1)
+
+    def node0(rank, tr):
+        mesh = odcfn.Mesh(4, rank, 2, "hybrid")
+        p = odcfn.shard(FULL, MODEL, mesh)
+        return write_shards(path, p, opt.init(p), 1, model=MODEL, mesh=mesh, timeout=10)
+
+    odcfn.run_local(node0, 2)  # ranks 0 and 1: node 0 commits alone
+    assert read_manifest(path)["step"] == 1
+    p = odcfn.shard(FULL, MODEL, mesh2)
+    assert write_shards(path, p, opt.init(p), 1, model=MODEL, mesh=mesh2, timeout=10) == path
+    assert sorted(f.name for f in path.glob("rank-*")) == ["rank-00000.safetensors", "rank-00001.safetensors"]
+    with pytest.raises(FileExistsError, match="committed checkpoint"):  # a later save, same path
+        write_shards(path, p, opt.init(p), 1, model=MODEL, mesh=mesh2, timeout=10)
