@@ -2,12 +2,13 @@
 per live sequence per step.
 
 The math is the training model's (``odcfn.models.layers``: ``rms_norm``, ``linear``,
-``causal_attention``, ``swiglu``; ``odcfn.models.rope.apply_rope``; ``odcfn.moe.route`` and
+``causal_attention``, ``swiglu``; ``odcfn.models.rope``; ``odcfn.moe.route`` and
 ``LocalExperts``), composed the way ``block_fwd`` / ``moe_layer_fwd`` compose it. Only the
-attention's bookkeeping differs: keys and values are written into the cache, and a decode step's
-single query attends over its own sequence's cached positions. So the hidden states equal a full
-forward of the prefix through the model's units up to floating-point summation order (the tests
-check that, step by step).
+bookkeeping differs: keys and values are written into the cache, a decode step's single query
+attends over its own sequence's cached positions, RoPE's tables are computed once per forward
+rather than per layer, and q/k/v (and a dense MLP's gate/up) are one matmul (``fuse_layer``). So
+the hidden states equal a full forward of the prefix through the model's units up to
+floating-point summation order (the tests check that, step by step).
 
 The cache holds one row per live sequence, ``k_BxGxCxK`` per layer, ``C`` the largest
 reservation (prompt + new tokens) among the live rows; rows are rebuilt (kept rows copied, new
@@ -21,24 +22,24 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from einops import rearrange
 
 from odcfn.models.layers import causal_attention, linear, rms_norm, swiglu
 from odcfn.models.moe import expert_name, sparse_layers
 from odcfn.models.qwen import QwenConfig, QwenMoeConfig
-from odcfn.models.rope import apply_rope
+from odcfn.models.rope import rope_tables, rotate
 from odcfn.moe import LocalExperts, route
 
-__all__ = ["KVCache", "Weights", "decode", "logits", "make_weights", "prefill"]
+__all__ = ["KVCache", "Weights", "decode", "fuse_layer", "logits", "make_weights", "prefill"]
 
 
 @dataclass(frozen=True)
 class Weights:
     """What the engine samples with. ``params``: the base model's full params (unit name ->
-    tree) on one device in one dtype; ``experts``: sparse layer index -> its experts' trees (the
-    expert units, in expert order); ``moe_index``: sparse layer index -> its column of the
-    routing record; ``router_bias_LxE``: aux-loss-free balancing's bias (``TrainState
-    .router_bias``), which shifts the top-k choice as in training, or None."""
+    tree) on one device in one dtype, each layer's projections fused (``fuse_layer``);
+    ``experts``: sparse layer index -> its experts' trees (the expert units, in expert order);
+    ``moe_index``: sparse layer index -> its column of the routing record; ``router_bias_LxE``:
+    aux-loss-free balancing's bias (``TrainState.router_bias``), which shifts the top-k choice as
+    in training, or None."""
 
     cfg: QwenConfig
     params: Mapping[str, dict]
@@ -53,10 +54,55 @@ class Weights:
         return self.params["head"]["lm_head"]["weight"]
 
 
-def make_weights(cfg: QwenConfig, params: Mapping[str, dict], router_bias: torch.Tensor | None) -> Weights:
+def _cat(ps: Sequence[dict], key: str) -> torch.Tensor | None:
+    """The projections' ``key`` tensors stacked along the output dimension (a missing bias as
+    zeros, when another has one); None when none has it."""
+    if all(key not in p for p in ps):
+        return None
+    w = [p["weight"] for p in ps]
+    return torch.cat([p[key] if key in p else w_.new_zeros(w_.shape[0]) for p, w_ in zip(ps, w)])
+
+
+def fuse_layer(p: dict) -> dict:
+    """A layer unit's tree with q/k/v as one projection ``qkv`` and a dense MLP's gate/up as one
+    ``gate_up``: a decode step's rows are few, so three small matmuls cost about three times one
+    of the same total size on a CPU (the per-call overhead dominates). The other entries are the
+    unit's own tensors. Row ``j`` of a fused output is row ``j`` of the separate ones (the same
+    dot products), so only the summation order inside the matmul may differ."""
+    a = p["self_attn"]
+    qkv = [a["q_proj"], a["k_proj"], a["v_proj"]]
+    att = {k: v for k, v in a.items() if k not in ("q_proj", "k_proj", "v_proj")}
+    att["qkv"] = {"weight": torch.cat([x["weight"] for x in qkv])}
+    bias = _cat(qkv, "bias")
+    if bias is not None:
+        att["qkv"]["bias"] = bias
+    out = {**p, "self_attn": att}
+    m = p["mlp"]
+    if "gate_proj" in m and "up_proj" in m:  # dense: one matmul for both halves of the SwiGLU
+        gu = [m["gate_proj"], m["up_proj"]]
+        fused = {"weight": torch.cat([x["weight"] for x in gu])}
+        bias = _cat(gu, "bias")
+        if bias is not None:
+            fused["bias"] = bias
+        out["mlp"] = {"gate_up": fused, "down_proj": m["down_proj"]}
+    return out
+
+
+def make_weights(cfg: QwenConfig, params: Mapping[str, dict], router_bias: torch.Tensor | None, *,
+                 consume: bool = False) -> Weights:
+    """The engine's weights from full params (already on the engine's device and dtype).
+    ``consume``: ``params`` is a dict the caller gives up; its units are popped as they are
+    fused, so the extra memory of the fusion is one unit, never a second copy of the model."""
+    src = params if consume else dict(params)
+    layers = {f"layers.{i}" for i in range(cfg.n_layers)}
+    out: dict[str, dict] = {}
+    for name in list(src):
+        unit = src.pop(name)
+        out[name] = fuse_layer(unit) if name in layers else unit
+        del unit
     sparse = sparse_layers(cfg) if isinstance(cfg, QwenMoeConfig) else ()
-    experts = {i: [params[expert_name(i, e)] for e in range(cfg.num_experts)] for i in sparse}
-    return Weights(cfg, params, experts, {i: j for j, i in enumerate(sparse)}, router_bias)
+    experts = {i: [out[expert_name(i, e)] for e in range(cfg.num_experts)] for i in sparse}
+    return Weights(cfg, out, experts, {i: j for j, i in enumerate(sparse)}, router_bias)
 
 
 class KVCache:
@@ -92,19 +138,19 @@ class KVCache:
 
 
 def _qkv(
-    a: dict, n_TxD: torch.Tensor, positions_T: torch.Tensor, cfg: QwenConfig
+    a: dict, n_TxD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cfg: QwenConfig
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Queries, keys and values as ``odcfn.models.layers.attention`` makes them."""
-    hd = cfg.head_dim
-    q_HxTxK = rearrange(linear(n_TxD, a["q_proj"]), "t (h k) -> h t k", k=hd)
-    k_GxTxK = rearrange(linear(n_TxD, a["k_proj"]), "t (g k) -> g t k", k=hd)
-    v_GxTxK = rearrange(linear(n_TxD, a["v_proj"]), "t (g k) -> g t k", k=hd)
+    """Queries ``TxHxK``, keys and values ``TxGxK`` as ``odcfn.models.layers.attention`` makes
+    them (one fused projection; RoPE tables ``cos``/``sin`` of shape ``TxK``)."""
+    H, G, K = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    T = n_TxD.shape[0]
+    q, k, v = linear(n_TxD, a["qkv"]).split([H * K, G * K, G * K], dim=-1)
+    q_TxHxK, k_TxGxK, v_TxGxK = q.view(T, H, K), k.view(T, G, K), v.view(T, G, K)
     if cfg.qk_norm:
-        q_HxTxK = rms_norm(q_HxTxK, a["q_norm"]["weight"], cfg.rms_eps)
-        k_GxTxK = rms_norm(k_GxTxK, a["k_norm"]["weight"], cfg.rms_eps)
-    q_HxTxK = apply_rope(q_HxTxK, positions_T, cfg.rope_theta, cfg.rope_scaling)
-    k_GxTxK = apply_rope(k_GxTxK, positions_T, cfg.rope_theta, cfg.rope_scaling)
-    return q_HxTxK, k_GxTxK, v_GxTxK
+        q_TxHxK = rms_norm(q_TxHxK, a["q_norm"]["weight"], cfg.rms_eps)
+        k_TxGxK = rms_norm(k_TxGxK, a["k_norm"]["weight"], cfg.rms_eps)
+    cos, sin = cos[:, None], sin[:, None]  # one angle per row (position), every head alike
+    return rotate(q_TxHxK, cos, sin), rotate(k_TxGxK, cos, sin), v_TxGxK
 
 
 def _mlp(w: Weights, i: int, h_TxD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -112,9 +158,13 @@ def _mlp(w: Weights, i: int, h_TxD: torch.Tensor) -> tuple[torch.Tensor, torch.T
     layer's output and, for a sparse layer, the experts each row was routed to."""
     cfg, p = w.cfg, w.params[f"layers.{i}"]
     n_TxD = rms_norm(h_TxD, p["post_attention_layernorm"]["weight"], cfg.rms_eps)
+    m = p["mlp"]
+    if "gate_up" in m:  # swiglu with gate and up in one matmul
+        g_TxF, u_TxF = linear(n_TxD, m["gate_up"]).chunk(2, dim=-1)
+        return h_TxD + linear(F.silu(g_TxF) * u_TxF, m["down_proj"]), None
     if i not in w.experts:
-        return h_TxD + swiglu(p["mlp"], n_TxD), None
-    m, j = p["mlp"], w.moe_index[i]
+        return h_TxD + swiglu(m, n_TxD), None
+    j = w.moe_index[i]
     bias_E = None if w.router_bias_LxE is None else w.router_bias_LxE[j]
     idx_TxK, w_TxK = route(F.linear(n_TxD, m["gate"]["weight"]), cfg.num_experts_per_tok,
                            norm_topk_prob=cfg.norm_topk_prob, layer=j, log=None, bias_E=bias_E)
@@ -129,6 +179,12 @@ def _routed(idx: list[torch.Tensor]) -> torch.Tensor | None:
     return torch.stack(idx, dim=1) if idx else None  # (T, MoE layers, top-k)
 
 
+def _tables(w: Weights, positions_T: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE's cos/sin for these positions, once per forward (every layer rotates at the same ones)."""
+    cfg = w.cfg
+    return rope_tables(positions_T, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, like.dtype)
+
+
 @torch.no_grad()
 def prefill(
     w: Weights, cache: KVCache, rows: Sequence[int], ids_T: torch.Tensor, seqlens: Sequence[int],
@@ -141,12 +197,14 @@ def prefill(
     cfg, seqlens = w.cfg, [int(s) for s in seqlens]
     positions_T = torch.cat([torch.arange(s, device=ids_T.device) for s in seqlens])
     x_TxD = F.embedding(ids_T, w.params["embed"]["embed_tokens"]["weight"])
+    cos, sin = _tables(w, positions_T, x_TxD)
     routed = []
     for i in range(cfg.n_layers):
         p = w.params[f"layers.{i}"]
         a = p["self_attn"]
-        q_HxTxK, k_GxTxK, v_GxTxK = _qkv(a, rms_norm(x_TxD, p["input_layernorm"]["weight"], cfg.rms_eps),
-                                         positions_T, cfg)
+        q_TxHxK, k_TxGxK, v_TxGxK = _qkv(a, rms_norm(x_TxD, p["input_layernorm"]["weight"], cfg.rms_eps),
+                                         cos, sin, cfg)
+        q_HxTxK, k_GxTxK, v_GxTxK = q_TxHxK.transpose(0, 1), k_TxGxK.transpose(0, 1), v_TxGxK.transpose(0, 1)
         ks, vs = k_GxTxK.split(seqlens, dim=1), v_GxTxK.split(seqlens, dim=1)
         for r, s, k, v in zip(rows, seqlens, ks, vs):
             cache.k[i][r, :, :s] = k
@@ -154,7 +212,7 @@ def prefill(
         # per prompt, causal inside it: training's own attention kernel
         qs = q_HxTxK.split(seqlens, dim=1)
         o_HxTxK = torch.cat([causal_attention(q, k, v) for q, k, v in zip(qs, ks, vs)], dim=1)
-        h_TxD = x_TxD + linear(rearrange(o_HxTxK, "h t k -> t (h k)"), a["o_proj"])
+        h_TxD = x_TxD + linear(o_HxTxK.transpose(0, 1).reshape(x_TxD.shape[0], -1), a["o_proj"])
         x_TxD, idx = _mlp(w, i, h_TxD)
         if idx is not None:
             routed.append(idx)
@@ -178,21 +236,21 @@ def decode(
     mask_Bx1x1xL = (torch.arange(length, device=ids_B.device)[None] <= positions_B[:, None])[:, None, None]
     gqa = cfg.n_heads != cfg.n_kv_heads
     x_BxD = F.embedding(ids_B, w.params["embed"]["embed_tokens"]["weight"])
+    cos, sin = _tables(w, positions_B, x_BxD)
     routed = []
     for i in range(cfg.n_layers):
         p = w.params[f"layers.{i}"]
         a = p["self_attn"]
         # the B tokens are a "sequence" of B rows to the projections: each row has its own position
-        q_HxBxK, k_GxBxK, v_GxBxK = _qkv(a, rms_norm(x_BxD, p["input_layernorm"]["weight"], cfg.rms_eps),
-                                         positions_B, cfg)
-        cache.k[i][rows_B, :, positions_B] = rearrange(k_GxBxK, "g b k -> b g k")
-        cache.v[i][rows_B, :, positions_B] = rearrange(v_GxBxK, "g b k -> b g k")
-        q_BxHx1xK = rearrange(q_HxBxK, "h b k -> b h 1 k")
+        q_BxHxK, k_BxGxK, v_BxGxK = _qkv(a, rms_norm(x_BxD, p["input_layernorm"]["weight"], cfg.rms_eps),
+                                         cos, sin, cfg)
+        cache.k[i][rows_B, :, positions_B] = k_BxGxK
+        cache.v[i][rows_B, :, positions_B] = v_BxGxK
         o_BxHx1xK = F.scaled_dot_product_attention(
-            q_BxHx1xK, cache.k[i][:, :, :length], cache.v[i][:, :, :length], attn_mask=mask_Bx1x1xL,
+            q_BxHxK[:, :, None], cache.k[i][:, :, :length], cache.v[i][:, :, :length], attn_mask=mask_Bx1x1xL,
             enable_gqa=gqa,
         )
-        h_BxD = x_BxD + linear(rearrange(o_BxHx1xK, "b h 1 k -> b (h k)"), a["o_proj"])
+        h_BxD = x_BxD + linear(o_BxHx1xK.reshape(B, -1), a["o_proj"])
         x_BxD, idx = _mlp(w, i, h_BxD)
         if idx is not None:
             routed.append(idx)

@@ -27,13 +27,7 @@ from odcfn._check import check_int
 from odcfn.models.qwen import QwenConfig, QwenMoeConfig
 from odcfn.rollout import decode as dec
 from odcfn.rollout.base import Completion, Engine, SamplingParams, check_prompts
-from odcfn.rollout.sample import (
-    draw_uniforms,
-    fresh_seed,
-    sample,
-    sequence_generator,
-    token_logprobs,
-)
+from odcfn.rollout.sample import Uniforms, fresh_seed, sample_logprobs, sequence_generator, token_logprobs
 
 __all__ = ["LocalEngine"]
 
@@ -46,9 +40,9 @@ class _Seq:
     prompt_index: int
     prompt: list[int]
     budget: int  # new tokens at most
-    gen: torch.Generator | None
+    uniforms: Uniforms | None  # None: greedy
     tokens: list[int] = field(default_factory=list)
-    logprobs: list[torch.Tensor] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
     routed: list[torch.Tensor] = field(default_factory=list)  # per fed position: (L, k)
     finish: str | None = None
 
@@ -135,9 +129,11 @@ class LocalEngine(Engine):
         # (odcfn bench --only rl-loop measures it); a failed gather leaves an engine that refuses
         # to generate rather than one with stale weights
         self._weights = None
-        # the dtype train_step publishes (the default): no second publication of the shards
-        full = odcfn.lora.gather_merged(state) if lora else odcfn.gather_params(state)
-        self._load(full, state.router_bias, merged=True)
+        # the dtype train_step publishes (the default): no second publication of the shards.
+        # Passed on without a name here, so that _load holds the only reference and frees each
+        # gathered unit as it is converted
+        self._load(odcfn.lora.gather_merged(state) if lora else odcfn.gather_params(state), state.router_bias,
+                   merged=True)
         self._version = int(state.step)
 
     def _load(self, params: Mapping[str, Any], router_bias: torch.Tensor | None, *, merged: bool) -> None:
@@ -151,9 +147,11 @@ class LocalEngine(Engine):
         params = odcfn.tree_map(lambda t: t.to(self.base.dtype) if isinstance(t, torch.Tensor) else t,
                                 dict(params))
         odcfn.check_params(self.base, params)
-        on = odcfn.tree_map(lambda t: t.to(self.device, self.dtype), params)
+        on = {}
+        for name in list(params):  # unit by unit: one unit's copies alive at a time, not the model's
+            on[name] = odcfn.tree_map(lambda t: t.to(self.device, self.dtype), params.pop(name))
         bias = None if router_bias is None else router_bias.to(self.device, torch.float32).clone()
-        self._weights = dec.make_weights(self.cfg, on, bias)
+        self._weights = dec.make_weights(self.cfg, on, bias, consume=True)
 
     # --- generation ---------------------------------------------------------------------------
 
@@ -169,7 +167,7 @@ class LocalEngine(Engine):
         seed = fresh_seed() if sampling.seed is None else sampling.seed
         seqs = [
             _Seq(i * sampling.n + j, i, p, min(sampling.max_tokens, self.max_model_len - len(p)),
-                 None if sampling.greedy else sequence_generator(seed, first_index + i, j))
+                 None if sampling.greedy else Uniforms(sequence_generator(seed, first_index + i, j)))
             for i, p in enumerate(ids) for j in range(sampling.n)
         ]
         self._run(seqs, sampling)
@@ -247,13 +245,10 @@ class LocalEngine(Engine):
             tok_B = z_BxV.argmax(-1)
             lp_B = token_logprobs(z_BxV, tok_B)
         else:
-            zt_BxV = z_BxV / sampling.temperature
-            tok_B = sample(zt_BxV, draw_uniforms([s.gen for s in seqs], self.device), sampling.top_k,
-                           sampling.top_p)
-            lp_B = token_logprobs(zt_BxV, tok_B)
-        lp_B = lp_B.cpu()
+            u_B = torch.tensor([s.uniforms.next() for s in seqs], dtype=torch.float64, device=self.device)
+            tok_B, lp_B = sample_logprobs(z_BxV / sampling.temperature, u_B, sampling.top_k, sampling.top_p)
         stop = set(sampling.stop_token_ids)
-        for s, t, lp in zip(seqs, tok_B.tolist(), lp_B.unbind(0)):
+        for s, t, lp in zip(seqs, tok_B.tolist(), lp_B.tolist()):  # fp32 -> float -> fp32 is exact
             s.tokens.append(t)
             s.logprobs.append(lp)
             if t in stop:
@@ -267,8 +262,9 @@ class LocalEngine(Engine):
         if s.routed:  # input positions prompt + tokens[:-1]; the last repeats its neighbour
             routed = torch.stack([*s.routed, s.routed[-1]])
         text = None if self.tokenizer is None else self.tokenizer.decode(s.tokens)
-        return Completion(s.prompt_index, tokens, torch.stack(s.logprobs), s.finish, text=text,
-                          routed_experts=routed, version=self._version)
+        lps = torch.tensor(s.logprobs, dtype=torch.float32)
+        return Completion(s.prompt_index, tokens, lps, s.finish, text=text, routed_experts=routed,
+                          version=self._version)
 
     # --- lifetime -----------------------------------------------------------------------------
 
