@@ -5,10 +5,10 @@ The math is the training model's (``odcfn.models.layers``: ``rms_norm``, ``linea
 ``causal_attention``, ``swiglu``; ``odcfn.models.rope``; ``odcfn.moe.route`` and
 ``LocalExperts``), composed the way ``block_fwd`` / ``moe_layer_fwd`` compose it. Only the
 bookkeeping differs: keys and values are written into the cache, a decode step's single query
-attends over its own sequence's cached positions, RoPE's tables are computed once per forward
-rather than per layer, and q/k/v (and a dense MLP's gate/up) are one matmul (``fuse_layer``). So
-the hidden states equal a full forward of the prefix through the model's units up to
-floating-point summation order (the tests check that, step by step).
+attends over its own sequence's cached positions, and RoPE's tables are computed once per
+forward rather than per layer (every layer rotates at the same positions). So the hidden states
+equal a full forward of the prefix through the model's units up to floating-point summation
+order (the tests check that, step by step).
 
 The cache holds one row per live sequence, ``k_BxGxCxK`` per layer, ``C`` the largest
 reservation (prompt + new tokens) among the live rows; rows are rebuilt (kept rows copied, new
@@ -29,17 +29,16 @@ from odcfn.models.qwen import QwenConfig, QwenMoeConfig
 from odcfn.models.rope import rope_tables, rotate
 from odcfn.moe import LocalExperts, route
 
-__all__ = ["KVCache", "Weights", "decode", "fuse_layer", "logits", "make_weights", "prefill"]
+__all__ = ["KVCache", "Weights", "decode", "logits", "make_weights", "prefill"]
 
 
 @dataclass(frozen=True)
 class Weights:
     """What the engine samples with. ``params``: the base model's full params (unit name ->
-    tree) on one device in one dtype, each layer's projections fused (``fuse_layer``);
-    ``experts``: sparse layer index -> its experts' trees (the expert units, in expert order);
-    ``moe_index``: sparse layer index -> its column of the routing record; ``router_bias_LxE``:
-    aux-loss-free balancing's bias (``TrainState.router_bias``), which shifts the top-k choice as
-    in training, or None."""
+    tree) on one device in one dtype; ``experts``: sparse layer index -> its experts' trees (the
+    expert units, in expert order); ``moe_index``: sparse layer index -> its column of the
+    routing record; ``router_bias_LxE``: aux-loss-free balancing's bias (``TrainState
+    .router_bias``), which shifts the top-k choice as in training, or None."""
 
     cfg: QwenConfig
     params: Mapping[str, dict]
@@ -54,55 +53,10 @@ class Weights:
         return self.params["head"]["lm_head"]["weight"]
 
 
-def _cat(ps: Sequence[dict], key: str) -> torch.Tensor | None:
-    """The projections' ``key`` tensors stacked along the output dimension (a missing bias as
-    zeros, when another has one); None when none has it."""
-    if all(key not in p for p in ps):
-        return None
-    w = [p["weight"] for p in ps]
-    return torch.cat([p[key] if key in p else w_.new_zeros(w_.shape[0]) for p, w_ in zip(ps, w)])
-
-
-def fuse_layer(p: dict) -> dict:
-    """A layer unit's tree with q/k/v as one projection ``qkv`` and a dense MLP's gate/up as one
-    ``gate_up``: a decode step's rows are few, so three small matmuls cost about three times one
-    of the same total size on a CPU (the per-call overhead dominates). The other entries are the
-    unit's own tensors. Row ``j`` of a fused output is row ``j`` of the separate ones (the same
-    dot products), so only the summation order inside the matmul may differ."""
-    a = p["self_attn"]
-    qkv = [a["q_proj"], a["k_proj"], a["v_proj"]]
-    att = {k: v for k, v in a.items() if k not in ("q_proj", "k_proj", "v_proj")}
-    att["qkv"] = {"weight": torch.cat([x["weight"] for x in qkv])}
-    bias = _cat(qkv, "bias")
-    if bias is not None:
-        att["qkv"]["bias"] = bias
-    out = {**p, "self_attn": att}
-    m = p["mlp"]
-    if "gate_proj" in m and "up_proj" in m:  # dense: one matmul for both halves of the SwiGLU
-        gu = [m["gate_proj"], m["up_proj"]]
-        fused = {"weight": torch.cat([x["weight"] for x in gu])}
-        bias = _cat(gu, "bias")
-        if bias is not None:
-            fused["bias"] = bias
-        out["mlp"] = {"gate_up": fused, "down_proj": m["down_proj"]}
-    return out
-
-
-def make_weights(cfg: QwenConfig, params: Mapping[str, dict], router_bias: torch.Tensor | None, *,
-                 consume: bool = False) -> Weights:
-    """The engine's weights from full params (already on the engine's device and dtype).
-    ``consume``: ``params`` is a dict the caller gives up; its units are popped as they are
-    fused, so the extra memory of the fusion is one unit, never a second copy of the model."""
-    src = params if consume else dict(params)
-    layers = {f"layers.{i}" for i in range(cfg.n_layers)}
-    out: dict[str, dict] = {}
-    for name in list(src):
-        unit = src.pop(name)
-        out[name] = fuse_layer(unit) if name in layers else unit
-        del unit
+def make_weights(cfg: QwenConfig, params: Mapping[str, dict], router_bias: torch.Tensor | None) -> Weights:
     sparse = sparse_layers(cfg) if isinstance(cfg, QwenMoeConfig) else ()
-    experts = {i: [out[expert_name(i, e)] for e in range(cfg.num_experts)] for i in sparse}
-    return Weights(cfg, out, experts, {i: j for j, i in enumerate(sparse)}, router_bias)
+    experts = {i: [params[expert_name(i, e)] for e in range(cfg.num_experts)] for i in sparse}
+    return Weights(cfg, params, experts, {i: j for j, i in enumerate(sparse)}, router_bias)
 
 
 class KVCache:
@@ -141,11 +95,11 @@ def _qkv(
     a: dict, n_TxD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cfg: QwenConfig
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Queries ``TxHxK``, keys and values ``TxGxK`` as ``odcfn.models.layers.attention`` makes
-    them (one fused projection; RoPE tables ``cos``/``sin`` of shape ``TxK``)."""
-    H, G, K = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-    T = n_TxD.shape[0]
-    q, k, v = linear(n_TxD, a["qkv"]).split([H * K, G * K, G * K], dim=-1)
-    q_TxHxK, k_TxGxK, v_TxGxK = q.view(T, H, K), k.view(T, G, K), v.view(T, G, K)
+    them (RoPE tables ``cos``/``sin`` of shape ``TxK``)."""
+    T, K = n_TxD.shape[0], cfg.head_dim
+    q_TxHxK = linear(n_TxD, a["q_proj"]).view(T, -1, K)
+    k_TxGxK = linear(n_TxD, a["k_proj"]).view(T, -1, K)
+    v_TxGxK = linear(n_TxD, a["v_proj"]).view(T, -1, K)
     if cfg.qk_norm:
         q_TxHxK = rms_norm(q_TxHxK, a["q_norm"]["weight"], cfg.rms_eps)
         k_TxGxK = rms_norm(k_TxGxK, a["k_norm"]["weight"], cfg.rms_eps)
@@ -158,13 +112,9 @@ def _mlp(w: Weights, i: int, h_TxD: torch.Tensor) -> tuple[torch.Tensor, torch.T
     layer's output and, for a sparse layer, the experts each row was routed to."""
     cfg, p = w.cfg, w.params[f"layers.{i}"]
     n_TxD = rms_norm(h_TxD, p["post_attention_layernorm"]["weight"], cfg.rms_eps)
-    m = p["mlp"]
-    if "gate_up" in m:  # swiglu with gate and up in one matmul
-        g_TxF, u_TxF = linear(n_TxD, m["gate_up"]).chunk(2, dim=-1)
-        return h_TxD + linear(F.silu(g_TxF) * u_TxF, m["down_proj"]), None
     if i not in w.experts:
-        return h_TxD + swiglu(m, n_TxD), None
-    j = w.moe_index[i]
+        return h_TxD + swiglu(p["mlp"], n_TxD), None
+    m, j = p["mlp"], w.moe_index[i]
     bias_E = None if w.router_bias_LxE is None else w.router_bias_LxE[j]
     idx_TxK, w_TxK = route(F.linear(n_TxD, m["gate"]["weight"]), cfg.num_experts_per_tok,
                            norm_topk_prob=cfg.norm_topk_prob, layer=j, log=None, bias_E=bias_E)
@@ -223,17 +173,23 @@ def prefill(
 
 @torch.no_grad()
 def decode(
-    w: Weights, cache: KVCache, ids_B: torch.Tensor, positions_B: torch.Tensor, length: int
+    w: Weights, cache: KVCache, ids_B: torch.Tensor, positions_B: torch.Tensor, length: int, *,
+    masked: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One token per cache row: token ``ids_B[b]`` at position ``positions_B[b]`` (its row's
     cached length) is written into the cache and attends over its row's positions
     ``<= positions_B[b]``. ``length``: ``max(positions_B) + 1`` (passed in so that the step needs
-    no device-to-host read). Returns the final-normed hidden states (``BxD``) and the routing
-    record of the fed tokens (``BxLxK`` or None)."""
+    no device-to-host read). ``masked=False``: the caller knows every row is at position
+    ``length - 1``, so each attends over all ``length`` positions and the attention needs no mask
+    (its kernel is faster without one). Returns the final-normed hidden states (``BxD``) and the
+    routing record of the fed tokens (``BxLxK`` or None)."""
     cfg = w.cfg
     B = ids_B.shape[0]
     rows_B = torch.arange(B, device=ids_B.device)
-    mask_Bx1x1xL = (torch.arange(length, device=ids_B.device)[None] <= positions_B[:, None])[:, None, None]
+    mask_Bx1x1xL = None
+    if masked:
+        upto_BxL = torch.arange(length, device=ids_B.device)[None] <= positions_B[:, None]
+        mask_Bx1x1xL = upto_BxL[:, None, None]
     gqa = cfg.n_heads != cfg.n_kv_heads
     x_BxD = F.embedding(ids_B, w.params["embed"]["embed_tokens"]["weight"])
     cos, sin = _tables(w, positions_B, x_BxD)

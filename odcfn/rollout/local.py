@@ -129,11 +129,9 @@ class LocalEngine(Engine):
         # (odcfn bench --only rl-loop measures it); a failed gather leaves an engine that refuses
         # to generate rather than one with stale weights
         self._weights = None
-        # the dtype train_step publishes (the default): no second publication of the shards.
-        # Passed on without a name here, so that _load holds the only reference and frees each
-        # gathered unit as it is converted
-        self._load(odcfn.lora.gather_merged(state) if lora else odcfn.gather_params(state), state.router_bias,
-                   merged=True)
+        # the dtype train_step publishes (the default): no second publication of the shards
+        full = odcfn.lora.gather_merged(state) if lora else odcfn.gather_params(state)
+        self._load(full, state.router_bias, merged=True)
         self._version = int(state.step)
 
     def _load(self, params: Mapping[str, Any], router_bias: torch.Tensor | None, *, merged: bool) -> None:
@@ -147,11 +145,9 @@ class LocalEngine(Engine):
         params = odcfn.tree_map(lambda t: t.to(self.base.dtype) if isinstance(t, torch.Tensor) else t,
                                 dict(params))
         odcfn.check_params(self.base, params)
-        on = {}
-        for name in list(params):  # unit by unit: one unit's copies alive at a time, not the model's
-            on[name] = odcfn.tree_map(lambda t: t.to(self.device, self.dtype), params.pop(name))
+        on = odcfn.tree_map(lambda t: t.to(self.device, self.dtype), params)
         bias = None if router_bias is None else router_bias.to(self.device, torch.float32).clone()
-        self._weights = dec.make_weights(self.cfg, on, bias, consume=True)
+        self._weights = dec.make_weights(self.cfg, on, bias)
 
     # --- generation ---------------------------------------------------------------------------
 
@@ -228,7 +224,7 @@ class LocalEngine(Engine):
                 pos = [s.cached for s in live]
                 ids_B = torch.tensor([s.tokens[-1] for s in live], device=self.device)
                 pos_B = torch.tensor(pos, device=self.device)
-                h_BxD, routed = dec.decode(w, cache, ids_B, pos_B, max(pos) + 1)
+                h_BxD, routed = dec.decode(w, cache, ids_B, pos_B, max(pos) + 1, masked=min(pos) != max(pos))
                 if routed is not None:
                     for s, r in zip(live, routed.to(torch.int32).cpu().unbind(0)):
                         s.routed.append(r)
