@@ -106,10 +106,31 @@ def _async(per_rank: list[list[dict]]) -> dict:
     ratio = [(len(get(i, "async")[0]["scores"]) / max(r["wall_s"] for r in get(i, "async")))
              / (len(get(i, "sync")[0]["scores"]) / max(r["wall_s"] for r in get(i, "sync"))) for i in runs]
     out["async_over_sync"] = _spread(ratio)
+    out["overlap_bound"] = _overlap_bound(runs, get)
     t = out["by_mode"]["sync"]["timing_mean_s"]
     train = sum(t.get(f"timing_s/{p}", 0.0) for p in ("old_log_prob", "update_actor", "weight_sync"))
     out["sync_gen_over_train"] = t["timing_s/gen"] / train if train else None
     return out
+
+
+def _overlap_bound(runs: list[int], get) -> dict | None:
+    """What overlap can give on these cores, per run pair, from the sync run's loop thread and
+    the async run's process CPU time: with one core per rank and no other load, a sync
+    iteration takes its thread's CPU time plus the time it slept (waiting for a peer: the only
+    idle time of the rank's core), and an async one at least the process's CPU time (both
+    threads' work on that one core). So ``(run + slept)_sync / cpu_async`` bounds async/sync
+    there; wait for a CPU (``runqueue``: other jobs) is left out of both."""
+    if any(r.get("main_thread") is None for i in runs for m in ("sync", "async") for r in get(i, m)):
+        return None
+    bound, idle = [], []
+    for i in runs:
+        s, a = [r["main_thread"] for r in get(i, "sync")], get(i, "async")
+        bound.append(max(t["run_s"] + t["slept_s"] for t in s) / max(r["cpu_s"] for r in a))
+        idle.append(_mean([t["slept_s"] / (t["run_s"] + t["slept_s"]) for t in s]))
+    queued = {m: _spread([_mean([r["main_thread"]["runqueue_s"] / r["wall_s"] for r in get(i, m)])
+                          for i in runs]) for m in ("sync", "async")}
+    return {"async_over_sync_one_core_per_rank": _spread(bound), "sync_idle_share": _spread(idle),
+            "runqueue_share": queued}
 
 
 def summarize(per_rank: list[dict]) -> dict:
@@ -194,6 +215,13 @@ def render(sec: dict | None) -> str:
                  f"iterations/s {_fmt(a['iters_per_s'], '')} vs {_fmt(s['iters_per_s'], '')}, ratio "
                  f"{_fmt(asy['async_over_sync'])} (target 1.3); CPU share per rank "
                  f"{a['cpu_share']['median']:.2f} vs {s['cpu_share']['median']:.2f}")
+    b = asy.get("overlap_bound")
+    if b:
+        lines.append(f"     bound with one core per rank and no other load: async/sync <= "
+                     f"{_fmt(b['async_over_sync_one_core_per_rank'])} (sync loop thread idle "
+                     f"{_fmt(b['sync_idle_share'], '')} of its busy time; waiting for a CPU: "
+                     f"{b['runqueue_share']['sync']['median']:.2f} sync, "
+                     f"{b['runqueue_share']['async']['median']:.2f} async of the wall time)")
     lines.append(f"     reward mean {a['reward_mean']:.3f} async vs {s['reward_mean']:.3f} sync (first 5 "
                  f"{a['reward_first5']:.3f} / {s['reward_first5']:.3f}, last 5 {a['reward_last5']:.3f} / "
                  f"{s['reward_last5']:.3f})")

@@ -295,6 +295,20 @@ def sync_part(spec: LoopSpec, tr: Any, barrier: Callable[[], None], log: Callabl
             "wall_s": times, "memory": memory}
 
 
+def thread_schedstat() -> tuple[float, float] | None:
+    """This thread's ``(seconds on a CPU, seconds runnable but waiting for one)`` from Linux's
+    schedstat, or None where there is none. Wall time minus both is the time it slept: waiting
+    for a peer, a lock or the GIL, which an overlapped generation could use."""
+    import threading
+
+    try:
+        with open(f"/proc/self/task/{threading.get_native_id()}/schedstat") as f:
+            run_ns, wait_ns = f.read().split()[:2]
+    except OSError:
+        return None
+    return int(run_ns) / 1e9, int(wait_ns) / 1e9
+
+
 def async_part(spec: LoopSpec, tr: Any, barrier: Callable[[], None], log: Callable[[str], None]) -> list:
     """Whole runs, sync and async interleaved (s a a s s a ...): per run its wall time, CPU
     time, the per-iteration mean rewards and the mean timing split."""
@@ -319,7 +333,7 @@ def async_part(spec: LoopSpec, tr: Any, barrier: Callable[[], None], log: Callab
             prompts = [_prompts(8, 4, 16, seed=10_000 * i + it) for it in range(spec.async_iters + 1)]
             scores, split = [], {}
             barrier()
-            t0, c0 = time.perf_counter(), time.process_time()
+            t0, c0, s0 = time.perf_counter(), time.process_time(), thread_schedstat()
             for it in range(spec.async_iters):
                 nxt = prompts[it + 1] if asynchronous and it + 1 < spec.async_iters else None
                 state, m = rl.step(state, engine, prompts[it], config, next_prompts=nxt)
@@ -327,9 +341,13 @@ def async_part(spec: LoopSpec, tr: Any, barrier: Callable[[], None], log: Callab
                 for k, v in m.extra.items():
                     if k.startswith("timing_s/"):
                         split.setdefault(k, []).append(v)
-            wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+            wall, cpu, s1 = time.perf_counter() - t0, time.process_time() - c0, thread_schedstat()
             engine.close()
+            sched = None if s0 is None or s1 is None else {  # the loop's (main) thread
+                "run_s": s1[0] - s0[0], "runqueue_s": s1[1] - s0[1],
+                "slept_s": max(0.0, wall - (s1[0] - s0[0]) - (s1[1] - s0[1]))}
             out.append({"run": i, "mode": mode, "wall_s": wall, "cpu_s": cpu, "scores": scores,
+                        "main_thread": sched,
                         "timing_mean_s": {k: statistics.mean(v) for k, v in split.items()}})
         log(f"   async run {i + 1}/{spec.async_runs} done")
     return out

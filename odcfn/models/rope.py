@@ -15,7 +15,7 @@ from functools import lru_cache
 
 import torch
 
-__all__ = ["ROPE_KINDS", "RopeScaling", "apply_rope", "inv_freq"]
+__all__ = ["ROPE_KINDS", "RopeScaling", "apply_rope", "inv_freq", "rope_tables", "rotate"]
 
 ROPE_KINDS = ("linear", "llama3", "yarn")
 
@@ -124,16 +124,29 @@ def inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> tuple[
     return _yarn(base, head_dim, theta, scaling), scaling.yarn_attention_factor()
 
 
+def rope_tables(
+    positions_T: torch.Tensor, head_dim: int, theta: float, scaling: RopeScaling | None, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cos_TxK, sin_TxK)`` for ``rotate``: angles and cos/sin in fp32, cast to ``dtype``.
+    Separate from ``apply_rope`` so that a caller rotating many tensors at the same positions
+    (every layer of a decode step) computes them once."""
+    freq_K2, scale = inv_freq(head_dim, float(theta), scaling)
+    ang_TxK = torch.outer(positions_T.float(), freq_K2.to(positions_T.device)).repeat(1, 2)
+    cos, sin = ang_TxK.cos(), ang_TxK.sin()
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
+    return cos.to(dtype), sin.to(dtype)
+
+
+def rotate(x_xK: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE (Hugging Face's layout) with tables from ``rope_tables`` (broadcast)."""
+    x1, x2 = x_xK.chunk(2, dim=-1)
+    return x_xK * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
 def apply_rope(
     x_HxTxK: torch.Tensor, positions_T: torch.Tensor, theta: float, scaling: RopeScaling | None = None
 ) -> torch.Tensor:
     """Rotate-half RoPE (Hugging Face's layout), angles and cos/sin in fp32, cast to ``x``'s dtype."""
-    K = x_HxTxK.shape[-1]
-    freq_K2, scale = inv_freq(K, float(theta), scaling)
-    ang_TxK = torch.outer(positions_T.float(), freq_K2.to(x_HxTxK.device)).repeat(1, 2)
-    cos, sin = ang_TxK.cos(), ang_TxK.sin()
-    if scale != 1.0:
-        cos, sin = cos * scale, sin * scale
-    cos, sin = cos.to(x_HxTxK.dtype), sin.to(x_HxTxK.dtype)
-    x1, x2 = x_HxTxK.chunk(2, dim=-1)
-    return x_HxTxK * cos + torch.cat([-x2, x1], dim=-1) * sin
+    cos, sin = rope_tables(positions_T.to(x_HxTxK.device), x_HxTxK.shape[-1], theta, scaling, x_HxTxK.dtype)
+    return rotate(x_HxTxK, cos, sin)

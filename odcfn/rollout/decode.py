@@ -2,12 +2,13 @@
 per live sequence per step.
 
 The math is the training model's (``odcfn.models.layers``: ``rms_norm``, ``linear``,
-``causal_attention``, ``swiglu``; ``odcfn.models.rope.apply_rope``; ``odcfn.moe.route`` and
+``causal_attention``, ``swiglu``; ``odcfn.models.rope``; ``odcfn.moe.route`` and
 ``LocalExperts``), composed the way ``block_fwd`` / ``moe_layer_fwd`` compose it. Only the
-attention's bookkeeping differs: keys and values are written into the cache, and a decode step's
-single query attends over its own sequence's cached positions. So the hidden states equal a full
-forward of the prefix through the model's units up to floating-point summation order (the tests
-check that, step by step).
+bookkeeping differs: keys and values are written into the cache, a decode step's single query
+attends over its own sequence's cached positions, and RoPE's tables are computed once per
+forward rather than per layer (every layer rotates at the same positions). So the hidden states
+equal a full forward of the prefix through the model's units up to floating-point summation
+order (the tests check that, step by step).
 
 The cache holds one row per live sequence, ``k_BxGxCxK`` per layer, ``C`` the largest
 reservation (prompt + new tokens) among the live rows; rows are rebuilt (kept rows copied, new
@@ -21,12 +22,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from einops import rearrange
 
 from odcfn.models.layers import causal_attention, linear, rms_norm, swiglu
 from odcfn.models.moe import expert_name, sparse_layers
 from odcfn.models.qwen import QwenConfig, QwenMoeConfig
-from odcfn.models.rope import apply_rope
+from odcfn.models.rope import rope_tables, rotate
 from odcfn.moe import LocalExperts, route
 
 __all__ = ["KVCache", "Weights", "decode", "logits", "make_weights", "prefill"]
@@ -92,19 +92,19 @@ class KVCache:
 
 
 def _qkv(
-    a: dict, n_TxD: torch.Tensor, positions_T: torch.Tensor, cfg: QwenConfig
+    a: dict, n_TxD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cfg: QwenConfig
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Queries, keys and values as ``odcfn.models.layers.attention`` makes them."""
-    hd = cfg.head_dim
-    q_HxTxK = rearrange(linear(n_TxD, a["q_proj"]), "t (h k) -> h t k", k=hd)
-    k_GxTxK = rearrange(linear(n_TxD, a["k_proj"]), "t (g k) -> g t k", k=hd)
-    v_GxTxK = rearrange(linear(n_TxD, a["v_proj"]), "t (g k) -> g t k", k=hd)
+    """Queries ``TxHxK``, keys and values ``TxGxK`` as ``odcfn.models.layers.attention`` makes
+    them (RoPE tables ``cos``/``sin`` of shape ``TxK``)."""
+    T, K = n_TxD.shape[0], cfg.head_dim
+    q_TxHxK = linear(n_TxD, a["q_proj"]).view(T, -1, K)
+    k_TxGxK = linear(n_TxD, a["k_proj"]).view(T, -1, K)
+    v_TxGxK = linear(n_TxD, a["v_proj"]).view(T, -1, K)
     if cfg.qk_norm:
-        q_HxTxK = rms_norm(q_HxTxK, a["q_norm"]["weight"], cfg.rms_eps)
-        k_GxTxK = rms_norm(k_GxTxK, a["k_norm"]["weight"], cfg.rms_eps)
-    q_HxTxK = apply_rope(q_HxTxK, positions_T, cfg.rope_theta, cfg.rope_scaling)
-    k_GxTxK = apply_rope(k_GxTxK, positions_T, cfg.rope_theta, cfg.rope_scaling)
-    return q_HxTxK, k_GxTxK, v_GxTxK
+        q_TxHxK = rms_norm(q_TxHxK, a["q_norm"]["weight"], cfg.rms_eps)
+        k_TxGxK = rms_norm(k_TxGxK, a["k_norm"]["weight"], cfg.rms_eps)
+    cos, sin = cos[:, None], sin[:, None]  # one angle per row (position), every head alike
+    return rotate(q_TxHxK, cos, sin), rotate(k_TxGxK, cos, sin), v_TxGxK
 
 
 def _mlp(w: Weights, i: int, h_TxD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -129,6 +129,12 @@ def _routed(idx: list[torch.Tensor]) -> torch.Tensor | None:
     return torch.stack(idx, dim=1) if idx else None  # (T, MoE layers, top-k)
 
 
+def _tables(w: Weights, positions_T: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE's cos/sin for these positions, once per forward (every layer rotates at the same ones)."""
+    cfg = w.cfg
+    return rope_tables(positions_T, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, like.dtype)
+
+
 @torch.no_grad()
 def prefill(
     w: Weights, cache: KVCache, rows: Sequence[int], ids_T: torch.Tensor, seqlens: Sequence[int],
@@ -141,12 +147,14 @@ def prefill(
     cfg, seqlens = w.cfg, [int(s) for s in seqlens]
     positions_T = torch.cat([torch.arange(s, device=ids_T.device) for s in seqlens])
     x_TxD = F.embedding(ids_T, w.params["embed"]["embed_tokens"]["weight"])
+    cos, sin = _tables(w, positions_T, x_TxD)
     routed = []
     for i in range(cfg.n_layers):
         p = w.params[f"layers.{i}"]
         a = p["self_attn"]
-        q_HxTxK, k_GxTxK, v_GxTxK = _qkv(a, rms_norm(x_TxD, p["input_layernorm"]["weight"], cfg.rms_eps),
-                                         positions_T, cfg)
+        q_TxHxK, k_TxGxK, v_TxGxK = _qkv(a, rms_norm(x_TxD, p["input_layernorm"]["weight"], cfg.rms_eps),
+                                         cos, sin, cfg)
+        q_HxTxK, k_GxTxK, v_GxTxK = q_TxHxK.transpose(0, 1), k_TxGxK.transpose(0, 1), v_TxGxK.transpose(0, 1)
         ks, vs = k_GxTxK.split(seqlens, dim=1), v_GxTxK.split(seqlens, dim=1)
         for r, s, k, v in zip(rows, seqlens, ks, vs):
             cache.k[i][r, :, :s] = k
@@ -154,7 +162,7 @@ def prefill(
         # per prompt, causal inside it: training's own attention kernel
         qs = q_HxTxK.split(seqlens, dim=1)
         o_HxTxK = torch.cat([causal_attention(q, k, v) for q, k, v in zip(qs, ks, vs)], dim=1)
-        h_TxD = x_TxD + linear(rearrange(o_HxTxK, "h t k -> t (h k)"), a["o_proj"])
+        h_TxD = x_TxD + linear(o_HxTxK.transpose(0, 1).reshape(x_TxD.shape[0], -1), a["o_proj"])
         x_TxD, idx = _mlp(w, i, h_TxD)
         if idx is not None:
             routed.append(idx)
@@ -165,34 +173,40 @@ def prefill(
 
 @torch.no_grad()
 def decode(
-    w: Weights, cache: KVCache, ids_B: torch.Tensor, positions_B: torch.Tensor, length: int
+    w: Weights, cache: KVCache, ids_B: torch.Tensor, positions_B: torch.Tensor, length: int, *,
+    masked: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One token per cache row: token ``ids_B[b]`` at position ``positions_B[b]`` (its row's
     cached length) is written into the cache and attends over its row's positions
     ``<= positions_B[b]``. ``length``: ``max(positions_B) + 1`` (passed in so that the step needs
-    no device-to-host read). Returns the final-normed hidden states (``BxD``) and the routing
-    record of the fed tokens (``BxLxK`` or None)."""
+    no device-to-host read). ``masked=False``: the caller knows every row is at position
+    ``length - 1``, so each attends over all ``length`` positions and the attention needs no mask
+    (its kernel is faster without one). Returns the final-normed hidden states (``BxD``) and the
+    routing record of the fed tokens (``BxLxK`` or None)."""
     cfg = w.cfg
     B = ids_B.shape[0]
     rows_B = torch.arange(B, device=ids_B.device)
-    mask_Bx1x1xL = (torch.arange(length, device=ids_B.device)[None] <= positions_B[:, None])[:, None, None]
+    mask_Bx1x1xL = None
+    if masked:
+        upto_BxL = torch.arange(length, device=ids_B.device)[None] <= positions_B[:, None]
+        mask_Bx1x1xL = upto_BxL[:, None, None]
     gqa = cfg.n_heads != cfg.n_kv_heads
     x_BxD = F.embedding(ids_B, w.params["embed"]["embed_tokens"]["weight"])
+    cos, sin = _tables(w, positions_B, x_BxD)
     routed = []
     for i in range(cfg.n_layers):
         p = w.params[f"layers.{i}"]
         a = p["self_attn"]
         # the B tokens are a "sequence" of B rows to the projections: each row has its own position
-        q_HxBxK, k_GxBxK, v_GxBxK = _qkv(a, rms_norm(x_BxD, p["input_layernorm"]["weight"], cfg.rms_eps),
-                                         positions_B, cfg)
-        cache.k[i][rows_B, :, positions_B] = rearrange(k_GxBxK, "g b k -> b g k")
-        cache.v[i][rows_B, :, positions_B] = rearrange(v_GxBxK, "g b k -> b g k")
-        q_BxHx1xK = rearrange(q_HxBxK, "h b k -> b h 1 k")
+        q_BxHxK, k_BxGxK, v_BxGxK = _qkv(a, rms_norm(x_BxD, p["input_layernorm"]["weight"], cfg.rms_eps),
+                                         cos, sin, cfg)
+        cache.k[i][rows_B, :, positions_B] = k_BxGxK
+        cache.v[i][rows_B, :, positions_B] = v_BxGxK
         o_BxHx1xK = F.scaled_dot_product_attention(
-            q_BxHx1xK, cache.k[i][:, :, :length], cache.v[i][:, :, :length], attn_mask=mask_Bx1x1xL,
+            q_BxHxK[:, :, None], cache.k[i][:, :, :length], cache.v[i][:, :, :length], attn_mask=mask_Bx1x1xL,
             enable_gqa=gqa,
         )
-        h_BxD = x_BxD + linear(rearrange(o_BxHx1xK, "b h 1 k -> b (h k)"), a["o_proj"])
+        h_BxD = x_BxD + linear(o_BxHx1xK.reshape(B, -1), a["o_proj"])
         x_BxD, idx = _mlp(w, i, h_BxD)
         if idx is not None:
             routed.append(idx)

@@ -27,13 +27,7 @@ from odcfn._check import check_int
 from odcfn.models.qwen import QwenConfig, QwenMoeConfig
 from odcfn.rollout import decode as dec
 from odcfn.rollout.base import Completion, Engine, SamplingParams, check_prompts
-from odcfn.rollout.sample import (
-    draw_uniforms,
-    fresh_seed,
-    sample,
-    sequence_generator,
-    token_logprobs,
-)
+from odcfn.rollout.sample import Uniforms, fresh_seed, sample_logprobs, sequence_generator, token_logprobs
 
 __all__ = ["LocalEngine"]
 
@@ -46,9 +40,9 @@ class _Seq:
     prompt_index: int
     prompt: list[int]
     budget: int  # new tokens at most
-    gen: torch.Generator | None
+    uniforms: Uniforms | None  # None: greedy
     tokens: list[int] = field(default_factory=list)
-    logprobs: list[torch.Tensor] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
     routed: list[torch.Tensor] = field(default_factory=list)  # per fed position: (L, k)
     finish: str | None = None
 
@@ -169,7 +163,7 @@ class LocalEngine(Engine):
         seed = fresh_seed() if sampling.seed is None else sampling.seed
         seqs = [
             _Seq(i * sampling.n + j, i, p, min(sampling.max_tokens, self.max_model_len - len(p)),
-                 None if sampling.greedy else sequence_generator(seed, first_index + i, j))
+                 None if sampling.greedy else Uniforms(sequence_generator(seed, first_index + i, j)))
             for i, p in enumerate(ids) for j in range(sampling.n)
         ]
         self._run(seqs, sampling)
@@ -230,7 +224,7 @@ class LocalEngine(Engine):
                 pos = [s.cached for s in live]
                 ids_B = torch.tensor([s.tokens[-1] for s in live], device=self.device)
                 pos_B = torch.tensor(pos, device=self.device)
-                h_BxD, routed = dec.decode(w, cache, ids_B, pos_B, max(pos) + 1)
+                h_BxD, routed = dec.decode(w, cache, ids_B, pos_B, max(pos) + 1, masked=min(pos) != max(pos))
                 if routed is not None:
                     for s, r in zip(live, routed.to(torch.int32).cpu().unbind(0)):
                         s.routed.append(r)
@@ -247,13 +241,10 @@ class LocalEngine(Engine):
             tok_B = z_BxV.argmax(-1)
             lp_B = token_logprobs(z_BxV, tok_B)
         else:
-            zt_BxV = z_BxV / sampling.temperature
-            tok_B = sample(zt_BxV, draw_uniforms([s.gen for s in seqs], self.device), sampling.top_k,
-                           sampling.top_p)
-            lp_B = token_logprobs(zt_BxV, tok_B)
-        lp_B = lp_B.cpu()
+            u_B = torch.tensor([s.uniforms.next() for s in seqs], dtype=torch.float64, device=self.device)
+            tok_B, lp_B = sample_logprobs(z_BxV / sampling.temperature, u_B, sampling.top_k, sampling.top_p)
         stop = set(sampling.stop_token_ids)
-        for s, t, lp in zip(seqs, tok_B.tolist(), lp_B.unbind(0)):
+        for s, t, lp in zip(seqs, tok_B.tolist(), lp_B.tolist()):  # fp32 -> float -> fp32 is exact
             s.tokens.append(t)
             s.logprobs.append(lp)
             if t in stop:
@@ -267,8 +258,9 @@ class LocalEngine(Engine):
         if s.routed:  # input positions prompt + tokens[:-1]; the last repeats its neighbour
             routed = torch.stack([*s.routed, s.routed[-1]])
         text = None if self.tokenizer is None else self.tokenizer.decode(s.tokens)
-        return Completion(s.prompt_index, tokens, torch.stack(s.logprobs), s.finish, text=text,
-                          routed_experts=routed, version=self._version)
+        lps = torch.tensor(s.logprobs, dtype=torch.float32)
+        return Completion(s.prompt_index, tokens, lps, s.finish, text=text, routed_experts=routed,
+                          version=self._version)
 
     # --- lifetime -----------------------------------------------------------------------------
 

@@ -1,7 +1,8 @@
 """Sampling with vLLM's semantics, each sequence on its own random stream.
 
 A sequence's randomness is one uniform number per generated token, drawn from its own
-``torch.Generator`` seeded from ``(seed, prompt position in the call, index in the group)``;
+``torch.Generator`` seeded from ``(seed, prompt position in the call, index in the group)``
+(``Uniforms``: drawn ``CHUNK`` at a time, one torch call per chunk rather than per token);
 the token is the inverse CDF of the allowed, renormalised distribution at that number. So a
 completion depends on its seed and its own logits only, never on which other sequences shared
 its batch (``max_batch_tokens``) or on the device: the uniforms are drawn on the CPU and the
@@ -12,11 +13,10 @@ from __future__ import annotations
 
 import hashlib
 import secrets
-from collections.abc import Sequence
 
 import torch
 
-__all__ = ["allowed", "draw_uniforms", "sample", "sequence_generator", "token_logprobs"]
+__all__ = ["Uniforms", "allowed", "sample", "sample_logprobs", "sequence_generator", "token_logprobs"]
 
 
 def sequence_generator(seed: int, prompt_index: int, index: int) -> torch.Generator:
@@ -31,10 +31,20 @@ def fresh_seed() -> int:
     return secrets.randbits(62)
 
 
-def draw_uniforms(gens: Sequence[torch.Generator], device: torch.device) -> torch.Tensor:
-    """One float64 uniform in [0, 1) per sequence, from its own stream."""
-    u = torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in gens])
-    return u.to(device, non_blocking=True)
+class Uniforms:
+    """One sequence's stream of float64 uniforms in [0, 1), taken one per generated token: a
+    function of its generator alone (chunks of a fixed size), so of the seed, never of the batch."""
+
+    CHUNK = 64
+
+    def __init__(self, gen: torch.Generator) -> None:
+        self.gen, self.buf, self.at = gen, [], 0
+
+    def next(self) -> float:
+        if self.at == len(self.buf):
+            self.buf, self.at = torch.rand(self.CHUNK, generator=self.gen, dtype=torch.float64).tolist(), 0
+        self.at += 1
+        return self.buf[self.at - 1]
 
 
 def allowed(z_BxV: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -64,14 +74,27 @@ def sample(z_BxV: torch.Tensor, u_B: torch.Tensor, top_k: int = 0, top_p: float 
     their running sum float64 (no drift over a 150K vocabulary), unnormalised (the target is
     ``u`` times the total). A disallowed token has zero mass, so its CDF step is empty and no
     ``u`` lands on it."""
-    e_BxV = torch.exp(z_BxV.float() - z_BxV.float().amax(-1, keepdim=True))
+    return sample_logprobs(z_BxV, u_B, top_k, top_p)[0]
+
+
+def sample_logprobs(
+    z_BxV: torch.Tensor, u_B: torch.Tensor, top_k: int = 0, top_p: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``sample`` and the fp32 log-prob of each drawn token under the unrestricted
+    ``softmax(z)`` (``token_logprobs``), from one pass of ``exp`` over the vocabulary: the
+    sampling masses and the log-softmax's normaliser share it."""
+    z = z_BxV.float()
+    m_Bx1 = z.amax(-1, keepdim=True)
+    e_BxV = torch.exp(z - m_Bx1)
+    lse_B = m_Bx1[:, 0] + e_BxV.sum(-1).log()  # log-softmax = z - max - log(sum(exp(z - max)))
     if top_k or top_p < 1.0:
         e_BxV = e_BxV * allowed(z_BxV, top_k, top_p)
     cdf_BxV = e_BxV.double().cumsum(-1)
     total_B = cdf_BxV[:, -1]
     # kept below the total: u * total rounding up to it would step past the last token with mass
     target_B = torch.minimum(u_B.double() * total_B, torch.nextafter(total_B, torch.zeros_like(total_B)))
-    return torch.searchsorted(cdf_BxV, target_B[:, None], right=True)[:, 0]
+    tok_B = torch.searchsorted(cdf_BxV, target_B[:, None], right=True)[:, 0]
+    return tok_B, z.gather(-1, tok_B[:, None])[:, 0] - lse_B
 
 
 def token_logprobs(z_BxV: torch.Tensor, tok_B: torch.Tensor) -> torch.Tensor:

@@ -230,6 +230,17 @@ def shm_dir() -> str | None:
     return "/dev/shm" if os.path.isdir("/dev/shm") else None
 
 
+def _check_cpu_head_dim(cfg: QwenConfig) -> None:
+    """vLLM's CPU attention takes a fixed set of head sizes and otherwise fails deep inside its
+    engine process ("Unsupported CPU attention configuration"); say so before it starts."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    sizes = CPUAttentionBackend.get_supported_head_sizes()
+    if cfg.head_dim not in sizes:
+        raise ValueError(f"VLLMEngine: vLLM's CPU attention supports head_dim in {sizes}, and "
+                         f"cfg.head_dim is {cfg.head_dim} (set QwenConfig(head_dim=64), for example)")
+
+
 class VLLMEngine(Engine):
     """vLLM as the rollout engine (see the module doc).
 
@@ -238,7 +249,9 @@ class VLLMEngine(Engine):
     ``QwenConfig`` / ``QwenMoeConfig`` that built it. ``params``: initial full params of ``model``
     (None: vLLM starts on dummy weights and ``generate`` waits for ``update_weights``).
     ``max_model_len``: prompt + completion tokens at most. ``tokenizer``: a tokenizer directory
-    or Hub name for vLLM (fills ``Completion.text``); None starts vLLM without one.
+    or Hub name for vLLM, or, as ``LocalEngine`` takes it, anything with ``decode(ids) -> str``
+    (vLLM then starts without a tokenizer and odcfn decodes); either fills ``Completion.text``.
+    None starts vLLM without one.
     ``bucket_mb``: the size of the buckets ``update_weights`` streams. ``engine_kwargs`` go to
     ``vllm.LLM`` (defaults here: fp32 on CPU, ``enforce_eager=True``, a 1 GiB KV cache on CPU)."""
 
@@ -249,7 +262,7 @@ class VLLMEngine(Engine):
         *,
         params: Mapping[str, Any] | None = None,
         max_model_len: int = 4096,
-        tokenizer: str | os.PathLike | None = None,
+        tokenizer: Any = None,
         bucket_mb: float = 256,
         **engine_kwargs: Any,
     ) -> None:
@@ -271,6 +284,13 @@ class VLLMEngine(Engine):
         self.model, self.cfg, self.bucket_bytes = model, cfg, int(bucket_mb * 2**20)
         self._version, self._closed, self._llm = 0, False, None
         self._has_weights = params is not None
+        # a tokenizer object (LocalEngine's kind) decodes here; a path or name goes to vLLM
+        self._decoder = None
+        if tokenizer is not None and not isinstance(tokenizer, (str, os.PathLike)):
+            if not callable(getattr(tokenizer, "decode", None)):
+                raise TypeError("VLLMEngine: tokenizer must be a path, a Hub name, or have a decode(ids) "
+                                "method")
+            self._decoder, tokenizer = tokenizer, None
         self._text = tokenizer is not None
         self.last_sync: SyncStats | None = None
         vllm = import_vllm()
@@ -278,6 +298,7 @@ class VLLMEngine(Engine):
         kw: dict[str, Any] = {"enforce_eager": True, "seed": 0}
         if cpu:
             kw.update(dtype="float32", kv_cache_memory_bytes=2**30)
+            _check_cpu_head_dim(cfg)
         kw.update(engine_kwargs)
         work = tempfile.mkdtemp(prefix="odcfn-vllm-")
         try:
@@ -346,9 +367,12 @@ class VLLMEngine(Engine):
                 prompt_index=k // sampling.n, tokens=torch.tensor(toks, dtype=torch.long),
                 logprobs=torch.tensor(lps, dtype=torch.float32),
                 finish_reason="stop" if stopped else "length",
-                text=c.text if self._text else None, version=self._version,
+                text=c.text if self._text else self._decode(toks), version=self._version,
             ))
         return done
+
+    def _decode(self, toks: list[int]) -> str | None:
+        return None if self._decoder is None else self._decoder.decode(toks)
 
     def score(self, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
         """The engine's own log-prob of every token of each sequence given the tokens before it

@@ -52,6 +52,9 @@ def test_the_section_reports_its_fields_at_tiny_size():
         assert len(m["reward_curve"]) == LoopSpec.shape("tiny").async_iters
         assert all(0.0 <= x <= 1.0 for x in m["reward_curve"]) and m["iters_per_s"]["median"] > 0
     assert asy["async_over_sync"]["median"] > 0 and asy["sync_gen_over_train"] > 0
+    bound = asy["overlap_bound"]  # Linux: the loop thread's schedstat gives the overlap's room
+    assert bound["async_over_sync_one_core_per_rank"]["median"] > 0
+    assert 0 <= bound["sync_idle_share"]["median"] <= 1
     for mode in ("greedy", "sample", "stop"):
         assert sec["ratios"][f"engine_over_hf_tokens_per_s_{mode}"] > 0
     assert set(sec["ratios"]) >= {"update_odc_lb_mini_over_collective_lb_micro",
@@ -59,7 +62,8 @@ def test_the_section_reports_its_fields_at_tiny_size():
                                   "async_over_sync_iters_per_s"}
     assert len(sec["load_average"]["start"]) == 3 and sec["config"]["shape"] == "tiny"
     text = render(sec)
-    for phrase in ("RL loop", "update", "weight sync", "async vs sync", "reward mean", "tokens/s"):
+    for phrase in ("RL loop", "update", "weight sync", "async vs sync", "reward mean", "tokens/s",
+                   "bound with one core per rank"):
         assert phrase in text, (phrase, text)
 
 

@@ -22,17 +22,19 @@ def _engine(cfg, seed=0, **kw) -> tuple[LocalEngine, dict]:
 # --- the KV cache ----------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("lens", [(5, 2), (4, 4)], ids=["ragged", "even"])
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_kv_cache_steps_equal_a_full_forward_of_the_prefix(name):
-    """Prefill two prompts of different lengths into one batch, then decode token by token:
-    every step's logits equal the logits of a full forward of that row's prefix."""
+def test_kv_cache_steps_equal_a_full_forward_of_the_prefix(name, lens):
+    """Prefill two prompts into one batch, then decode token by token: every step's logits equal
+    the logits of a full forward of that row's prefix. Prompts of equal length decode without
+    an attention mask (``masked=False``, as the engine does when every row is at one position)."""
     cfg = CONFIGS[name]
     params = sharp_params(cfg, 1)
     w = dec.make_weights(cfg, params, None)
-    ps = prompts(cfg.vocab_size, [5, 2], seed=1)
+    ps = prompts(cfg.vocab_size, list(lens), seed=1)
     cache = dec.KVCache(cfg, torch.float32, torch.device("cpu"))
     cache.rebuild([], 0, 2, 14)
-    h, _ = dec.prefill(w, cache, [0, 1], torch.tensor(ps[0] + ps[1]), [5, 2])
+    h, _ = dec.prefill(w, cache, [0, 1], torch.tensor(ps[0] + ps[1]), list(lens))
     seqs = [list(p) for p in ps]
     z = dec.logits(w, h)
     for _ in range(8):
@@ -43,7 +45,7 @@ def test_kv_cache_steps_equal_a_full_forward_of_the_prefix(name):
         pos = torch.tensor([len(s) for s in seqs])
         for s, t in zip(seqs, nxt.tolist()):
             s.append(t)
-        h, _ = dec.decode(w, cache, nxt, pos, int(pos.max()) + 1)
+        h, _ = dec.decode(w, cache, nxt, pos, int(pos.max()) + 1, masked=lens[0] != lens[1])
         z = dec.logits(w, h)
 
 

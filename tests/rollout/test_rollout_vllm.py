@@ -184,3 +184,31 @@ def test_seeded_completions_and_stop_tokens(checks):
     stop = set(range(0, 128, 3))
     for reason, tokens in got["stops"]:
         assert (reason == "stop") == (tokens[-1] in stop) and not stop & set(tokens[:-1])
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(1600)
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_tiny_model_learns_with_vllm_on_two_ranks(checks, mode):
+    """The learning task of tests/rl/test_rl_loop.py (first new token = 5: chance 1/16) through
+    ``odcfn.rl.step`` on 2 ranks, each with its own ``VLLMEngine``: the mean reward of the last 5
+    iterations is well above the first 5, and the engines end at the trainer's last step."""
+    got = checks("learn")
+    for rank in got[mode]:
+        scores = rank["scores"]
+        first, last = sum(scores[:5]) / 5, sum(scores[-5:]) / 5
+        assert scores[0] < 0.2, scores  # at chance (1/16) before training
+        assert last > first + 0.3, scores
+        assert rank["version"] == rank["step"] > 0
+        if mode == "sync":  # the engine sampled with the weights the trainer scored with
+            assert max(rank["logprob_diff_max"]) < TOL, rank["logprob_diff_max"]
+    assert got[mode][0]["scores"] == got[mode][1]["scores"]  # every rank holds every rollout
+
+
+@pytest.mark.vllm
+def test_a_head_dim_vllms_cpu_attention_refuses_is_named_before_it_starts():
+    if torch.cuda.is_available():
+        pytest.skip("the check is of vLLM's CPU attention")
+    cfg = dataclasses.replace(CFG, head_dim=16)
+    with pytest.raises(ValueError, match="head_dim in .* cfg.head_dim is 16"):
+        VLLMEngine(qwen_model(cfg), cfg)

@@ -4,7 +4,10 @@ SCENARIO OUT.json``. One engine per scenario (a start costs ~25 s or more); the 
 are asserted by tests/test_rollout_vllm.py.
 
 Scenarios: ``dense`` (full fine-tuning on 2 ranks, rank 0 hosting the engine, rank 1 joining the
-syncs without one), ``lora`` and ``moe`` (Qwen3-MoE), one rank each."""
+syncs without one), ``lora`` and ``moe`` (Qwen3-MoE), one rank each; ``learn``: the learning task
+of tests/rl/test_rl_loop.py (first new token = 5, chance 1/16) through ``odcfn.rl.step`` on 2
+ranks, each with its own ``VLLMEngine``, synchronously and then in one-step asynchronous mode
+(``learn-local``: the same with ``LocalEngine``, to compare)."""
 
 from __future__ import annotations
 
@@ -12,14 +15,16 @@ import json
 import sys
 import tempfile
 import threading
+import time
 from typing import Any
 
 import torch
 
 import odcfn
+from odcfn import rl
 from odcfn.models import QwenConfig, QwenMoeConfig, init_params, qwen_model
 from odcfn.models.hf import to_hf
-from odcfn.rollout import SamplingParams
+from odcfn.rollout import LocalEngine, SamplingParams
 from odcfn.rollout.vllm_engine import VLLMEngine, sync_weights
 from tests.memtrack import TensorBytes
 
@@ -134,6 +139,56 @@ def run(scenario: str) -> dict:
     return out
 
 
+# the learning task's model: tests/rl/test_rl_loop.py's, with the head_dim vLLM's CPU attention takes
+LEARN = QwenConfig(vocab_size=16, d_model=64, n_layers=1, n_heads=1, n_kv_heads=1, d_ff=64, head_dim=64)
+LEARN_ITERS = 15
+
+
+def learn(engine_kind: str) -> dict:
+    """Per mode (sync, async): each rank's per-iteration mean reward, its largest engine/trainer
+    log-prob gap (sync mode: the engine sampled with the weights the trainer scores with) and
+    its engine's final version. The engines start once and serve both runs (each run's first
+    ``update_weights`` puts the initial weights back)."""
+    from tests.rl.test_rl_loop import prompts_at, target_reward
+
+    model, full = qwen_model(LEARN), init_params(LEARN, seed=3)
+    if engine_kind == "vllm":  # started here, not in the rank threads: vLLM wants the main thread
+        engines = [VLLMEngine(model, LEARN, params=full, max_model_len=16, kv_cache_memory_bytes=16 << 20)
+                   for _ in range(2)]
+    else:
+        engines = [LocalEngine(model, LEARN, params=full, max_model_len=16) for _ in range(2)]
+    out: dict[str, Any] = {}
+    try:
+        for mode in ("sync", "async"):
+            asynchronous = mode == "async"
+            loss = odcfn.losses.policy_gradient(decoupled=asynchronous, clip_ratio_high=0.28)
+            config = rl.RLConfig(reward=target_reward, group_size=8, loss=loss, async_rollouts=asynchronous,
+                                 sampling=SamplingParams(max_tokens=2, temperature=1.0))
+
+            def body(rank: int, tr: Any, loss: Any = loss, config: Any = config) -> dict:
+                state = odcfn.TrainState.create(
+                    params=full, model=model, optimizer=odcfn.adamw(1e-2, weight_decay=0.0), transport=tr,
+                    config=odcfn.StepConfig(balance="lb_mini", loss=loss))
+                engine = engines[rank]
+                engine.update_weights(state)
+                scores, gaps = [], []
+                for it in range(LEARN_ITERS):
+                    nxt = prompts_at(it + 1) if config.async_rollouts and it + 1 < LEARN_ITERS else None
+                    state, m = rl.step(state, engine, prompts_at(it), config, next_prompts=nxt)
+                    scores.append(m.extra["critic/score/mean"])
+                    gaps.append(m.extra.get("rollout/logprob_diff/max", float("nan")))
+                return {"scores": scores, "logprob_diff_max": gaps, "version": engine.version,
+                        "step": int(state.step)}
+
+            t0 = time.perf_counter()
+            out[mode] = odcfn.run_local(body, 2, timeout=900)
+            out[f"{mode}_seconds"] = time.perf_counter() - t0
+    finally:
+        for e in engines:
+            e.close()
+    return out
+
+
 def _flat(tree: Any) -> list[torch.Tensor]:
     if isinstance(tree, dict):
         return [x for v in tree.values() for x in _flat(v)]
@@ -142,6 +197,10 @@ def _flat(tree: Any) -> list[torch.Tensor]:
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    result = run(sys.argv[1])
+    scenario = sys.argv[1]
+    if scenario.startswith("learn"):
+        result = learn("local" if scenario == "learn-local" else "vllm")
+    else:
+        result = run(scenario)
     with open(sys.argv[2], "w") as f:
         json.dump(result, f, indent=1)
