@@ -26,7 +26,7 @@ from tests.mp_pool import mp_pool, warm_for  # noqa: E402, F401
 
 # The longest tests (about 20 s and up on 2 cores, docs/design.md's testing section), longest first.
 # They go to the front so that xdist's round-robin first hand-out gives each worker its share of
-# them, instead of one worker meeting the longest test last while the other sits idle.
+# them, instead of one worker meeting the longest test last while the others sit idle.
 LONGEST_FIRST = (
     "tests/test_notebooks.py::test_notebook_runs[grpo]",
     "tests/transport/test_gpu_compile.py",

@@ -35,7 +35,7 @@ from odcfn.schedule.plan import Plan
 from odcfn.sharding import Layout, Mesh, make_layout, shard, unshard
 from odcfn.step.execute import Executor
 from odcfn.step.state import StepConfig
-from odcfn.transport.base import Done, Handle
+from odcfn.transport.base import Counters, Done, Handle
 from odcfn.transport.versions_det import accumulate, rank_order_sum
 from odcfn.tree import PyTree
 
@@ -51,6 +51,7 @@ class _Recorded:
                  history: Mapping[int, Sequence[Shards]], parts: Sequence[Shards]) -> None:
         self.mesh, self.layout, self.versions = mesh, layout, versions
         self.history, self.parts = history, parts
+        self.counters = Counters()  # the executor's trace reads bytes moved; a replay moves none
 
     def gather(self, unit: str, out: torch.Tensor) -> Handle:
         if unit not in self.versions:
