@@ -28,17 +28,11 @@ import sys
 import tempfile
 from typing import Any
 
+from odcfn.rollout.vllm_worker import peak_rss_bytes, proc_status, reset_peak_rss
+
 __all__ = ["point", "render", "section"]
 
 GIB = 1 << 30
-
-
-def _status(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def point(spec: dict[str, Any]) -> dict[str, Any]:
@@ -47,7 +41,7 @@ def point(spec: dict[str, Any]) -> dict[str, Any]:
     import resource
 
     if spec.get("cap_bytes"):  # private memory above what the interpreter holds now
-        cap = _status("VmData") + spec["cap_bytes"]
+        cap = proc_status("VmData") + spec["cap_bytes"]
         resource.setrlimit(resource.RLIMIT_DATA, (cap, cap))
     import ctypes
     import gc
@@ -97,15 +91,15 @@ def point(spec: dict[str, Any]) -> dict[str, Any]:
             state, _ = odcfn.train_step(state, batch)
         gc.collect()
         ctypes.CDLL("libc.so.6").malloc_trim(0)
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # VmHWM := VmRSS
-        base = _status("VmRSS")
+        if not reset_peak_rss():  # VmHWM := VmRSS
+            raise OSError("cannot reset the peak RSS (/proc/self/clear_refs)")
+        base, _ = peak_rss_bytes()
         times = []
         for _ in range(spec["steps"]):
             t0 = time.perf_counter()
             state, _ = odcfn.train_step(state, batch)
             times.append(time.perf_counter() - t0)
-        peak = _status("VmHWM")
+        _, peak = peak_rss_bytes()
     except MemoryError as e:
         return {"fits": False, "error": f"MemoryError: {e}"[:200]}
     return {

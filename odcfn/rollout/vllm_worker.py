@@ -49,7 +49,8 @@ def reset_peak_rss() -> bool:
         return False
 
 
-def _status(key: str) -> int:
+def proc_status(key: str) -> int:
+    """A byte-sized field of this process's /proc/self/status (``VmRSS``, ``VmHWM``, ``VmData``)."""
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith(key + ":"):
@@ -59,7 +60,7 @@ def _status(key: str) -> int:
 
 def peak_rss_bytes() -> tuple[int, int]:
     """(current RSS, peak RSS since the last ``reset_peak_rss``) of this process, in bytes."""
-    return _status("VmRSS"), _status("VmHWM")
+    return proc_status("VmRSS"), proc_status("VmHWM")
 
 
 def _numel(shape: Iterable[int]) -> int:
