@@ -16,12 +16,14 @@ GATHER_S = 0.3  # rank 1's every gather: a plan step (a beat) every 0.3 s, its s
 
 def _slow_rank_1(monkeypatch, stuck_s: float = 0.0) -> None:
     gather = Executor._gather
+    stuck = [stuck_s]  # rank 1 sticks once: after that it winds down at its normal pace
 
     def slow_gather(self, s, offset):
         if self.rank == 1:
             time.sleep(GATHER_S)
-            if stuck_s:
-                time.sleep(stuck_s)  # stuck: no progress at all for this long
+            if stuck[0]:
+                time.sleep(stuck.pop())  # stuck: no progress at all for this long
+                stuck.append(0.0)
         return gather(self, s, offset)
 
     monkeypatch.setattr(Executor, "_gather", slow_gather)
