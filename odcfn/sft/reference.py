@@ -84,7 +84,7 @@ def config_markdown() -> str:
     out = [
         "# `odcfn train` config reference",
         "",
-        "Generated from the config's definition (`odcfn/sft/config.py` for types and defaults,",
+        "Generated from the config's definition (`odcfn/sft/config_*.py` for types and defaults,",
         "`odcfn/sft/keys.py` for allowed values and meanings) by `python -m odcfn.sft.reference`;",
         "a test keeps this page equal to it. Every value is checked when the file is read: a bad one",
         "ends `odcfn train` with one line naming the file, the key and what it allows (exit status 2).",
