@@ -13,7 +13,7 @@ import torch
 
 import odcfn
 from odcfn.models import QwenConfig, init_params, qwen_model
-from odcfn.step import execute, ordered_push
+from odcfn.step import ordered_push, run
 from tests.util import make_state
 
 CFG = QwenConfig(vocab_size=41, d_model=16, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=24)
@@ -28,7 +28,7 @@ def _run(monkeypatch, window, seed=0):
             super().__init__(*a, **{**kw, "window": window})
             pushers.append(self)
 
-    monkeypatch.setattr(execute, "OrderedPusher", Recorded)
+    monkeypatch.setattr(run, "OrderedPusher", Recorded)  # where the step builds its pusher
     model, full = qwen_model(CFG), init_params(CFG, seed=0)
     batch = odcfn.random_batch(LENGTHS, CFG.vocab_size, seed=1)
     rng = random.Random(seed)
@@ -65,6 +65,7 @@ def test_pushes_interleave_with_compute_and_staging_stays_bounded(monkeypatch):
     assert log.index("push") < len(log) - 1 - log[::-1].index("gather"), log
     unit_bytes = max(u.padded_numel for u in odcfn.make_layout(model, odcfn.Mesh(3, 0)).units) * 4
     whole = sum(u.padded_numel for u in odcfn.make_layout(model, odcfn.Mesh(3, 0)).units) * 4
+    assert len(pushers) == 3  # one per rank: the recorded class is the one the step built
     for p in pushers:
         assert 0 < p.peak <= unit_bytes < whole, (p.peak, unit_bytes, whole)
 
