@@ -159,7 +159,7 @@ def k_mismatch_worker():
     with ShmTransport(mesh, timeout=10) as tr:
         unit, full = _unit_setup(tr)
         tr.publish_secondary(unit, full, 1 if mesh.rank == 1 else K)  # rank 1 built for k = 1
-        tr.publish_secondary(unit, full, K)  # a second build in the step: a no-op
+        tr.publish_secondary(unit, full * 2, K)  # a second build in the step: a no-op
         if mesh.rank in (0, 1):
             with pytest.raises(TransportError, match=r"rank 1's group shard holds step 1 with k=1"):
                 tr.gather_group(unit, torch.empty_like(full), K)
