@@ -7,6 +7,9 @@ ranks in two k = 2 groups (two simulated nodes).
   gathers pay every owner exactly the forward's and the shard builds' bytes;
 - a group peer that dies before building its slice, or stalls, ends the gather in
   ``TransportError`` within the timeout, never a hang; a k that disagrees is named;
+- under an int8 ``gather_format`` the backward reads the forward's dequantized values (hpZ's
+  gradients equal the re-gathering step's bit for bit), the group gathers moving compute-dtype
+  bytes;
 - ``log_probs`` with hpZ equals ``log_probs`` without it.
 """
 
@@ -87,6 +90,31 @@ def test_hpz_on_processes_equals_reference_threads_and_stays_in_group(mp_pool): 
             assert sum(got["group"].values()) == sum(slice_bytes[u] for u in got["from_group"])
         for owner in set(range(W)) - {rank}:  # the primary gathers pay every owner, nothing more
             assert got["peer"].get(owner, 0) == sum(per_owner[u] for u in got["primary"]), (rank, owner)
+
+
+def format_worker():
+    """One int8-gather grad_step with hpZ and one without (deterministic: rank-order sums)."""
+    torch.set_num_threads(1)
+    with ShmTransport(odcfn.Mesh.from_env(), timeout=30) as tr:
+        out = []
+        for reshard in (K, True):
+            before = sum(tr.group_bytes.values())
+            grads, m = odcfn.grad_step(_state(tr, reshard, gather_format="int8", deterministic=True), BATCH)
+            units = [x.unit for x in m.plan.steps if isinstance(x, Gather) and x.group]
+            moved = sum(tr.group_bytes.values()) - before
+            out.append(({k: v.clone() for k, v in grads.items()}, moved, units))
+        return out
+
+
+def test_hpz_with_a_quantized_gather_reads_the_forwards_values(mp_pool):  # noqa: F811
+    layout = odcfn.sharding.make_layout(MODEL, odcfn.Mesh(W))
+    out = mp_pool.run(format_worker, W)
+    assert any(moved for (_, moved, _), _ in out)  # some backward read its group
+    for (hpz, moved, units), (flat, _, _) in out:
+        # the slices hold the forward's dequantized copy: the backward computes on the very values
+        # the owners' int8 shards give, as a re-gather from the owners does
+        assert all(torch.equal(hpz[k], flat[k]) for k in flat)
+        assert moved == sum(layout[u].padded_numel // K * 4 for u in units)  # fp32 compute bytes
 
 
 def logprobs_worker():
