@@ -49,7 +49,8 @@ def check_inputs(state: TrainState, batch: Batch) -> Layout:
         if not callable(getattr(state.transport, "gather_group", None)):
             raise TypeError(
                 f"ScheduleOptions.reshard_after_forward={opts.hpz} needs a transport with group "
-                f"gathers (LocalWorld's); {type(state.transport).__name__} has none"
+                f"gathers (LocalWorld's, ShmTransport, the GPU ones); "
+                f"{type(state.transport).__name__} has none"
             )
     layout = make_layout(state.model, state.mesh)
     check_shards(state.params, layout, state.model.dtype, frozen_dtype=state.config.compute_dtype)

@@ -77,6 +77,9 @@ def _grads(state: TrainState, batch: Batch) -> tuple[dict[str, torch.Tensor], St
     check_transport(transport, wire)  # a transport without quantized formats: refused here
     before = transport.counters.copy()
     check_trained_units(transport, layout, mesh)  # before the first push into a missing accumulator
+    hpz = cfg.options.hpz if cfg.options is not None and cfg.comm == "odc" else 0
+    if hpz and callable(getattr(transport, "reserve_secondary", None)):
+        transport.reserve_secondary(hpz)  # transports whose hpZ slices need room laid out first (GPU)
     begin_step(transport, layout, published, dtype, wire)
     result, plan = execute(
         program, model=model, layout=layout, batch=batch, transport=transport,

@@ -1,11 +1,7 @@
 """Multi-process ODC on one machine: the CPU analogue of CUDA IPC over /dev/shm.
 
-Each rank owns one shared-memory segment that every peer maps::
-
-    ctrl      int64[16 + W]       version | pid | abort | beat | arrive | ... | done[client]
-    counters  int64[2^16, 2]      (step, value) per ``fetch_add`` counter (only rank 0's is used)
-    pub       per unit: this rank's parameter shard in the compute dtype (what gathers read)
-    acc       per unit: this rank's fp32 gradient accumulator (what scatter-accumulates add into)
+Each rank owns one shared-memory segment that every peer maps (``shm_layout`` gives its words:
+control words, ``fetch_add`` counters, published shards, accumulators, hpZ slices).
 
 - ``gather``: the reader waits until the owner's ``version`` equals this step, then copies the
   owner's shard itself; the owner does nothing (one-sided). The owner writes the shard, then the
@@ -22,6 +18,8 @@ Each rank owns one shared-memory segment that every peer maps::
   are ``base.StepCollectives`` over ``TorchCollectives`` (gloo) by default, so one transport
   serves ``comm="odc"`` and ``"collective"``; ``collectives="shm"`` runs them over /dev/shm
   instead (``shm_collective.ShmCollectives``: the collective baseline on ODC's own wire).
+- ``publish_secondary`` / ``gather_group`` (hierarchical shards, ``shm_hpz``): a rank's slice of
+  a unit's k-rank group copy, stamped with its step; the group's peers read it one-sided.
 - ``fetch_add``: read-modify-write of one counter of rank 0's segment under a byte-range lock.
   A counter stored at an older step counts as 0 (reset lazily, no zeroing pass; a later step
   is an error). The region is sparse in the file: untouched counters cost no memory.
@@ -39,13 +37,13 @@ from __future__ import annotations
 import hashlib
 import os
 import secrets
+from collections import Counter
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from odcfn.kernels.quant import Format, Wire, WireState, publish, unpublish
+from odcfn.kernels.quant import Wire, WireState, publish, unpublish
 from odcfn.sharding import Layout, Mesh
 from odcfn.transport.base import (
     MAX_COUNTERS,
@@ -59,61 +57,25 @@ from odcfn.transport.base import (
 )
 from odcfn.transport.collective import TorchCollectives
 from odcfn.transport.shm_collective import ShmCollectives
+from odcfn.transport.shm_hpz import ShmSecondary
+from odcfn.transport.shm_layout import (
+    ABORT,
+    ARRIVE,
+    BEAT,
+    DONE,
+    PID,
+    VERSION,
+    SegLayout,
+    describe,
+    dtype_code,
+)
 from odcfn.transport.shm_sync import RangeLock, Segment, check_store_order, map_segments, shm_dir, wait_until
 from odcfn.transport.versions import reuse_view
 from odcfn.transport.versions_shm import StaleShm
 
 __all__ = ["ShmTransport"]
 
-VERSION, PID, ABORT, BEAT, ARRIVE, DONE = 0, 1, 2, 3, 4, 16  # ctrl words (module docstring)
-_ALIGN = 64
 _COUNTER_LOCK = 0  # lock byte for fetch_add; accumulator chunk locks use byte offsets >= the acc region
-
-
-# dtype codes for the agreement check at mapping time
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-
-
-_FORMATS = ("bf16", "fp8_e4m3", "int8", "fp32")
-
-
-def _describe(code: int) -> str:
-    """``_agree``'s code of a dtype and gather format, in words."""
-    dt, f, block = code % 8, (code // 8) % 8, code // 64
-    said = str(_DTYPES[dt]) if dt < len(_DTYPES) else "another dtype"
-    return said if not f else f"{said}, gather_format={_FORMATS[f - 1]!r} (block {block})"
-
-
-def _align(n: int) -> int:
-    return -(-n // _ALIGN) * _ALIGN
-
-
-@dataclass(frozen=True)
-class _SegLayout:
-    """Byte offsets inside every rank's segment (identical on all ranks)."""
-
-    key: tuple
-    nbytes: int
-    counters: int
-    pub: dict[str, int]
-    acc: dict[str, int]
-    sizes: dict[str, int]
-
-    @classmethod
-    def build(cls, layout: Layout, dtype: torch.dtype, world: int, fmt: Format | None = None) -> _SegLayout:
-        key = (tuple((u.name, u.shard_size, u.frozen) for u in layout.units), dtype, world, fmt)
-        esize = torch.empty((), dtype=dtype).element_size()
-        counters = _align((DONE + world) * 8)
-        off = _align(counters + MAX_COUNTERS * 2 * 8)
-        pub, acc, sizes = {}, {}, {}
-        for u in layout.units:  # a quantized publication: the format's bytes, scales included
-            nbytes = u.shard_size * esize if fmt is None else fmt.nbytes(u.shard_size)
-            pub[u.name], off = off, _align(off + nbytes)
-            sizes[u.name] = u.shard_size
-        for u in layout.units:
-            if not u.frozen:  # a frozen unit is never scattered into: no accumulator
-                acc[u.name], off = off, _align(off + u.shard_size * 4)
-        return cls(key, off, counters, pub, acc, sizes)
 
 
 class ShmTransport(StepCollectives):
@@ -156,7 +118,7 @@ class ShmTransport(StepCollectives):
         tag = f"{int(self.collectives.all_reduce(world_group(mesh), pick)[0]):016x}"
         self._stem = f"{os.environ.get('ODCFN_SHM_PREFIX', 'odcfn')}-{tag}"
         self._gen = 0
-        self._seg: _SegLayout | None = None
+        self._seg: SegLayout | None = None
         self._segs: list[Segment] = []
         self._ctrl: list[np.ndarray] = []
         self._counters: np.ndarray | None = None  # rank 0's (step, value) pairs
@@ -166,6 +128,10 @@ class ShmTransport(StepCollectives):
         self._arrivals = 0
         self._stale: StaleShm | None = None
         self._wire = WireState()
+        # gathered bytes by source rank: primary shards, and hpZ group shards (gather_group)
+        self.peer_bytes: Counter[int] = Counter()
+        self.group_bytes: Counter[int] = Counter()
+        self._hpz = ShmSecondary(self)
 
     ordered_versions = True  # versions(..., ordered=True): deterministic accumulation
     supports_wire = True  # begin_step(..., wire=): block-quantized gathers and pushes
@@ -181,7 +147,7 @@ class ShmTransport(StepCollectives):
     def _path(self, rank: int) -> str:
         return os.path.join(shm_dir(), f"{self._stem}-g{self._gen}-r{rank}")
 
-    def _agree(self, seg: _SegLayout, dtype: torch.dtype) -> None:
+    def _agree(self, seg: SegLayout, dtype: torch.dtype) -> None:
         """Every rank checks that all ranks map the same layout and dtype, before any file
         exists: a disagreement then reads the same on every rank, naming what differs (one
         all-reduce of small integers, exact in float64; only when segments are (re)mapped)."""
@@ -189,16 +155,14 @@ class ShmTransport(StepCollectives):
         units = [k[0] for k in seg.key[0]]
         digest = hashlib.sha256(repr(seg.key[0]).encode()).digest()
         fmt = seg.key[3]  # the gather format, coded with the dtype: both decide the published bytes
-        code = _DTYPES.index(dtype) if dtype in _DTYPES else len(_DTYPES)
-        if fmt is not None:
-            code += 8 * (1 + _FORMATS.index(fmt.name)) + 64 * fmt.block
+        code = dtype_code(dtype, fmt)
         mine = [float(code), float(len(units)),
                 float(sum(seg.sizes.values())), float(int.from_bytes(digest[:6], "little"))]
         vec = torch.zeros(4 * w, dtype=torch.float64)
         vec[4 * r : 4 * r + 4] = torch.tensor(mine, dtype=torch.float64)
         got = self.collectives.all_reduce(world_group(self.mesh), vec).view(w, 4).tolist()
         if len({row[0] for row in got}) > 1:
-            names = ", ".join(f"rank {p}: {_describe(int(c))}" for p, (c, *_) in enumerate(got))
+            names = ", ".join(f"rank {p}: {describe(int(c))}" for p, (c, *_) in enumerate(got))
             raise ValueError("ranks disagree on the compute dtype or StepConfig.gather_format of the "
                              f"published shards ({names})")
         if len({tuple(row[1:]) for row in got}) > 1:
@@ -210,7 +174,7 @@ class ShmTransport(StepCollectives):
                 f"ranks disagree on the parameter layout (a different model, world or sharding?): {names}"
             )
 
-    def _map(self, seg: _SegLayout, dtype: torch.dtype) -> None:
+    def _map(self, seg: SegLayout, dtype: torch.dtype) -> None:
         """Create this rank's segment, map every rank's between two barriers, unlink ours."""
         self._release()
         self._agree(seg, dtype)
@@ -275,7 +239,7 @@ class ShmTransport(StepCollectives):
         if self._closed:
             raise TransportError("ShmTransport is closed")
         fmt = self._wire.use(wire).wire.gather_format
-        seg = _SegLayout.build(layout, compute_dtype, self.mesh.world_size, fmt)
+        seg = SegLayout.build(layout, compute_dtype, self.mesh.world_size, fmt)
         if self._seg is None or self._seg.key != seg.key:
             self._map(seg, compute_dtype)
         self.layout = layout
@@ -299,8 +263,20 @@ class ShmTransport(StepCollectives):
             unpublish(src, out[i * size : (i + 1) * size], fmt)
             if owner != me:
                 self.counters.gather_bytes += src.numel() * src.element_size()
+                self.peer_bytes[owner] += src.numel() * src.element_size()
         self.counters.gathers += 1
         return Done()
+
+    def publish_secondary(self, unit: str, full: torch.Tensor, group: int) -> None:
+        """Keep this rank's slice of ``full`` (the unit's gathered copy) as its share of the
+        ``group``-rank group shard for this step (``shm_hpz``); again in the same step: a no-op."""
+        self._need_step()
+        self._hpz.publish(unit, full, group)
+
+    def gather_group(self, unit: str, out: torch.Tensor, group: int) -> Handle:
+        """Fill ``out`` from the secondary slices of this rank's ``group``-rank group only."""
+        self._need_step()
+        return self._hpz.gather(unit, out, group)
 
     def scatter_accumulate(self, unit: str, grad: torch.Tensor) -> Handle:
         self._need_step()
@@ -352,6 +328,7 @@ class ShmTransport(StepCollectives):
             self._ctrl[me][ARRIVE] = n
             self._wait(lambda: all(self._ctrl[p][ARRIVE] >= n for p in range(w)), "every rank at the sync",
                        tuple(range(w)))
+            self._hpz.release()  # every rank is here: done reading this step's hpZ slices
         return super().sync(stats)
 
     def grad_shards(self) -> dict[str, torch.Tensor]:

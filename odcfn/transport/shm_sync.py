@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import fcntl
 import os
@@ -31,7 +32,10 @@ import torch
 from odcfn.transport.base import TransportError
 from odcfn.transport.heartbeat import Patience
 
-__all__ = ["RangeLock", "Segment", "check_store_order", "map_segments", "pid_alive", "shm_dir", "wait_until"]
+__all__ = [
+    "RangeLock", "Segment", "check_store_order", "map_segments", "pid_alive", "punch_hole", "shm_dir",
+    "wait_until",
+]
 
 # struct flock on Linux x86-64/aarch64: short l_type, short l_whence, off_t l_start,
 # off_t l_len, pid_t l_pid (+ padding); l_pid must be 0 for OFD locks.
@@ -99,6 +103,17 @@ class Segment:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+
+_PUNCH = 0x01 | 0x02  # FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE
+
+
+def punch_hole(fd: int, offset: int, length: int) -> bool:
+    """Release ``length`` bytes at ``offset`` of ``fd``'s tmpfs file (they read as zeros again);
+    False where the file system cannot (then the caller zeroes them, or keeps them)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    return length <= 0 or libc.fallocate(fd, _PUNCH, offset, length) == 0
 
 
 class RangeLock:

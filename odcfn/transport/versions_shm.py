@@ -40,7 +40,6 @@ does not match (a report read far too late) raises rather than reading another s
 
 from __future__ import annotations
 
-import ctypes
 import os
 import threading
 from collections.abc import Callable, MutableMapping, Sequence
@@ -51,7 +50,7 @@ import torch
 
 from odcfn.sharding import Layout
 from odcfn.transport.base import MAX_COUNTERS, TransportError, check_counter
-from odcfn.transport.shm_sync import RangeLock, Segment, map_segments, shm_dir, wait_until
+from odcfn.transport.shm_sync import RangeLock, Segment, map_segments, punch_hole, shm_dir, wait_until
 from odcfn.transport.versions_base import EMPTY, Apply, VersionStore, bound
 
 __all__ = ["StaleShm", "bound"]
@@ -61,7 +60,6 @@ CAP = 1 << 15  # float64 stats per deposit (loss, metrics, expert loads, fingerp
 _ALIGN = 64
 _PAGE = 4096  # a slot's accumulator parts start and end on a page: released whole
 _COUNTER_LOCK = 0  # the byte locked around fetch_add (accumulator locks use offsets past it)
-_PUNCH = 0x01 | 0x02  # FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE
 _DISAGREE = (  # what each value of StaleShm._agree's row means, when ranks differ on it
     "StepConfig.staleness differs between ranks: versions kept (max τ + 1)",
     "ranks started bounded staleness at different steps (every rank must pass its TrainState at the "
@@ -75,14 +73,6 @@ _DISAGREE = (  # what each value of StaleShm._agree's row means, when ranks diff
 
 def _align(n: int, to: int = _ALIGN) -> int:
     return -(-n // to) * to
-
-
-def _punch(fd: int, offset: int, length: int) -> bool:
-    """Release ``length`` bytes at ``offset`` of ``fd``'s tmpfs file (they read as zeros again);
-    False where the file system cannot (then the caller zeroes them)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
-    return length <= 0 or libc.fallocate(fd, _PUNCH, offset, length) == 0
 
 
 class _Offsets:
@@ -228,7 +218,7 @@ class StaleShm(VersionStore):
     def _clear(self, owner: int, slot: int) -> None:
         lo, hi = self.off.acc_span[slot]
         # deterministic parts are a copy of the trained params per slot: give their pages back
-        if self.ORDERED and _punch(self._segs[owner].fd, lo, hi - lo):
+        if self.ORDERED and punch_hole(self._segs[owner].fd, lo, hi - lo):
             return
         for part in self._acc[owner][slot]:
             for g in part.values():

@@ -18,7 +18,9 @@ from odcfn.transport.gpu._protocol import (
     SlotReceiver,
     SlotSender,
     pack_fin,
+    pack_stamp,
     unpack_fin,
+    unpack_stamp,
 )
 
 # --- request ids ------------------------------------------------------------------------------
@@ -113,14 +115,19 @@ def test_sender_rejects_a_credit_for_ids_never_sent():
     slots=st.sampled_from([1, 2, 4, 8]),
     slot_elems=st.integers(1, 3000),
     frozen_bits=st.integers(0, 31),
+    hpz=st.sampled_from([0, 1, 2, 3]),
 )
 def test_arena_regions_are_aligned_disjoint_and_inside_the_arena(
-    sizes, isz, clients, slots, slot_elems, frozen_bits
+    sizes, isz, clients, slots, slot_elems, frozen_bits, hpz
 ):
     frozen = [bool(frozen_bits >> i & 1) for i in range(len(sizes))]
-    al = ArenaLayout.build(sizes, isz, isz, clients, slots, slot_elems, frozen)
+    sec = [max(1, s * clients // hpz) for s in sizes] if hpz else []  # hpZ slices, reserved
+    al = ArenaLayout.build(sizes, isz, isz, clients, slots, slot_elems, frozen, sec)
     regions = sorted(al.regions(), key=lambda r: r[1])
-    assert len(regions) == 2 * len(sizes) - sum(frozen) + clients * slots
+    assert len(regions) == 2 * len(sizes) - sum(frozen) + clients * slots + len(sec)
+    assert [hi - lo for name, lo, hi in al.regions() if name.startswith("sec")] == [n * isz for n in sec]
+    if not hpz:  # no reservation: the arena is the one it was before hpZ existed
+        assert al.nbytes == al.acc_end + clients * slots * al.slot_bytes
     for (_, _, hi), (_, lo2, _) in zip(regions, regions[1:]):
         assert hi <= lo2  # disjoint
     for name, lo, hi in regions:
@@ -152,11 +159,22 @@ def test_frozen_units_get_no_accumulator_in_the_arena():
         ArenaLayout.build(sizes, 2, 2, 2, frozen=[True] * 3)
 
 
-def test_signal_words_are_distinct_and_in_range():
-    sl = SignalLayout(clients=3, slots=4)
+@pytest.mark.parametrize("units", [0, 2])
+def test_signal_words_are_distinct_and_in_range(units):
+    sl = SignalLayout(clients=3, slots=4, units=units)
     idx = [sl.version(i) for i in range(3)] + [sl.fin(i) for i in range(3)] + [sl.credit(i) for i in range(3)]
     idx += [sl.slot(c, k) for c in range(3) for k in range(4)]
+    idx += [sl.secondary(u, m) for u in range(units) for m in range(3)]  # hpZ stamps
     assert sorted(idx) == list(range(sl.words))
+    with pytest.raises(IndexError, match="hpZ stamp"):
+        sl.secondary(units, 0)
+
+
+def test_hpz_stamp_tells_not_yet_from_another_k():
+    for step, k in [(1, 2), (5, 8), ((1 << 31) + 3, 4)]:
+        assert unpack_stamp(pack_stamp(step, k)) == (step % (1 << 31), k)
+    assert pack_stamp(2, 2) != pack_stamp(1, 2) and pack_stamp(1, 4) != pack_stamp(1, 2)
+    assert unpack_stamp(0)[0] == 0  # a fresh signal word: built at no step
 
 
 def test_layout_errors_name_the_culprit():

@@ -12,7 +12,9 @@ protocol of ``kernels/base.py`` with the same semantics as ``LocalTransport``:
   the owner's drain thread adds it on a side stream and returns a credit);
 - ``flush``: fence, tell every owner ``FIN = (step, last request id)``, wait until every client's
   FIN for this step arrived and (landing) everything up to its last id was drained;
-- ``fetch_add``: an atomic add on the rendezvous store.
+- ``fetch_add``: an atomic add on the rendezvous store;
+- ``publish_secondary`` / ``gather_group``: hierarchical shards (hpZ) in a reserved arena region,
+  stamped in signal words (``_hpz``).
 
 The collective half (``sync``, the FSDP baseline, the hybrid replica reduce) is
 ``base.StepCollectives`` over the ``Collectives`` the transport is given (``TorchCollectives``
@@ -26,8 +28,9 @@ import contextlib
 import threading
 import time
 import weakref
+from collections import Counter
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
@@ -42,6 +45,8 @@ from odcfn.transport.base import (
     TransportError,
     check_counter,
 )
+from odcfn.transport.gpu._fabric import Fabric
+from odcfn.transport.gpu._hpz import ArenaSecondary
 from odcfn.transport.gpu._protocol import (
     HEADER_BYTES,
     STEP_BITS,
@@ -59,47 +64,7 @@ __all__ = ["ArenaTransport", "Fabric", "MODES"]
 MODES = ("landing", "remote_add")
 
 
-class Fabric(Protocol):
-    """Memory peers can reach. Ranks are global; ``group`` is the shard group (in order)."""
-
-    device: torch.device
-    arena: torch.Tensor  # uint8, this rank's
-    side_stream: Any  # where owner-side accumulation runs (None: same thread, CPU)
-
-    def setup(self, nbytes: int, words: int, key: str) -> None:
-        """Collective over the shard group: allocate a zeroed arena of ``nbytes`` and ``words``
-        signal words, and make every peer's reachable (``key`` names the rendezvous)."""
-
-    def signal_read(self, idx: int) -> int:
-        """This rank's signal word ``idx``."""
-
-    def signal_write(self, rank: int, idx: int, value: int) -> None:
-        """Set ``rank``'s word ``idx``, visible only after this rank's earlier writes to it."""
-
-    def get(self, owners: tuple[int, ...], offset: int, out: torch.Tensor) -> None:
-        """Block i of ``out`` (``out.numel() // len(owners)`` elements) <- owner i's arena bytes
-        at ``offset``: a one-sided pull."""
-
-    def put_signal(self, rank: int, parts: list[tuple[int, torch.Tensor]], idx: int, value: int) -> None:
-        """Write each (byte offset, tensor) into ``rank``'s arena, then set its signal word
-        ``idx`` to ``value``; the word must become visible only after all the bytes."""
-
-    def scatter_add(self, owners: tuple[int, ...], offset: int, grad: torch.Tensor) -> None:
-        """Owner i's fp32 words at ``offset`` += block i of ``grad``, atomically (remote add)."""
-
-    def accumulate(self, acc: torch.Tensor, x: torch.Tensor) -> None:
-        """Local ``acc += x`` (fp32 accumulator, x upcast)."""
-
-    def cast_copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """``dst <- src`` with the cast fused (publishing shards in the compute dtype)."""
-
-    def fence(self) -> None:
-        """Complete every device write this thread issued so far."""
-
-    def close(self) -> None: ...
-
-
-class ArenaTransport(StepCollectives):
+class ArenaTransport(ArenaSecondary, StepCollectives):
     max_counters = MAX_COUNTERS
 
     def __init__(
@@ -153,18 +118,26 @@ class ArenaTransport(StepCollectives):
         self._unit_index: dict[str, int] = {}
         self._views: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
         self.dtype: torch.dtype | None = None
+        # gathered bytes by source rank: primary shards, and hpZ group shards (gather_group)
+        self.peer_bytes: Counter[int] = Counter()
+        self.group_bytes: Counter[int] = Counter()
+        self._hpz_k, self._sec_built = 0, {}  # reserve_secondary's k; unit -> step its slice was built
 
     # --- setup ------------------------------------------------------------------------------
     def _ensure_arena(self, layout: Layout, dtype: torch.dtype) -> None:
         sizes = tuple(u.shard_size for u in layout.units)
         frozen = tuple(u.frozen for u in layout.units)
         isz = torch.empty((), dtype=dtype).element_size()
+        sec = self._secondary_sizes(layout)  # hpZ slices, once reserved (_hpz)
         al = self.arena_layout
-        if al is not None and al.shard_sizes == sizes and al.frozen == frozen and self.dtype == dtype:
+        if al is not None and (al.shard_sizes, al.frozen, al.secondary) == (sizes, frozen, sec) \
+                and self.dtype == dtype:
             return
         self._stop_drain()
         self.generation += 1
-        al = ArenaLayout.build(sizes, isz, isz, len(self.group), self.slots, self.slot_elems, frozen)
+        al = ArenaLayout.build(sizes, isz, isz, len(self.group), self.slots, self.slot_elems, frozen, sec)
+        self.sig = SignalLayout(len(self.group), self.slots, len(sec))
+        self._sec_built = {}
         self.fabric.setup(al.nbytes, self.sig.words, f"{self.prefix}/arena/{self.generation}")
         self.arena_layout, self.dtype = al, dtype
         self._unit_index = {u.name: i for i, u in enumerate(layout.units)}
@@ -248,6 +221,9 @@ class ArenaTransport(StepCollectives):
             out.copy_(dev)
         self.counters.gathers += 1
         self.counters.gather_bytes += (len(self.group) - 1) * size * out.element_size()
+        for owner in self.group:
+            if owner != self.mesh.rank:
+                self.peer_bytes[owner] += size * out.element_size()
         return Done()
 
     def scatter_accumulate(self, unit: str, grad: torch.Tensor) -> Handle:

@@ -10,12 +10,16 @@ Arena (byte offsets, each region 256-byte aligned so every kernel sees 16-byte a
               none for a frozen unit (gather-only, e.g. a LoRA base: never scattered into)
   landing[c][s]  slot s of client c: a 256-byte header (unit, element offset, count, request
               id as int64) then ``slot_elems`` grad elements   (peers *write*: landing mode)
+  sec[u]      hpZ (``reshard_after_forward=k``): this rank's slice of unit u's k-rank group copy,
+              compute dtype (the peers of its group *read*: ``gather_group``); only when reserved
 
 Signals (int64 words, each written by exactly ONE peer, so no remote read-modify-write):
   VERSION[o]  owner o's published step (o writes it into every shard-group peer)
   FIN[c]      client c is done pushing to me this step: ``pack_fin(step, last request id)``
   SLOT[c][s]  request id that filled landing[c][s]   (written by c after header and data)
   CREDIT[o]   highest request id owner o has drained from my pushes (o writes it into me)
+  SEC[u][m]   hpZ: ``pack_stamp(step, k)`` of member m's slice of unit u (m writes it into every
+              member of its group after the slice's bytes)
 
 Request ids are per (client, owner) pair, start at 1 and live in Z/2^32 on BOTH sides
 (``SeqIds``): a receiver waits for ``SLOT == expected`` exactly (equality is wrap-safe), the
@@ -40,7 +44,9 @@ __all__ = [
     "SlotReceiver",
     "SlotSender",
     "pack_fin",
+    "pack_stamp",
     "unpack_fin",
+    "unpack_stamp",
 ]
 
 ALIGN = 256
@@ -84,6 +90,16 @@ def unpack_fin(word: int, ids: SeqIds = SeqIds()) -> tuple[int, int]:
     return word >> ids.bits, word % ids.modulus
 
 
+def pack_stamp(step: int, k: int) -> int:
+    """An hpZ slice's signal word: the step it was built for (mod 2^31, as ``pack_fin``) and the
+    group size k it was cut for, so a reader can tell "not yet" from "built for another k"."""
+    return pack_fin(step, k)
+
+
+def unpack_stamp(word: int) -> tuple[int, int]:
+    return unpack_fin(word)
+
+
 def _up(n: int, a: int = ALIGN) -> int:
     return -(-n // a) * a
 
@@ -99,6 +115,7 @@ class ArenaLayout:
     slots: int  # landing slots per client (power of two)
     slot_elems: int  # elements per landing slot
     frozen: tuple[bool, ...] = ()  # per unit (empty: none); a frozen unit has no accumulator
+    secondary: tuple[int, ...] = ()  # per unit, elements of its hpZ slice (empty: no hpZ region)
 
     @classmethod
     def build(
@@ -110,6 +127,7 @@ class ArenaLayout:
         slots: int = 4,
         slot_elems: int = 1 << 20,
         frozen: Sequence[bool] | None = None,
+        secondary: Sequence[int] = (),
     ) -> ArenaLayout:
         if not shard_sizes or any(int(s) < 1 for s in shard_sizes):
             raise ValueError(f"ArenaLayout: shard sizes must be positive, got {list(shard_sizes)}")
@@ -121,10 +139,13 @@ class ArenaLayout:
         fz = tuple(bool(f) for f in frozen) if frozen is not None else (False,) * len(shard_sizes)
         if len(fz) != len(shard_sizes):
             raise ValueError(f"ArenaLayout: {len(fz)} frozen flags for {len(shard_sizes)} units")
+        if secondary and (len(secondary) != len(shard_sizes) or any(int(n) < 1 for n in secondary)):
+            raise ValueError(f"ArenaLayout: secondary slices {list(secondary)} for {len(shard_sizes)} units")
         # a slot never needs to be larger than the largest shard
         slot_elems = min(slot_elems, max(shard_sizes))
         return cls(
-            tuple(int(s) for s in shard_sizes), param_itemsize, grad_itemsize, clients, slots, slot_elems, fz
+            tuple(int(s) for s in shard_sizes), param_itemsize, grad_itemsize, clients, slots, slot_elems, fz,
+            tuple(int(n) for n in secondary),
         )
 
     def is_frozen(self, unit: int) -> bool:
@@ -174,8 +195,20 @@ class ArenaLayout:
         return self.acc_end + (client * self.slots + slot) * self.slot_bytes
 
     @functools.cached_property
+    def secondary_offsets(self) -> tuple[int, ...]:
+        """Byte offset of each unit's hpZ slice (after the landing slots); empty: none."""
+        offs, at = [], self.acc_end + self.clients * self.slots * self.slot_bytes
+        for n in self.secondary:
+            offs.append(at)
+            at += _up(n * self.param_itemsize)
+        return tuple(offs)
+
+    @functools.cached_property
     def nbytes(self) -> int:
-        return self.acc_end + self.clients * self.slots * self.slot_bytes
+        end = self.acc_end + self.clients * self.slots * self.slot_bytes
+        if self.secondary:
+            end = self.secondary_offsets[-1] + _up(self.secondary[-1] * self.param_itemsize)
+        return end
 
     def regions(self) -> list[tuple[str, int, int]]:
         """(name, start, end) of every region, in address order (for checks and debugging)."""
@@ -189,6 +222,8 @@ class ArenaLayout:
             for k in range(self.slots):
                 o = self.landing_offset(c, k)
                 out.append((f"landing[{c}][{k}]", o, o + HEADER_BYTES + self.slot_elems * self.grad_itemsize))
+        for u, (o, n) in enumerate(zip(self.secondary_offsets, self.secondary)):
+            out.append((f"sec[{u}]", o, o + n * self.param_itemsize))
         return out
 
     def chunks(self, count: int) -> list[tuple[int, int]]:
@@ -202,6 +237,7 @@ class SignalLayout:
 
     clients: int
     slots: int
+    units: int = 0  # hpZ stamp words per unit and member; 0: no hpZ region
 
     def version(self, owner_index: int) -> int:
         return owner_index
@@ -215,9 +251,15 @@ class SignalLayout:
     def credit(self, owner_index: int) -> int:
         return 2 * self.clients + self.clients * self.slots + owner_index
 
+    def secondary(self, unit: int, member_index: int) -> int:
+        """The stamp of shard-group member ``member_index``'s hpZ slice of ``unit``."""
+        if not (0 <= unit < self.units and 0 <= member_index < self.clients):
+            raise IndexError(f"hpZ stamp ({unit}, {member_index}) outside {self.units} x {self.clients}")
+        return 3 * self.clients + self.clients * self.slots + unit * self.clients + member_index
+
     @property
     def words(self) -> int:
-        return 3 * self.clients + self.clients * self.slots
+        return 3 * self.clients + self.clients * self.slots + self.units * self.clients
 
 
 def _check_window(slots: int, ids: SeqIds) -> None:
