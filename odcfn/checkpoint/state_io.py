@@ -13,8 +13,10 @@ from odcfn.checkpoint import feedback as _feedback
 from odcfn.checkpoint import frozen, sharded
 from odcfn.checkpoint.async_save import AsyncSaver, default_saver
 from odcfn.step import offload, stale
+from odcfn.step.devices import state_device
 from odcfn.step.state import TrainState, check_live, check_opt_state
 from odcfn.trainable import split
+from odcfn.tree import tree_map
 
 ROUTER_BIAS = "router_bias"  # the manifest's extra key of a mixture's aux-loss-free bias
 
@@ -94,7 +96,13 @@ def load(
         if why is not None:
             raise ValueError(f"odcfn.load: checkpoint {os.fspath(path)}: {why}; pass feedback='reset' to "
                              "start the residuals at zero instead")
+    # where the state computes: the loaded shards (read into host memory) go there, or for an
+    # offloaded state its published copies (its masters go back to host memory)
+    device = state_device(state, "odcfn.load: the state's params")
     params, opt_state, step = frozen.load_parts(path, state.model, state.mesh, state.params, base)
+    if state.config.offload is None:
+        params = {k: v.to(device) for k, v in params.items()}
+        opt_state = tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, opt_state)
     # a checkpoint of another optimizer (SGD's into AdamW's state) would fail only in the update
     check_opt_state(opt_state, state.opt_state, f"odcfn.load: the opt_state of checkpoint {os.fspath(path)}")
     bias = sharded.read_manifest(path).get("extra", {}).get(ROUTER_BIAS)
@@ -105,6 +113,6 @@ def load(
                              f"{tuple(t.shape)}, this model's is {tuple(state.router_bias.shape)}")
         state = state.replace(router_bias=t)
     # an offloaded state's shards and optimizer state go back to its slow tier (a new store)
-    state = offload.adopt(state.replace(params=params, opt_state=opt_state, step=step))
-    _feedback.restore(path, sharded.read_manifest(path), state, feedback)
+    state = offload.adopt(state.replace(params=params, opt_state=opt_state, step=step), device)
+    _feedback.restore(path, sharded.read_manifest(path), state, feedback, device)
     return state

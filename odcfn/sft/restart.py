@@ -35,6 +35,7 @@ from odcfn.checkpoint.state_io import savable
 from odcfn.sft.config import SFTConfig
 from odcfn.sft.record import prune
 from odcfn.sft.resume_check import path_digests, stored_config
+from odcfn.step.devices import state_device
 
 __all__ = ["Snapshots", "clear_for_fresh_start", "open_memory_tier", "resume_feedback", "resume_point"]
 
@@ -69,7 +70,7 @@ def resume_feedback(ck: Path, state: Any, anyway: bool, rank: int) -> None:
     if why is not None:
         raise ValueError(f"odcfn train: cannot resume from {ck}: {why} (checkpoint.resume_anyway, or "
                          "--resume-anyway, resumes with the residuals at zero)")
-    feedback.restore(ck, doc, state, "strict")
+    feedback.restore(ck, doc, state, "strict", state_device(state))
 
 
 def clear_for_fresh_start(cfg: SFTConfig, start: int, tier: MemoryTier | NodeTier, rank: int) -> None:
