@@ -167,15 +167,13 @@ def write_rank_file(
     mesh: Mesh, feedback: Feedback | None = None,
 ) -> tuple[Layout, dict, tuple[int, ...]]:
     """Check the input, write this rank's file into ``stage`` (if it is a writer); the layout,
-    the manifest's tree skeleton and the writer ranks. ``feedback``: this rank's residuals,
-    into its file beside its shards (so covered by its sha256)."""
+    the manifest's tree skeleton and the writer ranks. ``feedback``: this rank's residuals."""
     check_int(step, "checkpoint step", at_least=0)
     layout = make_layout(model, mesh)
     check_shards(params, layout, model.dtype)
     writers = _writers(mesh)
-    if feedback is not None and len(writers) != mesh.world_size:
-        raise ValueError(f"checkpoint: error-feedback residuals need every rank to write a file; "
-                         f"only ranks {list(writers)} of {mesh.world_size} do (hybrid sharding)")
+    if feedback is not None and len(writers) != mesh.world_size:  # hybrid: refused by feedback.saved
+        raise ValueError(f"checkpoint: residuals need every rank to write a file, not {list(writers)}")
     tensors: dict[str, torch.Tensor] = {}
     skeleton = {
         "params": encode(dict(params), "params", layout, tensors, mesh.rank == 0),
@@ -185,10 +183,10 @@ def write_rank_file(
         target = stage.dir / rank_file(mesh.rank)
         tmp = _tmp_name(target)
         meta = {"step": str(step), "rank": str(mesh.rank), "format": FORMAT, "attempt": stage.attempt}
-        if feedback is not None:  # the file says it holds them (an empty set is a set too)
+        if feedback is not None:  # the file says it holds them (an empty set too), its sha256 covers them
             meta[FEEDBACK_KEY] = json.dumps(dict(feedback.record), sort_keys=True)
-            for unit, t in feedback.residuals.items():
-                tensors[FEEDBACK_PREFIX + unit] = t.detach().to("cpu", torch.float32).contiguous()
+            tensors.update({FEEDBACK_PREFIX + u: t.detach().to("cpu", torch.float32).contiguous()
+                            for u, t in feedback.residuals.items()})
         save_file(tensors, str(tmp), metadata=meta)
         fsync_path(tmp)
         os.replace(tmp, target)

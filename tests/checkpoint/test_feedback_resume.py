@@ -4,7 +4,8 @@ the uninterrupted run bit for bit (deterministic mode: rank-order pushes), block
 background; a checkpoint whose residuals do not fit the state is refused naming what differs,
 before the state changes, unless ``feedback="reset"`` (then the run equals a fresh start of the
 residuals, which differs: the residuals really are carried). The residuals sit in each rank's
-own file, so its sha256 covers them."""
+own file, so its sha256 covers them, and a save that fails midway keeps the previous checkpoint
+with its residuals."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 import torch
 
 import odcfn
+from odcfn.checkpoint import sharded
 from odcfn.checkpoint.sharded import read_manifest
 from tests.util import make_state, tiny
 
@@ -151,3 +153,29 @@ def test_hybrid_sharding_with_residuals_is_refused_before_any_file(tmp_path):
 
     assert all(odcfn.run_local(fn, 4, ranks_per_node=2, sharding="hybrid", timeout=60))
     assert not (tmp_path / "ck").exists() and not list(tmp_path.iterdir())
+
+
+def test_a_save_that_fails_midway_keeps_the_previous_checkpoint_and_its_residuals(tmp_path, monkeypatch):
+    _run(2, 1, save=tmp_path / "ck")
+    real = sharded.save_file
+
+    def failing(tensors, where, metadata=None):  # rank 1 dies writing its file (disk full, say)
+        if metadata["rank"] == "1":
+            raise OSError(28, "No space left on device")
+        return real(tensors, where, metadata=metadata)
+
+    monkeypatch.setattr(sharded, "save_file", failing)
+
+    def fn(rank, tr):
+        state = make_state(FULL, MODEL, tr, odcfn.adamw(1e-2), **WIRE)
+        for b in BATCHES[:2]:
+            state, _ = odcfn.train_step(state, b)
+        with pytest.raises((OSError, ValueError), match="No space left on device"):
+            odcfn.save(tmp_path / "ck", state, overwrite=True)
+        return True
+
+    assert all(odcfn.run_local(fn, 2, timeout=60))
+    monkeypatch.setattr(sharded, "save_file", real)
+    assert read_manifest(tmp_path / "ck")["step"] == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]  # no staging left
+    assert _same(_run(2, 3), _run(2, 3, load=tmp_path / "ck"))
