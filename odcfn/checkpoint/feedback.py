@@ -41,7 +41,8 @@ from odcfn.checkpoint.verify import check_files, open_verified
 from odcfn.sharding import make_layout
 
 __all__ = [
-    "KEY", "MODES", "PREFIX", "Feedback", "check_mode", "mismatch", "restore", "saved", "with_feedback",
+    "KEY", "MODES", "PREFIX", "Feedback", "check_mode", "check_savable", "mismatch", "restore", "saved",
+    "with_feedback",
 ]
 
 KEY = "push_feedback"  # the manifest's extra entry, and the rank file's metadata key
@@ -76,6 +77,18 @@ def _wire_state(state: Any, what: str) -> Any:
     return ws
 
 
+def check_savable(cfg: Any, mesh: Any, what: str = "odcfn.save") -> None:
+    """Refuse error feedback where a checkpoint cannot hold every rank's residuals: hybrid
+    sharding across nodes (only node 0's ranks write files). Alike on every rank."""
+    if cfg.push_error_feedback and mesh.shard_count != mesh.world_size:
+        raise ValueError(
+            f"{what}: StepConfig.push_error_feedback=True under hybrid sharding across nodes "
+            f"(world {mesh.world_size}, shard groups of {mesh.shard_count}): each rank's residuals "
+            "are its own, but only node 0's ranks write checkpoint files (use full sharding, or "
+            "push_error_feedback=False)"
+        )
+
+
 def saved(state: Any) -> Feedback | None:
     """What a checkpoint of ``state`` holds of its residuals (None: no error feedback): the
     manifest's record and this rank's residuals, unit -> fp32, only the units pushed so far (a
@@ -84,13 +97,7 @@ def saved(state: Any) -> Feedback | None:
     cfg, mesh = state.config, state.mesh
     if not cfg.push_error_feedback:
         return None
-    if mesh.shard_count != mesh.world_size:
-        raise ValueError(
-            "odcfn.save: StepConfig.push_error_feedback=True under hybrid sharding across nodes "
-            f"(world {mesh.world_size}, shard groups of {mesh.shard_count}): each rank's residuals "
-            "are its own, but only node 0's ranks write checkpoint files (use full sharding, or "
-            "push_error_feedback=False)"
-        )
+    check_savable(cfg, mesh)
     record = {"push_format": cfg.push_format, "quant_block": cfg.quant_block,
               "world_size": mesh.world_size, "sharding": mesh.sharding}
     ws = _wire_state(state, "odcfn.save")

@@ -90,6 +90,7 @@ def setup(cfg: SFTConfig, rank: int, transport, data: PreparedData | None = None
     import torch
 
     import odcfn
+    from odcfn.checkpoint.feedback import check_savable
     from odcfn.checkpoint.frozen import load_parts
     from odcfn.checkpoint.sharded import read_manifest
     from odcfn.checkpoint.state_io import ROUTER_BIAS
@@ -126,6 +127,8 @@ def setup(cfg: SFTConfig, rank: int, transport, data: PreparedData | None = None
         donate=not active(t),
         loss=task_loss(cfg),  # None: cross-entropy (SFT); [dpo]'s or [rl]'s
     )
+    # its checkpoints must hold each rank's error-feedback residuals: refused now, not at the first save
+    check_savable(step_config, mesh, "odcfn train")
     start, resumed, bias, recorded = 0, None, None, None
     data_sha = data_sha256(cfg)  # data.path's bytes, or the mixture's sources (sft/config_data.py)
     if ck is not None:

@@ -85,3 +85,19 @@ def test_switching_error_feedback_on_at_a_resume_needs_resume_anyway(tmp_path, c
     err = capsys.readouterr().err
     assert "holds no error-feedback residuals" in err and "residuals start at zero" in err
     assert [r["step"] for r in _metrics(tmp_path)] == [1, 2, 3, 4, 5, 6]
+
+
+def test_error_feedback_across_nodes_is_refused_before_the_first_step(tmp_path):
+    """Several nodes run hybrid sharding, where only node 0's ranks write checkpoint files: the
+    other ranks' residuals could not be saved, so the run is refused at setup (not at its first
+    checkpoint), on every rank alike."""
+    from odcfn.sft.setup import setup
+
+    cfg = C.load_config(_quant_setup(tmp_path))
+
+    def fn(rank, tr):
+        with pytest.raises(ValueError, match="odcfn train: StepConfig.push_error_feedback=True under hybrid"):
+            setup(cfg, rank, tr)
+        return tr.counters.gathers + tr.counters.scatters
+
+    assert odcfn.run_local(fn, 2, ranks_per_node=1, sharding="hybrid", timeout=60) == [0, 0]
