@@ -83,11 +83,13 @@ class AsyncSaver:
         timeout: float = 60.0,
         after: Callable[[Path], None] | None = None,
         writer: Callable[..., Path] | None = None,
+        feedback: Any = None,
     ) -> None:
         """Snapshot ``(params, opt_state, step)`` now; write ``path`` in the background, then
         call ``after(path)`` there (e.g. verify and publish, prune older checkpoints); an error
         of ``after`` is the save's error. ``writer``: what writes and commits (default
-        ``sharded.write_shards``; the memory tier across nodes passes ``NodeTier.write``)."""
+        ``sharded.write_shards``; the memory tier across nodes passes ``NodeTier.write``).
+        ``feedback``: this rank's error-feedback residuals (``sharded.Feedback``), snapshotted too."""
         from odcfn.checkpoint import sharded
 
         t0 = time.perf_counter()
@@ -99,6 +101,9 @@ class AsyncSaver:
         snap_params = snapshot_tree(dict(params))
         kill_point("snapshot", step, mesh.rank)  # tests only (ODCFN_TEST_KILL_AT)
         snap_opt = snapshot_tree(opt_state)
+        # the residuals change with the next push: a copy, as the shards
+        more = {} if feedback is None else {"feedback": feedback._replace(
+            residuals=snapshot_tree(dict(feedback.residuals)))}
         extra = dict(extra or {})
         what = f"checkpoint {os.fspath(path)} (step {step})"
 
@@ -107,7 +112,7 @@ class AsyncSaver:
             try:
                 self._result = (writer or sharded.write_shards)(
                     path, snap_params, snap_opt, step, model=model, mesh=mesh, extra=extra,
-                    timeout=timeout, overwrite=overwrite,
+                    timeout=timeout, overwrite=overwrite, **more,
                 )
                 if after is not None:
                     after(self._result)

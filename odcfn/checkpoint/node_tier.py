@@ -125,15 +125,17 @@ class NodeTier:
         extra: Any = None,
         timeout: float = 60.0,
         overwrite: bool = False,
+        feedback: Any = None,
     ) -> Path:
         """This rank's share of the node's part of the snapshot of ``step`` at ``path`` (the
-        writer ``AsyncSaver.save`` runs in the background); returns once the part is committed."""
+        writer ``AsyncSaver.save`` runs in the background); returns once the part is committed.
+        ``feedback``: this rank's error-feedback residuals (``sharded.Feedback``), in its file."""
         root = Path(path)
         ranks = range(self.node * self.size, (self.node + 1) * self.size)
         stage = Staging(root, sharded.attempt_id(root, mesh.rank, step), mesh.rank, timeout, ranks)
         try:
             layout, skeleton, writers = sharded.write_rank_file(
-                stage, params, opt_state, step, model=model, mesh=mesh
+                stage, params, opt_state, step, model=model, mesh=mesh, feedback=feedback
             )
             if not self.leader:
                 sharded.wait_for_commit(stage, ranks[0], step)
@@ -155,7 +157,7 @@ class NodeTier:
                 step,
                 stage.attempt,
                 skeleton,
-                extra,
+                sharded.with_feedback(extra, feedback),
                 stage.dir,
                 writers,
                 held=own + theirs,

@@ -34,6 +34,9 @@ from safetensors.torch import save_file
 
 from odcfn._check import check_int
 from odcfn.checkpoint.commit import CheckpointError, Staging, fsync_path
+from odcfn.checkpoint.feedback import KEY as FEEDBACK_KEY
+from odcfn.checkpoint.feedback import PREFIX as FEEDBACK_PREFIX
+from odcfn.checkpoint.feedback import Feedback, with_feedback
 from odcfn.checkpoint.kill_point import kill_point
 from odcfn.checkpoint.skeleton import decode, encode
 from odcfn.checkpoint.verify import check_files, check_units, open_verified, rank_file, sha256
@@ -115,6 +118,7 @@ def write_shards(
     extra: Mapping[str, Any] | None = None,
     timeout: float = 60.0,
     overwrite: bool = False,
+    feedback: Feedback | None = None,
 ) -> Path:
     """Write this rank's part of a checkpoint of ``(params, opt_state, step)`` as ``path``.
 
@@ -124,7 +128,8 @@ def write_shards(
     is either absent, the old checkpoint or the new one, never a mix. An existing checkpoint
     at ``path`` is replaced only with ``overwrite=True`` (atomically: the two are exchanged).
     A rank that dies or fails while the others wait ends the save on every rank (its liveness is
-    watched), and the half-written directory is removed.
+    watched), and the half-written directory is removed. ``feedback``: this rank's error-feedback
+    residuals, kept in its own file (every rank must then be a writer: full sharding).
     """
     root = Path(path)
     attempt = attempt_id(root, mesh.rank, step)
@@ -138,11 +143,12 @@ def write_shards(
     # staging first: a rank whose input is bad then tells the others instead of vanishing
     stage = Staging(root, attempt, mesh.rank, timeout, range(mesh.world_size))
     try:
-        layout, skeleton, writers = write_rank_file(stage, params, opt_state, step, model=model, mesh=mesh)
+        layout, skeleton, writers = write_rank_file(stage, params, opt_state, step, model=model, mesh=mesh,
+                                                    feedback=feedback)
         if mesh.rank == 0:
             known = wait_for_files(stage, writers, step)
-            doc = manifest_for(model, mesh, layout, step, attempt, skeleton, extra, stage.dir, writers,
-                               known=known)
+            doc = manifest_for(model, mesh, layout, step, attempt, skeleton, with_feedback(extra, feedback),
+                               stage.dir, writers, known=known)
             commit_manifest(stage, doc, step, overwrite)
         else:
             wait_for_commit(stage, 0, step)
@@ -157,14 +163,17 @@ def write_shards(
 
 
 def write_rank_file(
-    stage: Staging, params: Mapping[str, torch.Tensor], opt_state: Any, step: int, *, model: Model, mesh: Mesh
+    stage: Staging, params: Mapping[str, torch.Tensor], opt_state: Any, step: int, *, model: Model,
+    mesh: Mesh, feedback: Feedback | None = None,
 ) -> tuple[Layout, dict, tuple[int, ...]]:
     """Check the input, write this rank's file into ``stage`` (if it is a writer); the layout,
-    the manifest's tree skeleton and the writer ranks."""
+    the manifest's tree skeleton and the writer ranks. ``feedback``: this rank's residuals."""
     check_int(step, "checkpoint step", at_least=0)
     layout = make_layout(model, mesh)
     check_shards(params, layout, model.dtype)
     writers = _writers(mesh)
+    if feedback is not None and len(writers) != mesh.world_size:  # hybrid: refused by feedback.saved
+        raise ValueError(f"checkpoint: residuals need every rank to write a file, not {list(writers)}")
     tensors: dict[str, torch.Tensor] = {}
     skeleton = {
         "params": encode(dict(params), "params", layout, tensors, mesh.rank == 0),
@@ -174,6 +183,10 @@ def write_rank_file(
         target = stage.dir / rank_file(mesh.rank)
         tmp = _tmp_name(target)
         meta = {"step": str(step), "rank": str(mesh.rank), "format": FORMAT, "attempt": stage.attempt}
+        if feedback is not None:  # the file says it holds them (an empty set too), its sha256 covers them
+            meta[FEEDBACK_KEY] = json.dumps(dict(feedback.record), sort_keys=True)
+            tensors.update({FEEDBACK_PREFIX + u: t.detach().to("cpu", torch.float32).contiguous()
+                            for u, t in feedback.residuals.items()})
         save_file(tensors, str(tmp), metadata=meta)
         fsync_path(tmp)
         os.replace(tmp, target)

@@ -75,7 +75,8 @@ def files_read(doc: dict, shard_index: int, shard_count: int) -> set[int]:
     reads when it loads the checkpoint (``sharded.read_shards`` cuts the saved flat units into
     the new mesh's shards: ceil(numel / shard_count) each): the saved shards its range
     overlaps, and rank 0's file where the tree has replicated tensors or its range is all
-    padding (the dtype is read there)."""
+    padding (the dtype is read there), and its own file where the checkpoint holds error-feedback
+    residuals (saved and loaded at the same world size)."""
     out: set[int] = set()
     for u in doc["units"].values():
         old, numel = u["shard_size"], u["numel"]
@@ -87,6 +88,8 @@ def files_read(doc: dict, shard_index: int, shard_count: int) -> set[int]:
             out.update(range(lo // old, (hi - 1) // old + 1))
     if any(n.get("type") == "tensor" for n in nodes(doc["tree"])):
         out.add(0)
+    if (doc.get("extra") or {}).get("push_feedback") is not None:
+        out.add(shard_index)  # its own file: each rank's error-feedback residuals (checkpoint/feedback.py)
     return out
 
 

@@ -169,7 +169,8 @@ KEYS: dict[tuple[str, str], Rule] = {
                                    "need comm = \"odc\"; unset: the gradient in compute_dtype",
                                    choices=("fp32", "bf16", "int8")),
     ("train", "push_error_feedback"): Rule("carry each push's rounding error into the next push "
-                                           "(needs push_format)"),
+                                           "(needs push_format; checkpoints keep each rank's residual, "
+                                           "so a resume continues it)"),
     ("train", "quant_block"): Rule("values per float32 scale of gather_format / push_format", **_POS),
     ("train", "max_restarts"): Rule("backend = \"processes\" only: restart all ranks this often after a "
                                     "failure", **_NONNEG),

@@ -15,24 +15,29 @@
   an interrupted save are removed before the first step.
 
 The data position is the step (minibatches are a pure function of it, ``batch_at``) and the
-loop draws no other random numbers, so params, optimizer state and step are the whole state;
-the manifest's ``extra`` records the step as ``data_step`` too.
+loop draws no other random numbers, so params, optimizer state and step are the whole state,
+with each rank's error-feedback residuals under ``train.push_error_feedback``
+(``odcfn.checkpoint.feedback``); the manifest's ``extra`` records the step as ``data_step`` too.
 """
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
+from odcfn.checkpoint import feedback
 from odcfn.checkpoint.async_save import AsyncSaver
 from odcfn.checkpoint.memory_tier import MemoryTier, remove_stale
 from odcfn.checkpoint.node_tier import NodeTier
+from odcfn.checkpoint.sharded import read_manifest
 from odcfn.checkpoint.state_io import savable
 from odcfn.sft.config import SFTConfig
 from odcfn.sft.record import prune
 from odcfn.sft.resume_check import path_digests, stored_config
+from odcfn.step.devices import state_device
 
-__all__ = ["Snapshots", "clear_for_fresh_start", "open_memory_tier", "resume_point"]
+__all__ = ["Snapshots", "clear_for_fresh_start", "open_memory_tier", "resume_feedback", "resume_point"]
 
 
 def open_memory_tier(cfg: SFTConfig, mesh: Any, collectives: Any) -> MemoryTier | NodeTier:
@@ -47,6 +52,25 @@ def resume_point(cfg: SFTConfig, tier: MemoryTier | NodeTier) -> Path | None:
     """The newest verified snapshot of the run in ``cfg.out_dir`` (memory tier first on a tie);
     across nodes a collective that may fetch this node's files from its neighbour."""
     return tier.resume(Path(cfg.checkpoint_dir)) if cfg.checkpoint.resume else None
+
+
+def resume_feedback(ck: Path, state: Any, anyway: bool, rank: int) -> None:
+    """The checkpoint's error-feedback residuals into ``state``'s transport. A checkpoint whose
+    residuals do not fit the run (``train.push_error_feedback``, ``push_format``,
+    ``quant_block`` or the world changed) is refused, unless ``checkpoint.resume_anyway``: then
+    the residuals start at zero, and rank 0 says so."""
+    doc = read_manifest(ck)
+    why = feedback.mismatch(doc.get("extra", {}).get(feedback.KEY), state)
+    if why is not None and anyway:
+        if rank == 0:
+            print(f"odcfn train: resuming {ck} anyway (checkpoint.resume_anyway): {why}; the error-feedback "
+                  "residuals start at zero", file=sys.stderr, flush=True)
+        feedback.restore(ck, doc, state, "reset")
+        return
+    if why is not None:
+        raise ValueError(f"odcfn train: cannot resume from {ck}: {why} (checkpoint.resume_anyway, or "
+                         "--resume-anyway, resumes with the residuals at zero)")
+    feedback.restore(ck, doc, state, "strict", state_device(state))
 
 
 def clear_for_fresh_start(cfg: SFTConfig, start: int, tier: MemoryTier | NodeTier, rank: int) -> None:
@@ -116,7 +140,8 @@ class Snapshots:
 
             params, model, extra = savable(state, self._extra(done), self.base)
             self.disk.save(path, params, state.opt_state, state.step, model=model,
-                           mesh=state.mesh, extra=extra, timeout=t, after=pruned)
+                           mesh=state.mesh, extra=extra, timeout=t, after=pruned,
+                           feedback=feedback.saved(state))
             if not c.async_save or last:
                 self.disk.wait()
         if self._memory_due(done):
@@ -124,7 +149,7 @@ class Snapshots:
             params, model, extra = savable(state, self._extra(done), self.base)
             self.memory.save(self.tier.path(done), params, state.opt_state, state.step,
                              model=model, mesh=state.mesh, extra=extra, timeout=t, after=publish,
-                             writer=self.tier.write)
+                             writer=self.tier.write, feedback=feedback.saved(state))
 
     def finish(self, state: Any) -> None:
         """Normal end: every background write committed (or its error raised here); then, once

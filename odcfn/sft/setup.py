@@ -16,7 +16,7 @@ from odcfn.sft.config import SFTConfig, TrainSection, model_config
 from odcfn.sft.config_offload import step_offload
 from odcfn.sft.config_rl import task_loss
 from odcfn.sft.prepare import PreparedData, prepare_data, prepare_quietly
-from odcfn.sft.restart import clear_for_fresh_start, open_memory_tier, resume_point
+from odcfn.sft.restart import clear_for_fresh_start, open_memory_tier, resume_feedback, resume_point
 from odcfn.sft.resume_check import check_resume
 from odcfn.sft.stale_train import active, check_model
 from odcfn.step.stale_config import max_staleness
@@ -90,6 +90,7 @@ def setup(cfg: SFTConfig, rank: int, transport, data: PreparedData | None = None
     import torch
 
     import odcfn
+    from odcfn.checkpoint.feedback import check_savable
     from odcfn.checkpoint.frozen import load_parts
     from odcfn.checkpoint.sharded import read_manifest
     from odcfn.checkpoint.state_io import ROUTER_BIAS
@@ -126,6 +127,8 @@ def setup(cfg: SFTConfig, rank: int, transport, data: PreparedData | None = None
         donate=not active(t),
         loss=task_loss(cfg),  # None: cross-entropy (SFT); [dpo]'s or [rl]'s
     )
+    # its checkpoints must hold each rank's error-feedback residuals: refused now, not at the first save
+    check_savable(step_config, mesh, "odcfn train")
     start, resumed, bias, recorded = 0, None, None, None
     data_sha = data_sha256(cfg)  # data.path's bytes, or the mixture's sources (sft/config_data.py)
     if ck is not None:
@@ -149,6 +152,8 @@ def setup(cfg: SFTConfig, rank: int, transport, data: PreparedData | None = None
         params=params, model=model, optimizer=optimizer, transport=transport, config=step_config,
         opt_state=opt_state, step=start, router_bias=bias,
     )
+    if ck is not None:  # each rank's error-feedback residuals continue where they were
+        resume_feedback(ck, state, cfg.checkpoint.resume_anyway, rank)
     # Everything past the step we start from is stale: a fresh run's predecessors, or the
     # uncommitted remains of an interrupted save (whose rank files would otherwise pass for
     # this run's), in both tiers. Safe without a barrier: no rank saves before the first

@@ -128,9 +128,12 @@ def unshard(shards_per_rank: Sequence[Mapping[str, torch.Tensor]], model: Model,
 def check_shards(
     shards: Any, layout: Layout, dtype: torch.dtype, what: str = "params",
     frozen_dtype: torch.dtype | None = None,
+    one_device: bool = True,
 ) -> None:
     """Raise a clear error if a rank's shard dict does not fit the layout. Frozen units may also
-    be stored in ``frozen_dtype`` (the compute dtype: a frozen weight needs no fp32 master)."""
+    be stored in ``frozen_dtype`` (the compute dtype: a frozen weight needs no fp32 master).
+    ``one_device=False``: the caller checks the devices itself (a step's state: offloaded
+    masters live in host memory, ``odcfn.step.devices``)."""
     if not isinstance(shards, Mapping):
         raise TypeError(
             f"{what} must be a dict of flat shards keyed by unit name, got {type(shards).__name__}"
@@ -152,7 +155,7 @@ def check_shards(
             also = f" (or {frozen_dtype}, frozen)" if u.frozen and frozen_dtype not in (None, dtype) else ""
             raise ValueError(f"{what}[{u.name!r}] has dtype {t.dtype}, expected {dtype}{also}")
         first = shards[layout.units[0].name]
-        if t.device != first.device:
+        if one_device and t.device != first.device:
             raise ValueError(
                 f"{what}[{u.name!r}] is on {t.device} but {what}[{layout.units[0].name!r}] is on "
                 f"{first.device}: all shards of a rank live on one device"

@@ -30,6 +30,7 @@ from odcfn.schedule.policy import policy_info, resolve_policy
 from odcfn.sharding import make_layout
 from odcfn.sharding.layout import check_shards
 from odcfn.step import fingerprint, offload, stale
+from odcfn.step.devices import state_device
 from odcfn.step.execute import Executor
 from odcfn.step.prepare import check_inputs, minibatch_fingerprint, schedule_options
 from odcfn.step.state import TrainState, check_fields
@@ -150,13 +151,13 @@ def gather_params(
         raise TypeError(f"gather_params: dtype must be a floating torch.dtype or None, got {dtype!r}")
     dtype = dtype or state.config.compute_dtype or model.dtype
     layout = make_layout(model, mesh)
-    check_shards(state.params, layout, model.dtype, frozen_dtype=state.config.compute_dtype)
+    check_shards(state.params, layout, model.dtype, frozen_dtype=state.config.compute_dtype, one_device=False)
+    device = state_device(state)  # offloaded masters may be host views (LoRA + offload on a GPU)
     if units is not None and (isinstance(units, str) or not set(units) <= set(layout.names)):
         raise ValueError(f"gather_params: units must be unit names of the model, got {units!r}")
     # offloaded masters: their resident copies when those are in the dtype asked for
     same = dtype == (state.config.compute_dtype or model.dtype)
     shards = offload.shards(state) if same else state.params
-    device = next(iter(shards.values())).device
     request = (dst, None if units is None else sorted(units), dtype)
     key = fingerprint.layout_key(state, layout, state.step)
     words = fingerprint.gather_words(request, key)
@@ -171,7 +172,7 @@ def gather_params(
     for u in layout.units:
         if not (want or collective) or (units is not None and u.name not in units):
             continue
-        buf = torch.empty(u.padded_numel, dtype=dtype, device=shards[u.name].device)
+        buf = torch.empty(u.padded_numel, dtype=dtype, device=device)  # every unit where compute runs
         if collective:  # every rank joins every all-gather, whether it keeps the result or not
             transport.all_gather(u.name, buf)
         else:  # one-sided reads: a rank that asked for other units harms no peer before the sync

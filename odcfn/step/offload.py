@@ -42,10 +42,11 @@ def _trained(state: TrainState) -> list[str]:
     return list(trainable_names(state.model))
 
 
-def adopt(state: TrainState) -> TrainState:
+def adopt(state: TrainState, device: torch.device | None = None) -> TrainState:
     """``state`` with its trained shards and optimizer state in its offload store: itself when
     they are already there, else moved into a new one (a loaded checkpoint, a state built
-    without offload, tensors replaced by hand). Unchanged without ``StepConfig.offload``."""
+    without offload, tensors replaced by hand). Unchanged without ``StepConfig.offload``.
+    ``device``: where its published copies go (``offload_store.place``'s default otherwise)."""
     if not _offloaded(state):  # (a state with bad fields is named by the step's own checks)
         return state
     trained = _trained(state)
@@ -53,7 +54,7 @@ def adopt(state: TrainState) -> TrainState:
         return state
     dtype = state.config.compute_dtype or state.model.dtype
     params, opt_state = place(
-        state.config.offload, state.params, trained, state.optimizer.init, state.opt_state, dtype
+        state.config.offload, state.params, trained, state.optimizer.init, state.opt_state, dtype, device
     )
     return state.replace(params=params, opt_state=opt_state)
 

@@ -198,11 +198,17 @@ def place(
     init: Any,
     opt_state: Any,
     compute_dtype: torch.dtype,
+    device: torch.device | None = None,
 ) -> tuple[dict, dict]:
     """``(params, opt_state)`` moved into a new store, one unit at a time. ``opt_state`` None:
     each unit's fresh state from ``init`` (``optimizer.init`` on that unit alone), so the whole
-    optimizer state is never resident. Checks the budget and the path first."""
-    device = next(iter(params.values())).device if params else torch.device("cpu")
+    optimizer state is never resident. Checks the budget and the path first. ``device``: where
+    the published copies go (where the step computes); default the frozen units' device (they
+    stay resident), else the params'. The store is pinned host memory when that is a GPU."""
+    if device is None:
+        resident = [t for u, t in params.items() if u not in trained]
+        first = resident[0] if resident else next(iter(params.values()), None)
+        device = first.device if first is not None else torch.device("cpu")
     meta = init({u: params[u].detach().to("meta") for u in trained}) if opt_state is None else opt_state
     scalars, groups = _groups(meta, trained)
     specs = {

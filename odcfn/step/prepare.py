@@ -18,6 +18,7 @@ from odcfn.schedule.policy import policy_info
 from odcfn.sharding import Layout, make_layout
 from odcfn.sharding.layout import check_shards
 from odcfn.step import fingerprint
+from odcfn.step.devices import state_device
 from odcfn.step.stale_config import max_staleness
 from odcfn.step.state import TrainState, check_fields
 from odcfn.transport.base import supports_odc
@@ -53,7 +54,9 @@ def check_inputs(state: TrainState, batch: Batch) -> Layout:
                 f"{type(state.transport).__name__} has none"
             )
     layout = make_layout(state.model, state.mesh)
-    check_shards(state.params, layout, state.model.dtype, frozen_dtype=state.config.compute_dtype)
+    check_shards(state.params, layout, state.model.dtype, frozen_dtype=state.config.compute_dtype,
+                 one_device=False)
+    state_device(state)  # one device, but for offloaded masters in host memory (LoRA + offload on a GPU)
     check_token_range(batch, state.model.vocab_size)
     check_routing(batch, state.model.router)  # routing replay's expert indices
     return layout

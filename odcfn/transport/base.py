@@ -33,7 +33,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from odcfn.kernels.quant import Format, unpublish
+from odcfn.kernels.quant import Format, WireState, unpublish
 from odcfn.sharding import Layout, Mesh
 
 __all__ = [
@@ -225,6 +225,12 @@ class StepCollectives:
         compute dtype)."""
         state = getattr(self, "_wire", None)
         return None if state is None else state.wire.gather_format
+
+    def wire_state(self) -> WireState | None:
+        """This rank's side of the wire formats (``begin_step(wire=)``): the error-feedback
+        residuals its pushes carry into the next ones, which a checkpoint saves and restores
+        (``odcfn.checkpoint.feedback``). None for a transport without wire formats."""
+        return getattr(self, "_wire", None)
 
     def all_gather(self, unit: str, out: torch.Tensor) -> None:
         """Collective version of ``gather``: every rank of the shard group calls it in order. A

@@ -1,14 +1,17 @@
 """``odcfn train`` with the low-precision communication keys: they reach the step (the run's
-logged gather bytes shrink to the format's), and a bad combination is refused when the config
-is read, naming the key (the type and value checks of every key: test_config_keys.py)."""
+logged gather bytes shrink to the format's), a bad combination is refused when the config is
+read, naming the key (the type and value checks of every key: test_config_keys.py), and a
+resume continues the error-feedback residuals."""
 
 from __future__ import annotations
 
 import pytest
 
+import odcfn
 from odcfn import cli
+from odcfn.checkpoint.sharded import read_manifest
 from odcfn.sft import config as C
-from tests.sft.test_sft import _metrics, _setup
+from tests.sft.test_sft import _final_params, _metrics, _setup
 
 
 def test_train_with_fp8_gathers_and_int8_pushes_runs_and_moves_fewer_bytes(tmp_path):
@@ -44,3 +47,57 @@ def test_bad_combinations_are_refused_when_read(tmp_path, extra, match):
     cfg.write_text(text.replace("[checkpoint]", extra + "[checkpoint]"))
     with pytest.raises(ValueError, match=match):
         C.load_config(cfg)
+
+
+QUANT = 'push_format = "int8"\npush_error_feedback = true\n'
+
+
+def _quant_setup(d, extra=QUANT):
+    cfg = _setup(d)  # 6 steps, a checkpoint every 3
+    cfg.write_text(cfg.read_text().replace("[checkpoint]", extra + "[checkpoint]"))
+    return cfg
+
+
+def test_resume_with_error_feedback_continues_bit_identically(tmp_path):
+    """The residuals are in the checkpoints ``odcfn train`` resumes from: stopped at step 3 and
+    resumed equals the uninterrupted run (one microbatch per rank: two pushes into each owner, a
+    sum in any order). Without them the resumed pushes would start from a zero residual."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir(), b.mkdir()
+    assert cli.main(["train", "--config", str(_quant_setup(a)), "--quiet"]) == 0
+    cfg_b = _quant_setup(b)
+    assert cli.main(["train", "--config", str(cfg_b), "--steps", "3", "--quiet"]) == 0
+    assert cli.main(["train", "--config", str(cfg_b), "--quiet"]) == 0  # resumes from step 3
+    ra, rb = _metrics(a), _metrics(b)
+    assert [r["step"] for r in rb] == [1, 2, 3, 4, 5, 6]
+    assert [r["loss"] for r in ra] == [r["loss"] for r in rb]
+    odcfn.tree_assert_allclose(_final_params(a), _final_params(b), rtol=0, atol=0)
+    saved = read_manifest(b / "out" / "checkpoints" / "step-00000006")["extra"]["push_feedback"]
+    assert saved["push_format"] == "int8"
+
+
+def test_switching_error_feedback_on_at_a_resume_needs_resume_anyway(tmp_path, capsys):
+    cfg = _quant_setup(tmp_path, 'push_format = "int8"\n')
+    assert cli.main(["train", "--config", str(cfg), "--steps", "3", "--quiet"]) == 0
+    cfg.write_text(cfg.read_text().replace('push_format = "int8"\n', QUANT))
+    assert cli.main(["train", "--config", str(cfg), "--quiet"]) != 0  # a config change: refused
+    assert cli.main(["train", "--config", str(cfg), "--quiet", "--resume-anyway"]) == 0
+    err = capsys.readouterr().err
+    assert "holds no error-feedback residuals" in err and "residuals start at zero" in err
+    assert [r["step"] for r in _metrics(tmp_path)] == [1, 2, 3, 4, 5, 6]
+
+
+def test_error_feedback_across_nodes_is_refused_before_the_first_step(tmp_path):
+    """Several nodes run hybrid sharding, where only node 0's ranks write checkpoint files: the
+    other ranks' residuals could not be saved, so the run is refused at setup (not at its first
+    checkpoint), on every rank alike."""
+    from odcfn.sft.setup import setup
+
+    cfg = C.load_config(_quant_setup(tmp_path))
+
+    def fn(rank, tr):
+        with pytest.raises(ValueError, match="odcfn train: StepConfig.push_error_feedback=True under hybrid"):
+            setup(cfg, rank, tr)
+        return tr.counters.gathers + tr.counters.scatters
+
+    assert odcfn.run_local(fn, 2, ranks_per_node=1, sharding="hybrid", timeout=60) == [0, 0]
