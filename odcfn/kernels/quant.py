@@ -47,6 +47,7 @@ __all__ = [
     "error_bound",
     "get_format",
     "publish",
+    "resident",
     "roundtrip",
     "unpublish",
 ]
@@ -56,6 +57,8 @@ GATHER_FORMATS = ("bf16", "fp8_e4m3", "int8")
 PUSH_FORMATS = ("fp32", "bf16", "int8")
 E4M3_MAX = 448.0
 INT8_MAX = 127.0
+# dtypes that only ever hold a format's bytes, never a parameter's values
+_BYTE_DTYPES = (torch.uint8, torch.int8, *((torch.float8_e4m3fn,) if hasattr(torch, "float8_e4m3fn") else ()))
 
 
 @dataclass(frozen=True)
@@ -282,7 +285,20 @@ def publish(
     buf: torch.Tensor | None, shard: torch.Tensor, dtype: torch.dtype, fmt: Format | None
 ) -> torch.Tensor:
     """An owner's published copy of ``shard``: in ``dtype`` (``fmt`` None, as before) or encoded
-    in ``fmt`` (uint8); ``buf`` is reused when it already has that dtype and size."""
+    in ``fmt`` (uint8); ``buf`` is reused when it already has that dtype and size. A shard held
+    encoded already (``resident``'s form: a frozen unit kept in ``fmt``) is copied as its bytes,
+    never encoded again."""
+    if fmt is not None and shard.dtype == fmt.element_dtype:
+        raw = shard.reshape(-1).view(torch.uint8)  # fmt's payload dtype: encode's bytes as they are
+        if buf is None or buf.dtype != torch.uint8 or buf.numel() != raw.numel():
+            buf = torch.empty(raw.numel(), dtype=torch.uint8, device=shard.device)
+        return buf.copy_(raw)
+    if shard.dtype in _BYTE_DTYPES:
+        want_fmt = "its own format" if fmt is None else f"{fmt.name} (its element type {fmt.element_dtype})"
+        raise ValueError(
+            f"publish: a shard held encoded ({shard.dtype}) cannot be published as {want_fmt}: decode it "
+            "first (odcfn.step.frozen_quant)"
+        )
     n = shard.numel()
     want, numel = (dtype, n) if fmt is None else (torch.uint8, fmt.nbytes(n))
     if buf is None or buf.dtype != want or buf.numel() != numel:
@@ -290,6 +306,14 @@ def publish(
     if fmt is None:
         return buf.copy_(shard.reshape(-1))
     return encode(shard, fmt, buf)
+
+
+def resident(shard: torch.Tensor, fmt: Format) -> torch.Tensor:
+    """``shard`` kept in ``fmt`` for good (a frozen unit: it never changes, so it is encoded once):
+    ``encode``'s bytes viewed as the format's element type (int8, float8_e4m3fn, bf16), so the
+    dtype names the format and ``publish`` copies the bytes as they are. Its size is
+    ``fmt.nbytes(n)`` bytes, scales included."""
+    return encode(shard, fmt).view(fmt.element_dtype)
 
 
 def unpublish(src: torch.Tensor, out: torch.Tensor, fmt: Format | None) -> torch.Tensor:

@@ -129,11 +129,14 @@ def check_shards(
     shards: Any, layout: Layout, dtype: torch.dtype, what: str = "params",
     frozen_dtype: torch.dtype | None = None,
     one_device: bool = True,
+    frozen_format: Any = None,
 ) -> None:
     """Raise a clear error if a rank's shard dict does not fit the layout. Frozen units may also
-    be stored in ``frozen_dtype`` (the compute dtype: a frozen weight needs no fp32 master).
-    ``one_device=False``: the caller checks the devices itself (a step's state: offloaded
-    masters live in host memory, ``odcfn.step.devices``)."""
+    be stored in ``frozen_dtype`` (the compute dtype: a frozen weight needs no fp32 master), or
+    held encoded in ``frozen_format`` (a ``kernels.quant.Format``, ``StepConfig.quantize_frozen``:
+    ``nbytes(n)`` bytes as the format's element type). ``one_device=False``: the caller checks
+    the devices itself (a step's state: offloaded masters live in host memory,
+    ``odcfn.step.devices``)."""
     if not isinstance(shards, Mapping):
         raise TypeError(
             f"{what} must be a dict of flat shards keyed by unit name, got {type(shards).__name__}"
@@ -146,13 +149,27 @@ def check_shards(
         t = shards[u.name]
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{what}[{u.name!r}] is {type(t).__name__}, expected a tensor")
-        if t.shape != (u.shard_size,):
+        if u.frozen and frozen_format is not None and t.dtype == frozen_format.element_dtype:
+            held = frozen_format.nbytes(u.shard_size) // frozen_format.itemsize
+            if t.shape != (held,):
+                raise ValueError(
+                    f"{what}[{u.name!r}] is held as {tuple(t.shape)} {t.dtype}, but the layout's "
+                    f"{u.shard_size} values in {frozen_format.name} with quant_block={frozen_format.block} "
+                    f"take ({held},) (StepConfig.quantize_frozen: the state must be built with the "
+                    "config's gather_format and quant_block)"
+                )
+        elif t.shape != (u.shard_size,):
             raise ValueError(
                 f"{what}[{u.name!r}] has shape {tuple(t.shape)}, the layout for "
                 f"{layout.mesh.shard_count} shards expects ({u.shard_size},)"
             )
-        if t.dtype != dtype and not (u.frozen and t.dtype == frozen_dtype):
+        held = u.frozen and frozen_format is not None and t.dtype == frozen_format.element_dtype
+        if t.dtype != dtype and not (u.frozen and t.dtype == frozen_dtype) and not held:
             also = f" (or {frozen_dtype}, frozen)" if u.frozen and frozen_dtype not in (None, dtype) else ""
+            encoded = not t.dtype.is_floating_point or t.dtype == getattr(torch, "float8_e4m3fn", None)
+            if u.frozen and encoded:
+                also += (" (a frozen unit held encoded needs the StepConfig it was made with: "
+                         "quantize_frozen=True and the same gather_format)")
             raise ValueError(f"{what}[{u.name!r}] has dtype {t.dtype}, expected {dtype}{also}")
         first = shards[layout.units[0].name]
         if one_device and t.device != first.device:

@@ -32,6 +32,7 @@ from odcfn.sharding.layout import check_shards
 from odcfn.step import fingerprint, offload, stale
 from odcfn.step.devices import state_device
 from odcfn.step.execute import Executor
+from odcfn.step.frozen_quant import frozen_format
 from odcfn.step.prepare import check_inputs, minibatch_fingerprint, schedule_options
 from odcfn.step.state import TrainState, check_fields
 from odcfn.step.wire import begin_step, step_wire
@@ -97,7 +98,8 @@ def log_probs(
         offsets.append(offsets[-1] + n)
 
     words, detail = minibatch_fingerprint(state, batch, layout, extra=head)
-    begin_step(transport, layout, shards, dtype, step_wire(cfg, pushes=False))  # gathers as training's
+    wire = step_wire(cfg, pushes=False)  # gathers as training's
+    begin_step(transport, layout, shards, dtype, wire, frozen_format(cfg))
     ex = _ForwardOnly(model, layout, batch, transport, dtype, torch.device(device), loss=head)
     ex.router_bias = state.router_bias  # route as training does
     ex.microbatches.extend(plan.microbatches)
@@ -151,7 +153,9 @@ def gather_params(
         raise TypeError(f"gather_params: dtype must be a floating torch.dtype or None, got {dtype!r}")
     dtype = dtype or state.config.compute_dtype or model.dtype
     layout = make_layout(model, mesh)
-    check_shards(state.params, layout, model.dtype, frozen_dtype=state.config.compute_dtype, one_device=False)
+    held = frozen_format(state.config)  # quantize_frozen: the base is held encoded
+    check_shards(state.params, layout, model.dtype, frozen_dtype=state.config.compute_dtype,
+                 one_device=False, frozen_format=held)
     device = state_device(state)  # offloaded masters may be host views (LoRA + offload on a GPU)
     if units is not None and (isinstance(units, str) or not set(units) <= set(layout.names)):
         raise ValueError(f"gather_params: units must be unit names of the model, got {units!r}")
@@ -164,7 +168,7 @@ def gather_params(
     detail = [fingerprint.stable_repr(request)[:300], key[:300]]
     riders = fingerprint.encode(words, device)
     collective = state.config.comm == "collective"
-    begin_step(transport, layout, shards, dtype, Wire())  # the params as they are, unquantized
+    begin_step(transport, layout, shards, dtype, Wire(), held)  # unquantized (a held base: decoded)
     if collective:  # the agreement first: ranks asking for other units would issue other all-gathers
         _agree(transport.sync(riders), W, words, detail)
     want = dst is None or dst == mesh.rank

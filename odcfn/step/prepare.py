@@ -19,6 +19,7 @@ from odcfn.sharding import Layout, make_layout
 from odcfn.sharding.layout import check_shards
 from odcfn.step import fingerprint
 from odcfn.step.devices import state_device
+from odcfn.step.frozen_quant import frozen_format
 from odcfn.step.stale_config import max_staleness
 from odcfn.step.state import TrainState, check_fields
 from odcfn.transport.base import supports_odc
@@ -55,7 +56,7 @@ def check_inputs(state: TrainState, batch: Batch) -> Layout:
             )
     layout = make_layout(state.model, state.mesh)
     check_shards(state.params, layout, state.model.dtype, frozen_dtype=state.config.compute_dtype,
-                 one_device=False)
+                 one_device=False, frozen_format=frozen_format(state.config))
     state_device(state)  # one device, but for offloaded masters in host memory (LoRA + offload on a GPU)
     check_token_range(batch, state.model.vocab_size)
     check_routing(batch, state.model.router)  # routing replay's expert indices

@@ -25,6 +25,7 @@ from odcfn.schedule.plan import Comm, Plan, ScheduleOptions
 from odcfn.schedule.policy import Policy, WorkStealing, policy_info, resolve_policy
 from odcfn.sharding import Mesh, make_layout, shard
 from odcfn.sharding.layout import check_shards
+from odcfn.step.frozen_quant import frozen_format, is_resident, keep
 from odcfn.step.offload_config import Offload
 from odcfn.step.offload_store import place
 from odcfn.step.stale_config import Staleness, check_staleness, max_staleness
@@ -93,6 +94,10 @@ class StepConfig:
     "fp32", "bf16" or "int8" (block-quantized; owners accumulate in fp32; point-to-point only).
     ``push_error_feedback``: carry each push's rounding error into this rank's next push of the
     same unit (kept by the transport across steps; not in checkpoints).
+    ``quantize_frozen``: keep the frozen units (a LoRA base) resident only in ``gather_format``
+    (ZeRO++'s MixZ++; docs/memory.md): each owner encodes its frozen shards once, when the state
+    is created, and drops their full-precision copy; training and ``log_probs`` are unchanged bit
+    for bit, ``gather_params`` / ``odcfn.lora.gather_merged`` return the dequantized base.
     """
 
     comm: Comm = "odc"
@@ -114,6 +119,7 @@ class StepConfig:
     push_format: str | None = None
     push_error_feedback: bool = False
     quant_block: int = 128
+    quantize_frozen: bool = False
 
     def __post_init__(self) -> None:
         if self.comm not in ("odc", "collective"):
@@ -247,11 +253,14 @@ class TrainState:
             check_params(model, params)  # the full tree: shard it for this rank
             params = shard(params, model, mesh)
         params = dict(params)
-        dt = config.compute_dtype
-        check_shards(params, make_layout(model, mesh), model.dtype, frozen_dtype=dt)
+        dt, held = config.compute_dtype, frozen_format(config)
+        layout = make_layout(model, mesh)
+        check_shards(params, layout, model.dtype, frozen_dtype=dt, frozen_format=held)
         if dt is not None and model.frozen and dt.itemsize < model.dtype.itemsize:
             # a frozen unit is only ever gathered in the compute dtype: keep just that (no master)
-            params.update({k: params[k].to(dt) for k in model.frozen})
+            params.update({u.name: params[u.name].to(dt) for u in layout.units
+                           if u.frozen and not is_resident(params[u.name], held, u.shard_size)})
+        params = keep(params, layout, held)  # quantize_frozen: the base in its gather format alone
         device = next(iter(params.values())).device  # where compute runs (offloaded shards are host views)
         trained = split(model, params)
         if config.offload is not None:  # the fresh state's shapes only: it is built unit by unit

@@ -27,6 +27,7 @@ from odcfn.sharding import Layout
 from odcfn.step import fingerprint, offload, stale
 from odcfn.step.agree import check_trained_units
 from odcfn.step.experts import expert_load_metrics
+from odcfn.step.frozen_quant import frozen_format
 from odcfn.step.ordered_push import check_counters, check_head
 from odcfn.step.prepare import (
     check_inputs,
@@ -80,7 +81,7 @@ def _grads(state: TrainState, batch: Batch) -> tuple[dict[str, torch.Tensor], St
     hpz = cfg.options.hpz if cfg.options is not None and cfg.comm == "odc" else 0
     if hpz and callable(getattr(transport, "reserve_secondary", None)):
         transport.reserve_secondary(hpz)  # transports whose hpZ slices need room laid out first (GPU)
-    begin_step(transport, layout, published, dtype, wire)
+    begin_step(transport, layout, published, dtype, wire, frozen_format(cfg))
     result, plan = execute(
         program, model=model, layout=layout, batch=batch, transport=transport,
         compute_dtype=dtype, comm=cfg.comm, device=device, riders=fingerprint.encode(words, device),

@@ -1,7 +1,7 @@
 """The step's low-precision communication settings (``StepConfig.gather_format`` / ``push_format``
-/ ``push_error_feedback`` / ``quant_block``): checked at construction, handed to the transport
-with ``begin_step``. The math is ``odcfn.kernels.quant``; the transports call it in their publish,
-gather and push paths."""
+/ ``push_error_feedback`` / ``quant_block`` / ``quantize_frozen``): checked at construction, handed
+to the transport with ``begin_step``. The math is ``odcfn.kernels.quant``; the transports call it
+in their publish, gather and push paths; a frozen base held in its format: ``frozen_quant``."""
 
 from __future__ import annotations
 
@@ -11,8 +11,10 @@ from typing import Any
 import torch
 
 from odcfn._check import check_int
-from odcfn.kernels.quant import GATHER_FORMATS, PUSH_FORMATS, Wire, check_format
+from odcfn.kernels.quant import GATHER_FORMATS, PUSH_FORMATS, Format, Wire, check_format
 from odcfn.sharding import Layout
+from odcfn.step.frozen_quant import check_config as check_frozen_config
+from odcfn.step.frozen_quant import for_pass
 
 __all__ = ["begin_step", "check_transport", "check_wire_config", "step_wire"]
 
@@ -23,6 +25,7 @@ def check_wire_config(cfg: Any) -> None:
     check_format(cfg.gather_format, "StepConfig.gather_format", GATHER_FORMATS)
     check_format(cfg.push_format, "StepConfig.push_format", PUSH_FORMATS)
     check_int(cfg.quant_block, "StepConfig.quant_block", at_least=1)
+    check_frozen_config(cfg)  # quantize_frozen: a bool, and a gather_format to keep the base in
     if not isinstance(cfg.push_error_feedback, bool):
         got = type(cfg.push_error_feedback).__name__
         raise TypeError(f"StepConfig.push_error_feedback must be a bool, got {got}")
@@ -74,11 +77,15 @@ def check_transport(transport: Any, wire: Wire) -> None:
 
 
 def begin_step(
-    transport: Any, layout: Layout, shards: Mapping[str, torch.Tensor], dtype: torch.dtype, wire: Wire
+    transport: Any, layout: Layout, shards: Mapping[str, torch.Tensor], dtype: torch.dtype, wire: Wire,
+    frozen: Format | None = None,
 ) -> None:
     """``transport.begin_step`` with ``wire`` (``check_transport`` first). A transport without
-    wire formats gets the old call, so every transport keeps its signature."""
+    wire formats gets the old call, so every transport keeps its signature. ``frozen``: the
+    format frozen shards are held in (``frozen_quant.frozen_format``); a pass publishing in
+    another format gets them decoded into ``dtype`` first."""
     check_transport(transport, wire)
+    shards = for_pass(shards, layout, frozen, wire.gather_format, dtype)
     if getattr(transport, "supports_wire", False):
         transport.begin_step(layout, shards, dtype, wire=wire)  # a default wire resets a former one
     else:
