@@ -149,13 +149,22 @@ def check_shards(
         t = shards[u.name]
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{what}[{u.name!r}] is {type(t).__name__}, expected a tensor")
-        if u.frozen and frozen_format is not None and t.dtype == frozen_format.element_dtype:
-            held = frozen_format.nbytes(u.shard_size) // frozen_format.itemsize
-            if t.shape != (held,):
+        held = u.frozen and frozen_format is not None and t.dtype == frozen_format.element_dtype
+        encoded = not t.dtype.is_floating_point or t.dtype == getattr(torch, "float8_e4m3fn", None)
+        if u.frozen and encoded and not held:
+            keeps = "as given" if frozen_format is None else f"in {frozen_format.name}"
+            raise ValueError(
+                f"{what}[{u.name!r}] is held encoded as {t.dtype}, but the config keeps frozen units "
+                f"{keeps}: a base held encoded (StepConfig.quantize_frozen) needs the config it was "
+                "made with (quantize_frozen=True, the same gather_format and quant_block)"
+            )
+        if held:
+            want = frozen_format.nbytes(u.shard_size) // frozen_format.itemsize
+            if t.shape != (want,):
                 raise ValueError(
                     f"{what}[{u.name!r}] is held as {tuple(t.shape)} {t.dtype}, but the layout's "
                     f"{u.shard_size} values in {frozen_format.name} with quant_block={frozen_format.block} "
-                    f"take ({held},) (StepConfig.quantize_frozen: the state must be built with the "
+                    f"take ({want},) (StepConfig.quantize_frozen: the state must be built with the "
                     "config's gather_format and quant_block)"
                 )
         elif t.shape != (u.shard_size,):
@@ -163,13 +172,8 @@ def check_shards(
                 f"{what}[{u.name!r}] has shape {tuple(t.shape)}, the layout for "
                 f"{layout.mesh.shard_count} shards expects ({u.shard_size},)"
             )
-        held = u.frozen and frozen_format is not None and t.dtype == frozen_format.element_dtype
         if t.dtype != dtype and not (u.frozen and t.dtype == frozen_dtype) and not held:
             also = f" (or {frozen_dtype}, frozen)" if u.frozen and frozen_dtype not in (None, dtype) else ""
-            encoded = not t.dtype.is_floating_point or t.dtype == getattr(torch, "float8_e4m3fn", None)
-            if u.frozen and encoded:
-                also += (" (a frozen unit held encoded needs the StepConfig it was made with: "
-                         "quantize_frozen=True and the same gather_format)")
             raise ValueError(f"{what}[{u.name!r}] has dtype {t.dtype}, expected {dtype}{also}")
         first = shards[layout.units[0].name]
         if one_device and t.device != first.device:

@@ -20,7 +20,17 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from odcfn.kernels.quant import _e4m3_bits, decode, encode, error_bound, get_format, roundtrip
+from odcfn.kernels.quant import (
+    _e4m3_bits,
+    decode,
+    encode,
+    error_bound,
+    get_format,
+    publish,
+    resident,
+    roundtrip,
+    unpublish,
+)
 
 FP8, INT8, BF16 = get_format("fp8_e4m3"), get_format("int8"), get_format("bf16")
 
@@ -138,3 +148,28 @@ def test_zero_and_nonfinite_blocks():
     out = torch.empty(256, dtype=torch.bfloat16)
     decode(encode(ok, INT8), INT8, out)  # into the compute dtype: q * s in fp32, then one cast
     assert torch.equal(out, roundtrip(ok, INT8).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("name", ["int8", "fp8_e4m3", "bf16"])
+@pytest.mark.parametrize("n", [1, 130, 333])
+def test_a_shard_held_resident_publishes_the_bytes_a_fresh_encode_gives(name, n):
+    """A frozen shard encoded once (``resident``) publishes exactly the bytes publishing its values
+    gives, is typed by the format's element type, and decodes to the same values."""
+    fmt = get_format(name, 64)
+    x = torch.randn(n, generator=torch.Generator().manual_seed(n)) * 3
+    held = resident(x, fmt)
+    assert held.dtype == fmt.element_dtype and held.numel() * held.element_size() == fmt.nbytes(n)
+    want = publish(None, x, torch.float32, fmt)
+    got = publish(None, held, torch.float32, fmt)
+    assert got.dtype == torch.uint8 and torch.equal(got, want)
+    again = publish(got, held, torch.float32, fmt)  # the buffer is reused in place
+    assert again.data_ptr() == got.data_ptr() and torch.equal(again, want)
+    out = torch.empty(n, dtype=torch.bfloat16)
+    assert torch.equal(unpublish(got, out, fmt), roundtrip(x, fmt).to(torch.bfloat16))
+
+
+def test_a_resident_shard_published_in_another_format_is_refused():
+    held = resident(torch.randn(300), INT8)
+    for fmt in (None, FP8):
+        with pytest.raises(ValueError, match="a shard held encoded"):
+            publish(None, held, torch.float32, fmt)
