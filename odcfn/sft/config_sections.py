@@ -105,6 +105,7 @@ class TrainSection:
     push_format: str | None = None  # StepConfig.push_format; unset: the gradient in compute_dtype
     push_error_feedback: bool = False  # StepConfig.push_error_feedback
     quant_block: int = 128  # StepConfig.quant_block: values per fp32 scale
+    quantize_frozen: bool = False  # StepConfig.quantize_frozen: a LoRA base held in gather_format alone
     max_restarts: int = 0  # backend "processes": restart the ranks this often after a failure
 
     def __post_init__(self) -> None:

@@ -172,6 +172,9 @@ KEYS: dict[tuple[str, str], Rule] = {
                                            "(needs push_format; checkpoints keep each rank's residual, "
                                            "so a resume continues it)"),
     ("train", "quant_block"): Rule("values per float32 scale of gather_format / push_format", **_POS),
+    ("train", "quantize_frozen"): Rule("keep the frozen base of a [lora] run only in gather_format "
+                                       "(docs/memory.md: encoded once, its full-precision copy dropped; "
+                                       "needs gather_format)"),
     ("train", "max_restarts"): Rule("backend = \"processes\" only: restart all ranks this often after a "
                                     "failure", **_NONNEG),
     # [checkpoint]

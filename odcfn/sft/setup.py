@@ -121,7 +121,7 @@ def setup(cfg: SFTConfig, rank: int, transport, data: PreparedData | None = None
         compute_dtype=dtype, max_grad_norm=t.max_grad_norm, deterministic=t.deterministic, remat=t.remat,
         staleness=t.staleness, expert_bias_rate=t.expert_bias_rate, offload=step_offload(cfg.offload),
         gather_format=t.gather_format, push_format=t.push_format, push_error_feedback=t.push_error_feedback,
-        quant_block=t.quant_block,
+        quant_block=t.quant_block, quantize_frozen=t.quantize_frozen,
         # the loop never reuses a state: update in place (no second copy of it); stale owners
         # keep older versions readable by peers, so never in place there
         donate=not active(t),

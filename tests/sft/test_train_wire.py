@@ -11,6 +11,7 @@ import odcfn
 from odcfn import cli
 from odcfn.checkpoint.sharded import read_manifest
 from odcfn.sft import config as C
+from odcfn.sft.setup import setup
 from tests.sft.test_sft import _final_params, _metrics, _setup
 
 
@@ -33,12 +34,33 @@ def test_train_with_fp8_gathers_and_int8_pushes_runs_and_moves_fewer_bytes(tmp_p
     assert abs(runs["quant"][0]["loss"] - runs["plain"][0]["loss"]) < 0.05 * runs["plain"][0]["loss"]
 
 
+def test_a_lora_run_with_its_base_held_in_int8_logs_the_same_losses(tmp_path):
+    """``train.quantize_frozen`` reaches the step (the run holds its base in int8) and changes
+    no loss: the gathers delivered the same dequantized base either way."""
+    runs = {}
+    for name in ("full", "held"):
+        d = tmp_path / name
+        d.mkdir()
+        cfg = _setup(d, steps=2, every=0, extra="[lora]\nrank = 2\n")
+        keys = 'gather_format = "int8"\ndeterministic = true\n'
+        keys += "quantize_frozen = true\n" if name == "held" else ""
+        cfg.write_text(cfg.read_text().replace("[checkpoint]", keys + "[checkpoint]"))
+        assert cli.main(["train", "--config", str(cfg), "--quiet"]) == 0
+        runs[name] = [r["loss"] for r in _metrics(d)]
+        c = C.load_config(cfg)
+        held = odcfn.run_local(lambda rank, tr, c=c: {
+            str(v.dtype) for k, v in setup(c, rank, tr).state.params.items() if k in ("embed", "head")}, 2)
+        assert held == [{"torch.int8"}] * 2 if name == "held" else held == [{"torch.float32"}] * 2
+    assert len(runs["held"]) == 2 and runs["held"] == runs["full"]
+
+
 @pytest.mark.parametrize(
     ("extra", "match"),
     [
         ('push_format = "int8"\ncomm = "collective"\n', "config: train.push_format='int8' needs comm='odc'"),
         ("push_error_feedback = true\n", "config: train.push_error_feedback=True needs a push_format"),
         ('gather_format = "fp4"\n', "train.gather_format must be one of"),
+        ("quantize_frozen = true\n", "config: train.quantize_frozen=True needs a gather_format"),
     ],
 )
 def test_bad_combinations_are_refused_when_read(tmp_path, extra, match):
