@@ -319,6 +319,11 @@ def resident(shard: torch.Tensor, fmt: Format) -> torch.Tensor:
 def unpublish(src: torch.Tensor, out: torch.Tensor, fmt: Format | None) -> torch.Tensor:
     """A gatherer's copy of an owner's published ``src`` into ``out`` (its compute-dtype slice)."""
     if fmt is None:
+        if src.dtype == torch.uint8 and out.dtype != torch.uint8:  # the owner published a format
+            raise ValueError(
+                "a gather in the compute dtype found an encoded publication: ranks disagree on "
+                "StepConfig.gather_format"
+            )
         return out.copy_(src)
     if src.dtype != torch.uint8:
         raise ValueError(
