@@ -12,6 +12,7 @@ from odcfn.reference import reference_value_and_grad
 from odcfn.schedule import POLICIES, Plan, ScheduleOptions, WorkStealing, compile_plan, get_balancer
 from odcfn.schedule.measure import calibrate
 from odcfn.sharding import Layout, Mesh, make_layout, shard, unshard
+from odcfn.step.frozen_quant import StateBytes, state_bytes
 from odcfn.step.logprobs import gather_params, log_probs
 from odcfn.step.offload_config import Offload
 from odcfn.step.state import StepConfig, StepMetrics, TrainState
@@ -48,6 +49,7 @@ __all__ = [
     "Sample",
     "ScheduleOptions",
     "ShmTransport",
+    "StateBytes",
     "StepConfig",
     "StepMetrics",
     "TrainState",
@@ -81,6 +83,7 @@ __all__ = [
     "reference_value_and_grad",
     "run_local",
     "save",
+    "state_bytes",
     "save_chrome_trace",
     "sgd",
     "shard",
