@@ -3,7 +3,7 @@ ZeRO++'s MixZ++), against the same run whose base is kept in full precision:
 
 - a LoRA step equals, bit for bit, the step with the same ``gather_format`` over a full-precision
   base (the compute only ever sees the dequantized base), at W = 1-3 on threads, in collective
-  mode, and in two /dev/shm processes;
+  mode, and in two /dev/shm processes (over torch.distributed's gloo: within fp32 summation order);
 - the base's resident bytes are exactly the format's size: payload, padding to 4 bytes, one fp32
   scale per block; (1 + 4 / block) / 2 of bf16 when the shards are whole blocks;
 - what reads the base: ``log_probs`` (policy and ``lora_reference``) unchanged bit for bit;
@@ -110,6 +110,28 @@ def test_shm_processes_equal_threads_and_the_full_precision_base(mp_pool):  # no
         assert moved == ref_moved > 0
         assert held == {k: "torch.float8_e4m3fn" for k in MODEL.frozen}
         assert all(torch.equal(params[k], ref[k]) for k in ref if k not in MODEL.frozen)
+
+
+def gloo_worker():
+    """CollectiveTransport (torch.distributed over gloo), collective mode, int8 gathers of a held base."""
+    torch.set_num_threads(1)
+    from odcfn.transport.collective import CollectiveTransport
+
+    with CollectiveTransport(odcfn.Mesh.from_env(), timeout=30) as tr:
+        state = _state(tr, True, comm="collective", balance="lb_micro", compute_dtype=torch.bfloat16)
+        state, m = odcfn.train_step(state, BATCH)
+        frozen = {k: str(state.params[k].dtype) for k in MODEL.frozen}
+        return {k: v.clone() for k, v in state.params.items() if k not in frozen}, frozen, m.loss
+
+
+def test_torch_distributed_collectives_equal_the_full_precision_base(mp_pool):  # noqa: F811
+    out = mp_pool.run(gloo_worker, 2)
+    full = _train(2, False, steps=1, comm="collective", balance="lb_micro", compute_dtype=torch.bfloat16)
+    for (params, frozen, loss), (ref, ref_losses, _) in zip(out, full):
+        assert frozen == {k: "torch.int8" for k in MODEL.frozen}
+        assert loss == ref_losses[0]
+        # gloo sums the reduce-scatter in its own order: equal up to fp32 summation order
+        assert all(torch.allclose(params[k], ref[k], rtol=1e-6, atol=1e-7) for k in params)
 
 
 def _nbytes(n: int, block: int) -> int:
