@@ -36,11 +36,12 @@ def prompts_at(it: int, k: int = 8) -> list[rl.Prompt]:
     return out
 
 
-def _state(tr, lr=1e-3, loss=None):
+def _state(tr, lr=1e-3, loss=None, cap=None):
     model = qwen_model(CFG)
     return odcfn.TrainState.create(
         params=init_params(CFG, seed=3), model=model, optimizer=odcfn.adamw(lr, weight_decay=0.0),
-        transport=tr, config=odcfn.StepConfig(balance="lb_mini", loss=loss or odcfn.losses.policy_gradient()))
+        transport=tr, config=odcfn.StepConfig(balance="lb_mini", loss=loss or odcfn.losses.policy_gradient(),
+                                              max_tokens_per_microbatch=cap))
 
 
 def _engine(state):
@@ -121,7 +122,9 @@ def test_a_failing_reward_is_an_error_on_every_rank_naming_prompt_and_completion
 
 def _learn(config, iters, world_size=2):
     def worker(rank, tr):
-        state = _state(tr, lr=1e-2, loss=config.loss)
+        # a rank's 32 samples (at most 7 tokens) in one microbatch: one sample per microbatch spends
+        # most of the CPU on per-microbatch overhead
+        state = _state(tr, lr=1e-2, loss=config.loss, cap=256)
         scores = []
         with _engine(state) as engine:
             for it in range(iters):
