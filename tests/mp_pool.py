@@ -22,7 +22,7 @@ import pickle
 import time
 import traceback
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
@@ -122,9 +122,12 @@ class WorkerPool:
         self._spawn(i)
 
     def run(
-        self, fn: Callable[..., Any], world_size: int, *, args: Sequence[Any] = (), timeout: float = 120.0
+        self, fn: Callable[..., Any], world_size: int, *, args: Sequence[Any] = (), timeout: float = 120.0,
+        env: Mapping[str, str] | None = None,
     ) -> list[Any]:
-        """``fn(*args)`` on ranks 0..world_size-1; results by rank, or ``LaunchError``."""
+        """``fn(*args)`` on ranks 0..world_size-1; results by rank, or ``LaunchError``. ``env``:
+        extra variables for this task (the torchrun variables win), e.g. a restarted job's
+        ``TORCHELASTIC_RESTART_COUNT``; a worker's environment is restored after each task."""
         if not 1 <= world_size <= self.max_workers:
             raise ValueError(f"world_size={world_size} outside the pool's 1..{self.max_workers}")
         self.start()
@@ -132,7 +135,7 @@ class WorkerPool:
             self._wait_ready(r, timeout)
         port, prefix = free_port(), f"odcfn-pool-{uuid.uuid4().hex[:8]}"
         for r in range(world_size):
-            msg = (fn, tuple(args), rank_env(r, world_size, port, prefix))
+            msg = (fn, tuple(args), {**(env or {}), **rank_env(r, world_size, port, prefix)})
             self._conns[r].send_bytes(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
         results: dict[int, Any] = {}
         errors: dict[int, str] = {}

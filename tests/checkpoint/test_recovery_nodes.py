@@ -5,7 +5,9 @@ per node: one node never sees the other's files, as with /dev/shm on two machine
 killed mid-run and, in the restarted job, its node comes back *without its memory* (its snapshot
 directory is gone, as after a reboot or on a replacement machine). The job must resume from the
 memory tier anyway, its files read back from the neighbour's copy, not from the older disk
-checkpoint, and finish with the uninterrupted run's parameters bit for bit.
+checkpoint, and finish with the uninterrupted run's parameters bit for bit. The job and its
+restart run on the test pool's warm workers (``TORCHELASTIC_RESTART_COUNT`` set as a launcher
+sets it), so that only the killed rank's worker is a fresh process.
 
 The wire itself (``neighbour.Inbox``) is tested against hostile senders: a header sealed with
 another secret, a payload that does not match its header's sha256, a truncated message, a name
@@ -17,7 +19,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import secrets
 import shutil
 import socket
@@ -89,34 +90,35 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_a_node_that_lost_its_memory_resumes_from_its_neighbours_copy(tmp_path, shm, reference, capfd, case):
+def test_a_node_that_lost_its_memory_resumes_from_its_neighbours_copy(
+    tmp_path, shm, reference, mp_pool, case  # noqa: F811
+):
     kill, lose, reader = CASES[case]
     run = tmp_path / "run"
     run.mkdir()
     write_jsonl(run / "train.jsonl", synthetic_records(LENGTHS, 40, seed=0))
-    env = {"ODCFN_TEST_KILL_AT": kill, "ODCFN_SHM_DIR": str(shm), "OMP_NUM_THREADS": "1"}
     snaps = tmp_path / "run-snap"
-    launch(
-        node_worker,
-        2,
-        nodes=2,
-        args=(_doc(run), str(snaps), lose),
-        env=env,
-        timeout=60,
-        deadline=300,
-        max_restarts=1,
-    )  # launch sets the job's ODCFN_JOB_SECRET
-    err = capfd.readouterr().err
-    resumed = re.findall(r"resuming at step (\d+) from (\S+)", err)
-    assert len(resumed) == 1, err[-3000:]
-    step, path = int(resumed[0][0]), resumed[0][1]
+    args = (_doc(run), str(snaps), lose, SECRET)
+    env = {"ODCFN_TEST_KILL_AT": kill, "ODCFN_SHM_DIR": str(shm)}
+    # the job, then its restart, as a launcher with one restart runs them (the restart count in
+    # the environment; the memory tier is keyed by the output directory, not by the processes),
+    # on the pool's warm workers: only the killed rank's worker is a fresh process
+    with pytest.raises(LaunchError) as info:
+        mp_pool.run(node_worker, 2, args=args, env={**env, "TORCHELASTIC_RESTART_COUNT": "0"}, timeout=120)
+    victim = int(kill.split(":")[2])
+    assert "died" in info.value.errors[victim], info.value.errors
+    out = mp_pool.run(node_worker, 2, args=args, env={**env, "TORCHELASTIC_RESTART_COUNT": "1"}, timeout=300)
+    step, path = out[0]["start_step"], out[0]["resumed_from"]  # rank 0 says where it resumed
+    fetched = [o["snapshot_fetch"] for o in out]
     if reader is not None:  # from the memory tier, the lost node's file read back from the other's copy
-        assert step in (5, 6) and path.startswith(str(snaps / "node0")), resumed  # rank 0 says where
+        assert step in (5, 6) and path.startswith(str(snaps / "node0")), (step, path)
         other = 1 - reader
-        want = f"node {reader} read the files of ranks [{reader}] back from node(s) [{other}]"
-        assert f"snapshot of step {step}: {want}" in err, err[-3000:]
+        got = fetched[reader] or {}
+        assert (got.get("step"), got.get("ranks"), got.get("from_nodes")) == (step, [reader], [other]), got
+        assert fetched[other] is None, fetched  # the node that kept its memory needed nothing
     else:  # two adjacent nodes lost: the disk tier's step 4
-        assert step == 4 and path == str(run / "out" / "checkpoints" / "step-00000004"), resumed
+        assert step == 4 and path == str(run / "out" / "checkpoints" / "step-00000004"), (step, path)
+        assert fetched == [None, None], fetched
 
     steps = [json.loads(x)["step"] for x in (run / "out" / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(1, STEPS + 1))  # nothing lost, nothing doubled
