@@ -306,6 +306,22 @@ def nvshmem(dev: torch.device, world: int, timeout: float) -> tuple[str, str, di
 
 
 # --- driver -------------------------------------------------------------------------------------
+def imports() -> str:
+    """What this run uses, one line: python, torch, triton, optree and odcfn (ImportError if one
+    is missing). Printed first, in this process: a separate interpreter only to check the
+    imports would import torch once more."""
+    import optree
+    import triton
+
+    import odcfn
+
+    return (
+        f"python {sys.version.split()[0]} {sys.executable}; "
+        f"torch {torch.__version__} (cuda {torch.version.cuda}); triton {triton.__version__}; "
+        f"optree {optree.__version__}; odcfn from {os.path.dirname(os.path.abspath(odcfn.__file__))}"
+    )
+
+
 def section_names(worlds: list[int]) -> list[str]:
     ipc = [s for w in worlds for s in (f"ipc_w{w}_grads", f"ipc_w{w}_bandwidth")]
     return [
@@ -352,6 +368,12 @@ def main() -> int:
     ap.add_argument("--json", default=None, help="write the results here (rewritten after each section)")
     ap.add_argument("--budget", type=float, default=360.0, help="seconds; sections past it are skipped")
     args = ap.parse_args()
+    try:
+        print(imports(), flush=True)
+    except Exception:  # noqa: BLE001 - ImportError, or a package that fails while importing
+        traceback.print_exc()
+        print("gpu_check: FAILED: torch, triton, optree and odcfn must import (see above)", flush=True)
+        return 1
     if args.device == "cuda" and not torch.cuda.is_available():
         print(f"gpu_check: no CUDA GPU visible to torch {torch.__version__}: skipped (exit 0)")
         return 0

@@ -52,15 +52,9 @@ main() {
   fi
   export PYTHONUNBUFFERED=1
 
-  "$PY" - <<'PYEOF' || { echo "gpu_check: FAILED: torch, triton, optree and odcfn must import (see above)"; return 1; }
-import os, sys
-import optree, torch, triton
-import odcfn
-print(f"python {sys.version.split()[0]} {sys.executable}; torch {torch.__version__} (cuda {torch.version.cuda}); "
-      f"triton {triton.__version__}; optree {optree.__version__}; odcfn from {os.path.dirname(odcfn.__file__)}")
-PYEOF
-
-  # the script skips sections once its 360 s budget is spent; timeout is the backstop
+  # the script first prints what it imports (python, torch, triton, optree and odcfn: their
+  # versions and paths; it stops there if one does not import), then skips sections once its
+  # 360 s budget is spent; timeout is the backstop
   timeout 420 "$PY" bench/gpu_check.py --budget 360 --json "$LOGDIR/gpu_check.json" "$@"
   rc=$?
   [ "$rc" = 124 ] && echo "gpu_check: FAILED: ran past 420 s (the JSON holds the sections finished before)"

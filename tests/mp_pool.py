@@ -19,10 +19,12 @@ import atexit
 import multiprocessing as mp
 import os
 import pickle
+import sys
+import tempfile
 import time
 import traceback
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
@@ -31,6 +33,31 @@ import pytest
 from odcfn.launch import LaunchError, free_port, rank_env, sweep_shm
 
 __all__ = ["WorkerPool", "get_pool", "mp_pool", "warm_for"]
+
+
+class _Output:
+    """This worker's stdout and stderr during one task, caught at the file descriptors (so
+    that native code's writes are caught too), as a test's ``capfd`` would for its own process."""
+
+    def __enter__(self) -> _Output:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        self.file = tempfile.TemporaryFile()
+        self.saved = (os.dup(1), os.dup(2))
+        os.dup2(self.file.fileno(), 1)
+        os.dup2(self.file.fileno(), 2)
+        self.text = ""
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for fd, saved in zip((1, 2), self.saved):
+            os.dup2(saved, fd)
+            os.close(saved)
+        self.file.seek(0)
+        self.text = self.file.read().decode(errors="replace")
+        self.file.close()
 
 
 def _serve(conn: Connection) -> None:
@@ -47,10 +74,16 @@ def _serve(conn: Connection) -> None:
         if not msg:
             return
         saved = dict(os.environ)
+        out = None
         try:
-            fn, args, env = pickle.loads(msg)
+            fn, args, env, capture = pickle.loads(msg)
             os.environ.update(env)
-            reply = ("ok", fn(*args), "")
+            if capture:
+                with _Output() as out:
+                    result = fn(*args)
+            else:
+                result = fn(*args)
+            reply = ("ok", result, "")
         except BaseException as e:  # noqa: BLE001 - reported to the parent
             reply = ("error", f"{type(e).__name__}: {e}", "".join(traceback.format_exception(e)))
         finally:
@@ -61,10 +94,11 @@ def _serve(conn: Connection) -> None:
                     pass
             os.environ.clear()
             os.environ.update(saved)
+        reply = (*reply, out.text if out is not None else None)
         try:
             data = pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL)
         except Exception as e:  # noqa: BLE001 - an unpicklable result
-            data = pickle.dumps(("error", f"unpicklable result: {e}", ""))
+            data = pickle.dumps(("error", f"unpicklable result: {e}", "", reply[3]))
         conn.send_bytes(data)
 
 
@@ -122,9 +156,15 @@ class WorkerPool:
         self._spawn(i)
 
     def run(
-        self, fn: Callable[..., Any], world_size: int, *, args: Sequence[Any] = (), timeout: float = 120.0
+        self, fn: Callable[..., Any], world_size: int, *, args: Sequence[Any] = (), timeout: float = 120.0,
+        env: Mapping[str, str] | None = None, output: dict[int, str] | None = None,
     ) -> list[Any]:
-        """``fn(*args)`` on ranks 0..world_size-1; results by rank, or ``LaunchError``."""
+        """``fn(*args)`` on ranks 0..world_size-1; results by rank, or ``LaunchError``. ``env``:
+        extra variables for this task (the torchrun variables win), e.g. a restarted job's
+        ``TORCHELASTIC_RESTART_COUNT``; a worker's environment is restored after each task.
+        ``output``: filled with what each rank that answered wrote to stdout and stderr
+        (the workers' output otherwise goes where the pool's start left it, out of ``capfd``'s
+        reach)."""
         if not 1 <= world_size <= self.max_workers:
             raise ValueError(f"world_size={world_size} outside the pool's 1..{self.max_workers}")
         self.start()
@@ -132,7 +172,8 @@ class WorkerPool:
             self._wait_ready(r, timeout)
         port, prefix = free_port(), f"odcfn-pool-{uuid.uuid4().hex[:8]}"
         for r in range(world_size):
-            msg = (fn, tuple(args), rank_env(r, world_size, port, prefix))
+            task_env = {**(env or {}), **rank_env(r, world_size, port, prefix)}
+            msg = (fn, tuple(args), task_env, output is not None)
             self._conns[r].send_bytes(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
         results: dict[int, Any] = {}
         errors: dict[int, str] = {}
@@ -149,12 +190,14 @@ class WorkerPool:
                 for conn in ready:
                     r = live.pop(conn)
                     try:
-                        kind, payload, tb = pickle.loads(conn.recv_bytes())
+                        kind, payload, tb, text = pickle.loads(conn.recv_bytes())
                     except (EOFError, OSError):
                         self._procs[r].join(5.0)
                         errors[r] = f"worker died (exit code {self._procs[r].exitcode})"
                         self._replace(r)
                         continue
+                    if output is not None and text is not None:
+                        output[r] = text
                     if kind == "ok":
                         results[r] = payload
                     else:

@@ -5,7 +5,9 @@ per node: one node never sees the other's files, as with /dev/shm on two machine
 killed mid-run and, in the restarted job, its node comes back *without its memory* (its snapshot
 directory is gone, as after a reboot or on a replacement machine). The job must resume from the
 memory tier anyway, its files read back from the neighbour's copy, not from the older disk
-checkpoint, and finish with the uninterrupted run's parameters bit for bit.
+checkpoint, and finish with the uninterrupted run's parameters bit for bit. The job and its
+restart run on the test pool's warm workers (``TORCHELASTIC_RESTART_COUNT`` set as a launcher
+sets it), so that only the killed rank's worker is a fresh process.
 
 The wire itself (``neighbour.Inbox``) is tested against hostile senders: a header sealed with
 another secret, a payload that does not match its header's sha256, a truncated message, a name
@@ -89,34 +91,43 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_a_node_that_lost_its_memory_resumes_from_its_neighbours_copy(tmp_path, shm, reference, capfd, case):
+def test_a_node_that_lost_its_memory_resumes_from_its_neighbours_copy(
+    tmp_path, shm, reference, mp_pool, case  # noqa: F811
+):
     kill, lose, reader = CASES[case]
     run = tmp_path / "run"
     run.mkdir()
     write_jsonl(run / "train.jsonl", synthetic_records(LENGTHS, 40, seed=0))
-    env = {"ODCFN_TEST_KILL_AT": kill, "ODCFN_SHM_DIR": str(shm), "OMP_NUM_THREADS": "1"}
     snaps = tmp_path / "run-snap"
-    launch(
-        node_worker,
-        2,
-        nodes=2,
-        args=(_doc(run), str(snaps), lose),
-        env=env,
-        timeout=60,
-        deadline=300,
-        max_restarts=1,
-    )  # launch sets the job's ODCFN_JOB_SECRET
-    err = capfd.readouterr().err
+    args = (_doc(run), str(snaps), lose, SECRET)
+    env = {"ODCFN_TEST_KILL_AT": kill, "ODCFN_SHM_DIR": str(shm)}
+    # the job, then its restart, as a launcher with one restart runs them (the restart count in
+    # the environment; the memory tier is keyed by the output directory, not by the processes),
+    # on the pool's warm workers: only the killed rank's worker is a fresh process
+    first: dict[int, str] = {}
+    with pytest.raises(LaunchError) as info:
+        mp_pool.run(node_worker, 2, args=args, env={**env, "TORCHELASTIC_RESTART_COUNT": "0"}, timeout=120,
+                    output=first)
+    victim = int(kill.split(":")[2])
+    assert "died" in info.value.errors[victim], info.value.errors
+    second: dict[int, str] = {}
+    out = mp_pool.run(node_worker, 2, args=args, env={**env, "TORCHELASTIC_RESTART_COUNT": "1"}, timeout=300,
+                      output=second)
+    err = "".join(first.values()) + "".join(second.values())  # the killed rank's output is lost
     resumed = re.findall(r"resuming at step (\d+) from (\S+)", err)
     assert len(resumed) == 1, err[-3000:]
     step, path = int(resumed[0][0]), resumed[0][1]
+    assert (out[0]["start_step"], out[0]["resumed_from"]) == (step, path)  # rank 0 says where
+    fetched = [o["snapshot_fetch"] for o in out]
     if reader is not None:  # from the memory tier, the lost node's file read back from the other's copy
-        assert step in (5, 6) and path.startswith(str(snaps / "node0")), resumed  # rank 0 says where
+        assert step in (5, 6) and path.startswith(str(snaps / "node0")), resumed
         other = 1 - reader
         want = f"node {reader} read the files of ranks [{reader}] back from node(s) [{other}]"
         assert f"snapshot of step {step}: {want}" in err, err[-3000:]
+        assert fetched[other] is None, fetched  # the node that kept its memory needed nothing
     else:  # two adjacent nodes lost: the disk tier's step 4
         assert step == 4 and path == str(run / "out" / "checkpoints" / "step-00000004"), resumed
+        assert fetched == [None, None], fetched
 
     steps = [json.loads(x)["step"] for x in (run / "out" / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(1, STEPS + 1))  # nothing lost, nothing doubled
@@ -127,7 +138,7 @@ def test_a_node_that_lost_its_memory_resumes_from_its_neighbours_copy(tmp_path, 
     assert not any(shm.iterdir()), sorted(p.name for p in shm.iterdir())
 
 
-def test_snapshot_parts_hold_own_and_neighbour_files_and_a_corrupt_one_is_read_back(tmp_path, shm, capfd):
+def test_snapshot_parts_hold_own_and_neighbour_files_and_a_corrupt_one_is_read_back(tmp_path, shm, mp_pool):  # noqa: F811
     """A 2-node run killed after step 2 or 3 (no cleanup) leaves in each node's tier parts
     holding that node's file and its neighbour's copy, byte-identical across nodes, which
     ``verify_all`` accepts only as a part. One bit flipped in node 0's own file of the newest
@@ -163,10 +174,10 @@ def test_snapshot_parts_hold_own_and_neighbour_files_and_a_corrupt_one_is_read_b
     raw = bytearray(bad.read_bytes())
     raw[-1] ^= 1
     bad.write_bytes(bytes(raw))
-    capfd.readouterr()
     env.pop("ODCFN_TEST_KILL_AT")
-    launch(node_worker, 2, nodes=2, args=(doc, str(snaps), (), SECRET), env=env, timeout=30, deadline=300)
-    err = capfd.readouterr().err
+    output: dict[int, str] = {}  # the rerun on the pool's warm workers
+    mp_pool.run(node_worker, 2, args=(doc, str(snaps), (), SECRET), env=env, timeout=300, output=output)
+    err = "".join(output.values())
     assert f"snapshot file {bad} is missing or fails its sha256" in err, err[-3000:]
     assert f"snapshot of step {both}: node 0 read the files of ranks [0] back from node(s) [1]" in err, err[
         -3000:

@@ -1,7 +1,9 @@
 """docs/multinode.md's torchrun recipe, run: ``odcfn train`` as two torchrun agents on this
 machine (``--nnodes 2 --nproc-per-node 1 --rdzv-backend c10d``: two "nodes" of one rank, hybrid
-sharding on the CPU IPC fabric) gives the loss curve of the single-agent job (2 ranks in one
-``torchrun --standalone``: full sharding on /dev/shm), and leaves nothing in /dev/shm (issue 39)."""
+sharding on the CPU IPC fabric) gives the loss curve of the same job on one node (2 local ranks,
+full sharding: here ``odcfn train``'s in-process ranks, which need no interpreter start; the
+single-node torchrun job is run by tests/sft/test_export.py and tests/sft/test_recovery_kill.py),
+and leaves nothing in /dev/shm (issue 39)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from odcfn import cli
 from odcfn.launch import free_port
 from tests.sft.test_sft import _setup
 
@@ -43,10 +46,10 @@ def test_two_torchrun_agents_train_the_single_agent_loss_curve(tmp_path):
     prefix = f"odcfn-multinode-{os.getpid()}"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "ODCFN_SHM_PREFIX": prefix}
     cfg = _setup(tmp_path, steps=4, every=2)
+    # the one-node reference: the same config on 2 in-process ranks (full sharding)
+    assert cli.main(["train", "--config", str(cfg), "--quiet", "--out-dir", str(tmp_path / "one")]) == 0
     train = ["-m", "odcfn.cli", "train", "--config", str(cfg), "--quiet"]
     run = [sys.executable, "-m", "torch.distributed.run"]
-    one = [*run, "--standalone", "--nproc-per-node", "2", *train, "--out-dir", str(tmp_path / "one")]
-    _agents([one], env)
     port = free_port()
     two = [*run, "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
            f"localhost:{port}", "--rdzv-id", f"odcfn-{os.getpid()}", "--max-restarts", "0", *train,

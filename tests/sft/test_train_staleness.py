@@ -16,10 +16,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -39,7 +36,6 @@ from odcfn.sft.config import load_config, model_config
 from odcfn.step import stale
 from odcfn.tree import tree_leaves
 
-ROOT = Path(__file__).resolve().parents[2]
 LR = 0.5
 MODEL = ('[model]\nvocab_size = 40\nd_model = 16\nn_layers = 2\nn_heads = 4\nn_kv_heads = 2\nd_ff = 24\n'
          'seed = 1\n')
@@ -204,19 +200,21 @@ def test_a_stale_run_logs_each_loss_once_saves_drained_states_and_resumes_exactl
 # --- a killed rank under τ = 1 ------------------------------------------------------------------
 
 
-def test_a_rank_killed_under_staleness_restarts_from_a_drained_checkpoint(tmp_path):
+def test_a_rank_killed_under_staleness_restarts_from_a_drained_checkpoint(tmp_path, monkeypatch, capfd):
     shm = tmp_path / "shm"
     shm.mkdir()
     path = _write(tmp_path, 'staleness = 1\nbackend = "processes"\nmax_restarts = 1\ntimeout = 30.0\n',
                   "async_save = false\n", every=2)
     # rank 1 dies (SIGKILL) at the start of step 5, after step 4's checkpoint is committed
     # (async_save = false: every rank returns from a save only once it is committed)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "ODCFN_TEST_KILL_AT": "step:5:1", "ODCFN_SHM_DIR": str(shm),
-           "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "odcfn.cli", "train", "--config", str(path), "--quiet"],
-                          env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
-    out = proc.stdout
-    assert proc.returncode == 0, out[-4000:]
+    env = {"ODCFN_TEST_KILL_AT": "step:5:1", "ODCFN_SHM_DIR": str(shm), "OMP_NUM_THREADS": "1"}
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    # `odcfn train` in this process (torch is imported already); its ranks are spawned processes
+    rc = cli.main(["train", "--config", str(path), "--quiet"])
+    captured = capfd.readouterr()
+    out = captured.out + captured.err
+    assert rc == 0, out[-4000:]
     assert out.count("restarting all ranks") == 1, out[-4000:]
     assert re.findall(r"resuming at step (\d+)", out) == ["4"], out[-4000:]
     recs = _metrics(tmp_path)

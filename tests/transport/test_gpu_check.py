@@ -10,11 +10,12 @@ import os
 import subprocess
 import sys
 import time
-import traceback
 import zipfile
 from pathlib import Path
 
 import pytest
+
+from tests.transport import gpu_check_fakes as F
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
@@ -65,27 +66,14 @@ def test_a_failing_section_does_not_hide_the_next(tmp_path):
     assert s["f"]["status"] == "skip" and s["f"]["detail"] == "not reached"
 
 
-def _rank_1_raises(rank, world, port, q):  # the shape of the real rank mains
-    try:
-        if rank == 1:
-            raise ValueError("planted")
-        q.put((rank, "grads", None, {"rank": rank}))
-    except BaseException:  # noqa: BLE001
-        q.put((rank, "grads", traceback.format_exc(), None))
-
-
-def _silent(rank, world, port, q):
-    time.sleep(120)
-
-
 def test_rank_groups_report_a_failed_rank_and_time_out_a_silent_one():
-    group = Ranks(_rank_1_raises, 2)
+    group = Ranks(F.rank_1_raises, 2)
     try:
         with pytest.raises(PhaseError, match=r"rank 1 failed:(.|\n)*ValueError: planted"):
             group.collect("grads", 120)
     finally:
         group.close()
-    group = Ranks(_silent, 2)
+    group = Ranks(F.silent, 2)
     t0 = time.monotonic()
     try:
         with pytest.raises(PhaseError, match=r"ranks \[0, 1\] gave no answer within 3 s"):
@@ -96,42 +84,22 @@ def test_rank_groups_report_a_failed_rank_and_time_out_a_silent_one():
     assert not any(p.is_alive() for p in group.procs)
 
 
-def _phases_then_hang(rank, world, port, q):  # answers "init", then never "put_signal"
-    q.put((rank, "init", None, {"arena_bytes": 1}))
-    time.sleep(120)
-
-
-def _raises(rank, world, port, q):
-    try:
-        raise RuntimeError("cudaIpcOpenMemHandle: invalid device context")
-    except BaseException:  # noqa: BLE001
-        q.put((rank, "ipc", traceback.format_exc(), None))
-
-
-def _wrong(rank, world, port, q):
-    q.put((rank, "head", None, {"bad": ["fp32: worst relative error 1e-2"]}))
-
-
-def _fine(rank, world, port, q):
-    q.put((rank, "ipc", None, {"device": f"cpu:{rank}"}))
-
-
 def _never(dev):
     return "needs 2 GPUs, 1 visible"
 
 
 def test_paths_report_each_path_on_its_own(tmp_path):
     # deadlines are seconds after a group started; generous where an answer comes (spawning
-    # processes that import torch on a loaded 2-core machine is slow), short where none does
+    # processes on a loaded 2-core machine is slow), short where none does
     none = (lambda d: None)
     paths = {
-        "hangs": P.Path(_phases_then_hang, 1, lambda d: (),
+        "hangs": P.Path(F.phases_then_hang, 1, lambda d: (),
                         (("init", "p_init", 120.0), ("put_signal", "p_put", 30.0),
                          ("after", "p_after", 99.0)), none),
-        "raises": P.Path(_raises, 1, lambda d: (), (("ipc", "p_raises", 120.0),), none),
-        "skips": P.Path(_fine, 2, lambda d: (), (("ipc", "p_skips", 120.0),), _never),
-        "wrong": P.Path(_wrong, 1, lambda d: (), (("head", "p_wrong", 120.0),), none),
-        "fine": P.Path(_fine, 2, lambda d: (), (("ipc", "p_fine", 120.0),), none),
+        "raises": P.Path(F.raises, 1, lambda d: (), (("ipc", "p_raises", 120.0),), none),
+        "skips": P.Path(F.fine, 2, lambda d: (), (("ipc", "p_skips", 120.0),), _never),
+        "wrong": P.Path(F.wrong, 1, lambda d: (), (("head", "p_wrong", 120.0),), none),
+        "fine": P.Path(F.fine, 2, lambda d: (), (("ipc", "p_fine", 120.0),), none),
     }
     names = P.section_names(paths)
     rep = G.Report(str(tmp_path / "r.json"), names, budget=1000)
