@@ -23,6 +23,12 @@ torch.set_num_threads(1)
 
 # The session-wide pool of ready worker processes for the multi-process tests.
 from tests.mp_pool import mp_pool, warm_for  # noqa: E402, F401
+from tests.precompile import precompile  # noqa: E402
+
+
+def pytest_configure(config):
+    if not hasattr(config, "workerinput"):  # the controller (or a serial run), before any worker
+        precompile(config)
 
 # The longest tests (about 20 s and up on 2 cores, docs/design.md's testing section), longest first.
 # They go to the front so that xdist's round-robin first hand-out gives each worker its share of
