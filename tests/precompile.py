@@ -17,6 +17,7 @@ import compileall
 from pathlib import Path
 
 import pytest
+from _pytest.assertion import rewrite as rw  # pytest's own rewrite and cache format
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -26,9 +27,7 @@ def precompile(config: pytest.Config) -> None:
     the test modules and conftest files. Call from the controller's ``pytest_configure``."""
     for d in ("odcfn", "tests"):
         compileall.compile_dir(ROOT / d, quiet=2)  # errors too: a syntax error fails at import
-    try:  # pytest's own rewrite and cache format, the one its import hook reads back
-        from _pytest.assertion import rewrite as rw
-
+    try:  # the format pytest's import hook reads back (private names: a later pytest may differ)
         state = config.stash[rw.assertstate_key]
         for fn in sorted((ROOT / "tests").rglob("*.py")):
             if not (fn.name.startswith("test_") or fn.name == "conftest.py"):
@@ -38,5 +37,5 @@ def precompile(config: pytest.Config) -> None:
             if rw.try_makedirs(cache) and rw._read_pyc(fn, pyc, state.trace) is None:
                 source_hash, co = rw._rewrite_test(fn, config)
                 rw._write_pyc(state, co, source_hash, pyc)
-    except (ImportError, AttributeError, KeyError, TypeError, OSError, SyntaxError):
+    except (AttributeError, KeyError, TypeError, OSError, SyntaxError):
         pass  # another pytest's internals, or a read-only tree: the workers rewrite as usual
