@@ -25,17 +25,13 @@ def _gathers(res, rank):
 def test_group_gathers_cost_the_group_transfer_and_shorten_a_comm_bound_step():
     lengths = [8] * W
     mesh = Mesh(W, 0, NODE)
-    base = simulate(
-        compile_plans(WORK.units, ASSIGNMENT), lengths, workload=WORK, cost=TokenCost(), comm=NET, mesh=mesh
-    )
-    hpz = simulate(
-        compile_plans(WORK.units, ASSIGNMENT, "odc", ScheduleOptions(reshard_after_forward=NODE)),
-        lengths,
-        workload=WORK,
-        cost=TokenCost(),
-        comm=NET,
-        mesh=mesh,
-    )
+
+    def run(k: int | None):  # None: the default options (no hierarchical shards)
+        opts = None if k is None else ScheduleOptions(reshard_after_forward=k)
+        plans = compile_plans(WORK.units, ASSIGNMENT, "odc", opts)
+        return simulate(plans, lengths, workload=WORK, cost=TokenCost(), comm=NET, mesh=mesh)
+
+    base, hpz = run(None), run(NODE)
     unit = 1e10
     owners = unit * (W - 1) / W / NET.inter_bandwidth  # the hybrid rule: W spans nodes
     group = unit * (NODE - 1) / NODE / NET.intra_bandwidth
@@ -43,14 +39,7 @@ def test_group_gathers_cost_the_group_transfer_and_shorten_a_comm_bound_step():
     assert sorted(_gathers(hpz, 0)) == pytest.approx([group] * 3 + [owners] * 4)
     assert hpz.makespan < base.makespan - 2.5 * owners
     # a group of 8 spans both nodes: inter-node bandwidth, as for a shard group that spans them
-    wide = simulate(
-        compile_plans(WORK.units, ASSIGNMENT, "odc", ScheduleOptions(reshard_after_forward=W)),
-        lengths,
-        workload=WORK,
-        cost=TokenCost(),
-        comm=NET,
-        mesh=mesh,
-    )
+    wide = run(W)
     assert sorted(_gathers(wide, 0)) == pytest.approx([unit * 7 / 8 / NET.inter_bandwidth] * 7)
 
 
