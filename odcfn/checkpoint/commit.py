@@ -127,7 +127,11 @@ class Staging:
             return
         try:
             if self.dir.is_dir():
-                (self.dir / f".abort-{self.rank}").write_text(why)
+                # written aside and renamed: a peer that lists the note must read all of it,
+                # never the empty file write_text creates before it writes
+                tmp = self.dir / f".note-{self.rank}.{os.getpid()}"
+                tmp.write_text(why)
+                os.replace(tmp, self.dir / f".abort-{self.rank}")
                 self._linger()
         except OSError:
             pass
